@@ -1,0 +1,43 @@
+"""embshard: shard the embedding tables of TorchRec models across torch.distributed ranks."""
+
+from embshard.lookup import SGD, Adagrad, FusedOptimizer, RowWiseAdagrad
+from embshard.module import ShardedEmbeddingBagCollection, shard
+from embshard.plan import (
+    ColumnWise,
+    PlanError,
+    RowWise,
+    ShardedTable,
+    ShardingPlan,
+    TableShard,
+    TableSpec,
+    TableWise,
+    column_wise,
+    row_wise,
+    table_wise,
+)
+from embshard.shards import LocalShardsWrapper, gather_table
+from embshard.torchrec_plan import from_torchrec_plan, to_torchrec_plan
+
+__all__ = [
+    "SGD",
+    "Adagrad",
+    "ColumnWise",
+    "FusedOptimizer",
+    "LocalShardsWrapper",
+    "PlanError",
+    "RowWise",
+    "RowWiseAdagrad",
+    "ShardedEmbeddingBagCollection",
+    "ShardedTable",
+    "ShardingPlan",
+    "TableShard",
+    "TableSpec",
+    "TableWise",
+    "column_wise",
+    "from_torchrec_plan",
+    "gather_table",
+    "row_wise",
+    "shard",
+    "table_wise",
+    "to_torchrec_plan",
+]

@@ -1,0 +1,89 @@
+"""The rank's one FBGEMM TBE over all its local shards, and the fused optimizers it runs.
+
+Every local shard is one TBE "table", so a rank's whole lookup (and its backward with
+the optimizer update) is a single kernel call, SUM pooled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+    BoundsCheckMode,
+    EmbeddingLocation,
+    PoolingMode,
+)
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    ComputeDevice,
+    SplitTableBatchedEmbeddingBagsCodegen,
+)
+
+
+@dataclass(frozen=True)
+class SGD:
+    """Plain SGD on the touched rows (FBGEMM's EXACT_SGD)."""
+
+    lr: float = 0.01
+
+
+@dataclass(frozen=True)
+class RowWiseAdagrad:
+    """Adagrad with one accumulator per row (EXACT_ROWWISE_ADAGRAD): the mean of the
+    squared gradient over the row's columns *of this shard*."""
+
+    lr: float = 0.01
+    eps: float = 1e-8
+
+
+@dataclass(frozen=True)
+class Adagrad:
+    """Adagrad with one accumulator per element (EXACT_ADAGRAD)."""
+
+    lr: float = 0.01
+    eps: float = 1e-8
+
+
+FusedOptimizer = SGD | RowWiseAdagrad | Adagrad
+
+
+def _fbgemm_optimizer(optimizer: FusedOptimizer) -> dict[str, Any]:
+    if isinstance(optimizer, SGD):
+        return {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": optimizer.lr}
+    if isinstance(optimizer, RowWiseAdagrad):
+        kind = EmbOptimType.EXACT_ROWWISE_ADAGRAD
+    elif isinstance(optimizer, Adagrad):
+        kind = EmbOptimType.EXACT_ADAGRAD
+    else:
+        raise TypeError(
+            f"optimizer must be embshard.SGD, RowWiseAdagrad or Adagrad, got {optimizer!r}"
+        )
+    return {"optimizer": kind, "learning_rate": optimizer.lr, "eps": optimizer.eps}
+
+
+def build_tbe(
+    shard_shapes: Sequence[tuple[int, int]],
+    optimizer: FusedOptimizer,
+    device: torch.device,
+    feature_table_map: Sequence[int] | None = None,
+) -> SplitTableBatchedEmbeddingBagsCodegen:
+    """One TBE holding a (rows, cols) table per local shard, SUM pooled, optimizer fused.
+
+    Its weights start at zero on CPU; callers write the real values through
+    ``split_embedding_weights()``, whose tensors are views of the TBE's buffer.
+    """
+    if device.type == "cuda":
+        location, compute = EmbeddingLocation.DEVICE, ComputeDevice.CUDA
+    else:
+        location, compute = EmbeddingLocation.HOST, ComputeDevice.CPU
+    return SplitTableBatchedEmbeddingBagsCodegen(
+        [(rows, cols, location, compute) for rows, cols in shard_shapes],
+        feature_table_map=None if feature_table_map is None else list(feature_table_map),
+        pooling_mode=PoolingMode.SUM,
+        bounds_check_mode=BoundsCheckMode.FATAL,
+        device=device,
+        **_fbgemm_optimizer(optimizer),
+    )

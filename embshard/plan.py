@@ -1,0 +1,312 @@
+"""Sharding plans: which rank holds which rows and columns of every table.
+
+A plan maps table names to specs (table-wise, row-wise, column-wise). Resolving it
+against the tables' ``EmbeddingBagConfig``s and a world size gives every table's
+concrete shards; every check that needs the table sizes happens there, and all
+problems are reported together, each naming its table.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+# FBGEMM's TBE kernels take only embedding dims that are multiples of 4.
+FBGEMM_DIM_MULTIPLE = 4
+
+
+class PlanError(ValueError):
+    """A plan that cannot shard the given tables; the message names each table and problem."""
+
+
+@dataclass(frozen=True)
+class TableWise:
+    """The whole table on one rank."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class RowWise:
+    """One row block per rank, in rank order: even (``sizes=None``) or explicit sizes."""
+
+    sizes: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class ColumnWise:
+    """Column blocks in column order; ``ranks[i]`` holds block ``i`` (ranks may repeat)."""
+
+    ranks: tuple[int, ...]
+    widths: tuple[int, ...] | None = None
+
+
+TableSpec = TableWise | RowWise | ColumnWise
+
+
+def table_wise(rank: int) -> TableWise:
+    """Place the whole table on ``rank``."""
+    return TableWise(rank=rank)
+
+
+def row_wise(sizes: Sequence[int] | None = None) -> RowWise:
+    """Split rows over all ranks: even blocks (as TorchRec: ceil-sized, the last ones
+    smaller or empty) or ``sizes[r]`` rows on rank ``r`` (zeros allowed)."""
+    return RowWise(sizes=None if sizes is None else tuple(sizes))
+
+
+def column_wise(ranks: Sequence[int], widths: Sequence[int] | None = None) -> ColumnWise:
+    """Split columns into ``len(ranks)`` blocks, block ``i`` on ``ranks[i]``; equal
+    widths unless ``widths`` gives them."""
+    return ColumnWise(ranks=tuple(ranks), widths=None if widths is None else tuple(widths))
+
+
+@dataclass(frozen=True)
+class TableShard:
+    """The rectangle ``[row_offset:row_offset+rows, col_offset:col_offset+cols]`` on ``rank``."""
+
+    rank: int
+    row_offset: int
+    rows: int
+    col_offset: int
+    cols: int
+
+
+@dataclass(frozen=True)
+class ShardedTable:
+    """A table with its resolved shards (in row, then column order)."""
+
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    spec: TableSpec
+    shards: tuple[TableShard, ...]
+
+    def shards_on(self, rank: int) -> tuple[TableShard, ...]:
+        return tuple(s for s in self.shards if s.rank == rank)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Ranks that hold a non-empty part of the table, ascending."""
+        return tuple(sorted({s.rank for s in self.shards if s.rows and s.cols}))
+
+
+def even_row_sizes(num_embeddings: int, world_size: int) -> tuple[int, ...]:
+    """TorchRec's even row split: ceil-sized blocks, then the remainder, then zeros."""
+    block = math.ceil(num_embeddings / world_size) if num_embeddings else 0
+    sizes = []
+    left = num_embeddings
+    for _ in range(world_size):
+        sizes.append(min(block, left))
+        left -= sizes[-1]
+    return tuple(sizes)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _spec_problems(spec: Any) -> list[str]:
+    """Problems a spec has on its own, before any table or world is known."""
+    if isinstance(spec, TableWise):
+        if not _is_int(spec.rank) or spec.rank < 0:
+            return [f"rank must be a non-negative int, got {spec.rank!r}"]
+        return []
+    if isinstance(spec, RowWise):
+        if spec.sizes is not None and not all(_is_int(s) and s >= 0 for s in spec.sizes):
+            return [f"row_wise sizes must be non-negative ints, got {list(spec.sizes)}"]
+        return []
+    if isinstance(spec, ColumnWise):
+        problems = []
+        if not spec.ranks:
+            problems.append("column_wise needs at least one rank")
+        if not all(_is_int(r) and r >= 0 for r in spec.ranks):
+            problems.append(f"column_wise ranks must be non-negative ints, got {list(spec.ranks)}")
+        if spec.widths is not None:
+            if len(spec.widths) != len(spec.ranks):
+                problems.append(
+                    f"column_wise gives {len(spec.widths)} widths for {len(spec.ranks)} ranks"
+                )
+            if not all(_is_int(w) and w > 0 for w in spec.widths):
+                problems.append(
+                    f"column_wise widths must be positive ints, got {list(spec.widths)}"
+                )
+        return problems
+    return [f"expected table_wise(...), row_wise(...) or column_wise(...), got {spec!r}"]
+
+
+def _resolve_table(
+    config: EmbeddingBagConfig, spec: TableSpec, world_size: int
+) -> tuple[tuple[TableShard, ...], list[str]]:
+    rows, dim = config.num_embeddings, config.embedding_dim
+
+    def out_of_world(ranks: Sequence[int]) -> list[str]:
+        bad = sorted({r for r in ranks if r >= world_size})
+        return [f"rank {r} is outside the world of {world_size} ranks" for r in bad]
+
+    def fbgemm_dim(width: int, what: str) -> list[str]:
+        if width % FBGEMM_DIM_MULTIPLE:
+            return [
+                f"{what} {width} is not a multiple of {FBGEMM_DIM_MULTIPLE}, which FBGEMM needs"
+            ]
+        return []
+
+    if isinstance(spec, TableWise):
+        problems = out_of_world([spec.rank]) + fbgemm_dim(dim, "embedding_dim")
+        return (TableShard(spec.rank, 0, rows, 0, dim),), problems
+
+    if isinstance(spec, RowWise):
+        problems = fbgemm_dim(dim, "embedding_dim")
+        sizes = spec.sizes if spec.sizes is not None else even_row_sizes(rows, world_size)
+        if len(sizes) != world_size:
+            problems.append(f"row_wise gives {len(sizes)} sizes for a world of {world_size} ranks")
+        if sum(sizes) != rows:
+            problems.append(f"row_wise sizes {list(sizes)} sum to {sum(sizes)}, not {rows} rows")
+        offsets = [0, *_running_sums(sizes)]
+        shards = tuple(TableShard(r, offsets[r], n, 0, dim) for r, n in enumerate(sizes))
+        return shards, problems
+
+    problems = out_of_world(spec.ranks)
+    if spec.widths is not None:
+        widths = spec.widths
+        if sum(widths) != dim:
+            problems.append(f"column_wise widths {list(widths)} sum to {sum(widths)}, not {dim}")
+    elif dim % len(spec.ranks):
+        problems.append(f"embedding_dim {dim} does not split into {len(spec.ranks)} equal widths")
+        widths = ()
+    else:
+        widths = (dim // len(spec.ranks),) * len(spec.ranks)
+    for width in sorted(set(widths)):
+        problems += fbgemm_dim(width, "column block width")
+    offsets = [0, *_running_sums(widths)]
+    shards = tuple(
+        TableShard(r, 0, rows, offsets[i], w) for i, (r, w) in enumerate(zip(spec.ranks, widths))
+    )
+    return shards, problems
+
+
+def _running_sums(values: Sequence[int]) -> list[int]:
+    sums, total = [], 0
+    for v in values:
+        total += v
+        sums.append(total)
+    return sums
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """How every table of a model is sharded: a mapping of table name to spec."""
+
+    tables: Mapping[str, TableSpec] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tables", dict(self.tables))
+        problems = [
+            f"table {name!r}: {p}"
+            for name, spec in self.tables.items()
+            for p in _spec_problems(spec)
+        ]
+        if problems:
+            raise PlanError("invalid sharding plan:\n  " + "\n  ".join(problems))
+
+    def resolve(
+        self, tables: Sequence[EmbeddingBagConfig], world_size: int
+    ) -> dict[str, ShardedTable]:
+        """Every table's shards on a world of ``world_size`` ranks, in the tables' order."""
+        if not _is_int(world_size) or world_size < 1:
+            raise PlanError(f"world size must be a positive int, got {world_size!r}")
+        names = [t.name for t in tables]
+        problems = [f"table {n!r}: no entry in the plan" for n in names if n not in self.tables]
+        problems += [
+            f"table {n!r}: the plan names it but the model has no such table (tables: {names})"
+            for n in self.tables
+            if n not in names
+        ]
+        resolved = {}
+        for config in tables:
+            if config.name not in self.tables:
+                continue
+            spec = self.tables[config.name]
+            shards, table_problems = _resolve_table(config, spec, world_size)
+            problems += [f"table {config.name!r}: {p}" for p in table_problems]
+            resolved[config.name] = ShardedTable(
+                config.name, config.num_embeddings, config.embedding_dim, spec, shards
+            )
+        if problems:
+            raise PlanError("sharding plan does not fit the model:\n  " + "\n  ".join(problems))
+        return resolved
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(
+            {"tables": {name: _spec_to_dict(spec) for name, spec in self.tables.items()}},
+            sort_keys=False,
+            default_flow_style=None,
+        )
+
+    @classmethod
+    def from_yaml(cls, text: str) -> ShardingPlan:
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise PlanError(f"sharding plan is not valid YAML: {e}") from None
+        if (
+            not isinstance(data, dict)
+            or set(data) != {"tables"}
+            or not isinstance(data["tables"], dict)
+        ):
+            raise PlanError("a sharding plan file is a mapping with one key, 'tables'")
+        specs, problems = {}, []
+        for name, entry in data["tables"].items():
+            try:
+                specs[name] = _spec_from_dict(entry)
+            except PlanError as e:
+                problems.append(f"table {name!r}: {e}")
+        if problems:
+            raise PlanError("invalid sharding plan:\n  " + "\n  ".join(problems))
+        return cls(specs)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_yaml())
+
+    @classmethod
+    def load(cls, path: str | Path) -> ShardingPlan:
+        return cls.from_yaml(Path(path).read_text())
+
+
+_SPEC_FIELDS = {"table_wise": {"rank"}, "row_wise": {"sizes"}, "column_wise": {"ranks", "widths"}}
+
+
+def _spec_to_dict(spec: TableSpec) -> dict[str, Any]:
+    if isinstance(spec, TableWise):
+        return {"type": "table_wise", "rank": spec.rank}
+    if isinstance(spec, RowWise):
+        return {"type": "row_wise"} | ({} if spec.sizes is None else {"sizes": list(spec.sizes)})
+    widths = {} if spec.widths is None else {"widths": list(spec.widths)}
+    return {"type": "column_wise", "ranks": list(spec.ranks)} | widths
+
+
+def _spec_from_dict(entry: Any) -> TableSpec:
+    if not isinstance(entry, dict) or entry.get("type") not in _SPEC_FIELDS:
+        raise PlanError(f"expected a mapping with type one of {list(_SPEC_FIELDS)}, got {entry!r}")
+    kind = entry["type"]
+    unknown = set(entry) - _SPEC_FIELDS[kind] - {"type"}
+    if unknown:
+        raise PlanError(f"unknown keys {sorted(unknown)} for {kind}")
+    for key in ("sizes", "ranks", "widths"):
+        if entry.get(key) is not None and not isinstance(entry[key], list):
+            raise PlanError(f"{kind} {key} must be a list, got {entry[key]!r}")
+    if kind == "table_wise":
+        if "rank" not in entry:
+            raise PlanError("table_wise needs a rank")
+        return table_wise(entry["rank"])
+    if kind == "row_wise":
+        return row_wise(entry.get("sizes"))
+    if "ranks" not in entry:
+        raise PlanError("column_wise needs ranks")
+    return column_wise(entry["ranks"], entry.get("widths"))

@@ -1,0 +1,272 @@
+"""A rank's shards of each table: views of the TBE's weights, wrapped and exposed as DTensors.
+
+``LocalShardsWrapper`` holds one table's local shards (views, never copies) with their
+global offsets; it implements the ops DTensor and DCP call on a local tensor and DCP's
+chunk protocol, so uneven row-wise blocks and several column blocks per rank, in any
+rank order, save and load by their true offsets. ``gather_table`` reads the same
+metadata to rebuild a full table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    SplitTableBatchedEmbeddingBagsCodegen,
+)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from embshard.lookup import FusedOptimizer, build_tbe
+from embshard.plan import ColumnWise, RowWise, ShardedTable, TableShard, TableWise
+
+aten = torch.ops.aten
+
+
+class LocalShardsWrapper(torch.Tensor):
+    """One table's shards on this rank, each with its offset in the global table.
+
+    The wrapper's own shape is its shards side by side along the last dim (all column
+    blocks of a table on one rank have the same rows). A rank holding nothing of a
+    table has a wrapper with no shards and shape (0, 0).
+    """
+
+    _shards: list[torch.Tensor]
+    _offsets: list[torch.Size]
+
+    @staticmethod
+    def __new__(
+        cls,
+        shards: Sequence[torch.Tensor],
+        offsets: Sequence[Sequence[int]],
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+    ) -> LocalShardsWrapper:
+        if len(shards) != len(offsets):
+            raise ValueError(f"got {len(shards)} shards but {len(offsets)} offsets")
+        if shards:
+            first = shards[0]
+            if any(s.shape[:-1] != first.shape[:-1] for s in shards):
+                raise ValueError("local shards of one table must agree on all but the last dim")
+            if any(s.dtype != first.dtype or s.device != first.device for s in shards):
+                raise ValueError("local shards of one table must share dtype and device")
+            if any(len(o) != first.dim() for o in offsets):
+                raise ValueError("every offset needs one entry per dim of its shard")
+            shape = (*first.shape[:-1], sum(s.shape[-1] for s in shards))
+            dtype, device = first.dtype, first.device
+        else:
+            shape = (0, 0)
+        wrapper = torch.Tensor._make_wrapper_subclass(
+            cls, shape, dtype=dtype or torch.float32, device=device or torch.device("cpu")
+        )
+        wrapper._shards = list(shards)
+        wrapper._offsets = [torch.Size(o) for o in offsets]
+        return wrapper
+
+    def local_shards(self) -> list[torch.Tensor]:
+        return self._shards
+
+    def local_offsets(self) -> list[torch.Size]:
+        return self._offsets
+
+    def local_sizes(self) -> list[torch.Size]:
+        return [s.shape for s in self._shards]
+
+    def _same_layout(self, shards: Sequence[torch.Tensor]) -> LocalShardsWrapper:
+        return LocalShardsWrapper(shards, self._offsets, dtype=self.dtype, device=self.device)
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> LocalShardsWrapper:
+        if not self._shards:
+            return LocalShardsWrapper([], [], dtype=self.dtype, device=self.device)
+        return self._same_layout([fn(s) for s in self._shards])
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        parts = ", ".join(
+            f"{tuple(s.shape)}@{tuple(o)}" for s, o in zip(self._shards, self._offsets)
+        )
+        return f"LocalShardsWrapper([{parts}], dtype={self.dtype}, device={self.device})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        handler = _DISPATCH.get(func)
+        if handler is None:
+            raise NotImplementedError(
+                f"LocalShardsWrapper does not support {func}; read the shards with "
+                "local_shards() or the whole table with embshard.gather_table()"
+            )
+        return handler(*args, **kwargs)
+
+    # DCP's chunk protocol: one chunk per local shard, at its global offset.
+
+    def __create_write_items__(self, fqn: str, object: Any) -> list[WriteItem]:
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=shard.shape),
+                    properties=TensorProperties.create_from_tensor(shard),
+                    size=object.size(),
+                ),
+            )
+            for shard, offsets in zip(self._shards, self._offsets)
+        ]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [
+            ChunkStorageMetadata(offsets=o, sizes=s.shape)
+            for s, o in zip(self._shards, self._offsets)
+        ]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        for shard, offsets in zip(self._shards, self._offsets):
+            if offsets == index.offset:
+                return shard
+        raise ValueError(f"{index.fqn}: this rank holds no shard at offset {index.offset}")
+
+
+def _view(self: LocalShardsWrapper, size: Sequence[int]) -> LocalShardsWrapper:
+    # DTensor.from_local calls view_as(itself); per-shard views keep aliasing the TBE.
+    if tuple(size) != tuple(self.shape):
+        raise NotImplementedError(f"LocalShardsWrapper cannot be viewed as {tuple(size)}")
+    return self._map(lambda s: s.view(s.shape))
+
+
+def _copy_(dst: LocalShardsWrapper, src: torch.Tensor, non_blocking: bool = False) -> Any:
+    if isinstance(src, LocalShardsWrapper):
+        if src.local_offsets() != dst.local_offsets() or src.local_sizes() != dst.local_sizes():
+            raise ValueError("copy_ between LocalShardsWrappers needs the same shard layout")
+        sources = src.local_shards()
+    else:
+        sources = src.split([s.shape[-1] for s in dst.local_shards()], dim=-1)
+    for shard, source in zip(dst.local_shards(), sources):
+        shard.copy_(source, non_blocking=non_blocking)
+    return dst
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if not (isinstance(a, LocalShardsWrapper) and isinstance(b, LocalShardsWrapper)):
+        return False
+    return (
+        a.local_offsets() == b.local_offsets()
+        and a.local_sizes() == b.local_sizes()
+        and all(torch.equal(x, y) for x, y in zip(a.local_shards(), b.local_shards()))
+    )
+
+
+def _new_empty(self: LocalShardsWrapper, size: Sequence[int], **kwargs: Any) -> torch.Tensor:
+    if tuple(size) == tuple(self.shape):
+        return self._map(lambda s: torch.empty_like(s, **kwargs))
+    return torch.empty(size, dtype=kwargs.get("dtype") or self.dtype, device=self.device)
+
+
+_DISPATCH: dict[Any, Callable[..., Any]] = {
+    aten.view.default: _view,
+    aten.detach.default: lambda self: self._map(torch.Tensor.detach),
+    aten.alias.default: lambda self: self._map(lambda s: s.view(s.shape)),
+    aten.clone.default: lambda self, **kw: self._map(lambda s: s.clone(**kw)),
+    aten._to_copy.default: lambda self, **kw: self._map(lambda s: aten._to_copy.default(s, **kw)),
+    aten.copy_.default: _copy_,
+    aten.equal.default: _equal,
+    aten.empty_like.default: lambda self, **kw: self._map(lambda s: torch.empty_like(s, **kw)),
+    aten.zeros_like.default: lambda self, **kw: self._map(lambda s: torch.zeros_like(s, **kw)),
+    aten.new_empty.default: _new_empty,
+    aten.is_same_size.default: lambda a, b: a.shape == b.shape,
+}
+
+
+def table_dtensor(
+    table: ShardedTable,
+    local: LocalShardsWrapper,
+    mesh: DeviceMesh,
+    submesh: Callable[[tuple[int, ...]], DeviceMesh],
+) -> DTensor:
+    """The table as a DTensor with its global shape and stride.
+
+    Table-wise: ``Replicate()`` on its owner's one-rank mesh. Row-wise: ``Shard(0)``
+    on ``mesh``. Column-wise: ``Shard(1)`` on the mesh of its owners. ``submesh(ranks)``
+    gives the mesh of plan ranks ``ranks``; it must be called in the same order on
+    every rank, since building a mesh is collective.
+    """
+    if isinstance(table.spec, TableWise):
+        table_mesh, placement = submesh((table.spec.rank,)), Replicate()
+    elif isinstance(table.spec, RowWise):
+        table_mesh, placement = mesh, Shard(0)
+    elif isinstance(table.spec, ColumnWise):
+        table_mesh, placement = submesh(tuple(sorted(set(table.spec.ranks)))), Shard(1)
+    else:
+        raise TypeError(f"table {table.name!r}: unknown sharding spec {table.spec!r}")
+    return DTensor.from_local(
+        local,
+        table_mesh,
+        [placement],
+        run_check=False,
+        shape=torch.Size((table.num_embeddings, table.embedding_dim)),
+        stride=(table.embedding_dim, 1),
+    )
+
+
+def gather_table(table: DTensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The full table on every rank, for any embshard layout.
+
+    Collective over ``group`` (default: the whole world), which must hold every rank
+    that owns part of the table. Each rank writes its shards at their offsets into a
+    zero tensor and the ranks sum: shards are disjoint, so the sum is exact.
+    """
+    local = table.to_local()
+    full = torch.zeros(table.shape, dtype=table.dtype, device=local.device)
+    if hasattr(local, "local_shards"):
+        for shard, offsets in zip(local.local_shards(), local.local_offsets()):
+            full[tuple(slice(o, o + n) for o, n in zip(offsets, shard.shape))] = shard
+    elif local.numel():
+        raise TypeError("gather_table needs a DTensor whose local tensor is a LocalShardsWrapper")
+    dist.all_reduce(full, group=group)
+    return full
+
+
+@dataclass
+class LocalStorage:
+    """A rank's shards of every table, all in one TBE (none if the rank holds nothing).
+
+    TBE table ``i`` holds ``shards[i]``; ``wrappers`` views them per table.
+    """
+
+    tbe: SplitTableBatchedEmbeddingBagsCodegen | None
+    shards: list[tuple[str, TableShard]]
+    wrappers: dict[str, LocalShardsWrapper]
+
+
+def allocate_storage(
+    tables: Mapping[str, ShardedTable],
+    rank: int,
+    optimizer: FusedOptimizer,
+    device: torch.device,
+) -> LocalStorage:
+    """Allocate only this rank's non-empty shards, in one TBE, zero-filled."""
+    shards = [
+        (name, s) for name, t in tables.items() for s in t.shards_on(rank) if s.rows and s.cols
+    ]
+    tbe = build_tbe([(s.rows, s.cols) for _, s in shards], optimizer, device) if shards else None
+    views = tbe.split_embedding_weights() if tbe is not None else []
+    wrappers = {}
+    for name in tables:
+        mine = [(s, v) for (n, s), v in zip(shards, views) if n == name]
+        wrappers[name] = LocalShardsWrapper(
+            [v for _, v in mine],
+            [(s.row_offset, s.col_offset) for s, _ in mine],
+            dtype=torch.float32,
+            device=device,
+        )
+    return LocalStorage(tbe, shards, wrappers)

@@ -1,0 +1,91 @@
+"""Long-lived gloo process worlds shared by many test cases.
+
+Starting a process that imports torch, FBGEMM and TorchRec takes seconds on a small
+machine, so each world size is started once per session and runs test functions on
+all its ranks: ``world.run(fn, *args)`` calls ``fn(*args)`` on every rank and returns
+the per-rank results. ``fn`` must be a module-level function (it is pickled by name).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+
+
+def _serve(rank: int, size: int, store_path: str, conn: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store_path}",
+        rank=rank,
+        world_size=size,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    while (job := conn.recv()) is not None:
+        fn, args = job
+        try:
+            conn.send(("ok", fn(*args)))
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class World:
+    """``size`` ranks in their own processes, one gloo process group."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._dir = tempfile.TemporaryDirectory(prefix=f"embshard-world{size}-")
+        store = os.path.join(self._dir.name, "store")
+        ctx = mp.get_context("spawn")
+        self._conns, self._procs = [], []
+        for rank in range(size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(rank, size, store, child), daemon=True)
+            proc.start()
+            self._conns.append(parent)
+            self._procs.append(proc)
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 180) -> list[Any]:
+        """``fn(*args)`` on every rank; raises with every failing rank's traceback."""
+        for conn in self._conns:
+            conn.send((fn, args))
+        results, errors = [], []
+        for rank, conn in enumerate(self._conns):
+            if not conn.poll(timeout):
+                self.close()
+                raise TimeoutError(f"rank {rank} did not finish {fn.__name__} in {timeout}s")
+            status, value = conn.recv()
+            if status == "error":
+                errors.append(f"--- rank {rank} ---\n{value}")
+            results.append(value)
+        if errors:
+            raise AssertionError(f"{fn.__name__} failed:\n" + "\n".join(errors))
+        return results
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self._procs)
+
+    def close(self) -> None:
+        for conn, proc in zip(self._conns, self._procs):
+            if proc.is_alive():
+                try:
+                    conn.send(None)
+                except OSError:
+                    pass
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+        self._dir.cleanup()
