@@ -110,14 +110,17 @@ class ShardedEmbeddingBagCollection(nn.Module):
     ):
         """Take full tensors (a TorchRec state dict) or DTensors of any embshard layout.
 
-        Every entry is checked before any is written, so a failing load changes nothing.
-        DTensor entries are gathered one table at a time: a collective, as loading a
-        sharded module is on every rank.
+        Every entry is checked before any is written, so a failing load (under
+        ``strict``, a missing or unexpected key too) changes no table. DTensor entries
+        are gathered one table at a time: a collective, as loading a sharded module is
+        on every rank.
         """
         ours = {prefix + _key(name): name for name in self._tables}
+        missing = [k for k in ours if k not in state_dict]
+        unexpected = [k for k in state_dict if k.startswith(prefix) and k not in ours]
+        missing_keys.extend(missing)
         if strict:
-            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in ours)
-        missing_keys.extend(k for k in ours if k not in state_dict)
+            unexpected_keys.extend(unexpected)
         present = {key: name for key, name in ours.items() if key in state_dict}
         errors = []
         for key, name in present.items():
@@ -129,8 +132,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
                     f"size mismatch for {key}: the checkpoint has {tuple(value.shape)}, "
                     f"table {name!r} is {tuple(shape)}"
                 )
-        if errors:
-            error_msgs.extend(errors)
+        error_msgs.extend(errors)
+        if errors or (strict and (missing or unexpected)):
             return
         for key, name in present.items():
             self._load_table(name, state_dict[key])

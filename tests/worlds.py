@@ -8,6 +8,7 @@ the per-rank results. ``fn`` must be a module-level function (it is pickled by n
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import tempfile
@@ -80,10 +81,8 @@ class World:
     def close(self) -> None:
         for conn, proc in zip(self._conns, self._procs):
             if proc.is_alive():
-                try:
+                with contextlib.suppress(OSError):
                     conn.send(None)
-                except OSError:
-                    pass
         for proc in self._procs:
             proc.join(timeout=10)
             if proc.is_alive():

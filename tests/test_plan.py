@@ -1,0 +1,264 @@
+"""Plans: resolution against TorchRec's own shard computation, validation, YAML, conversion."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec.distributed import sharding_plan as tr
+from torchrec.distributed.types import ShardingType
+
+import embshard
+from embshard import PlanError, ShardingPlan, column_wise, row_wise, table_wise
+
+
+def config(name: str, rows: int, dim: int) -> EmbeddingBagConfig:
+    return EmbeddingBagConfig(
+        name=name, num_embeddings=rows, embedding_dim=dim, feature_names=[name]
+    )
+
+
+TABLES = [config("a", 10, 16), config("b", 5, 8), config("c", 7, 12)]
+
+
+def torchrec_shards(tables, generators, world_size):
+    """TorchRec's shards for ``generators`` (table -> torchrec.distributed.sharding_plan
+    generator), as {table: sorted [(rank, row_offset, rows, col_offset, cols)]}."""
+    ebc = EmbeddingBagCollection(tables=tables, device="meta")
+    plan = tr.construct_module_sharding_plan(
+        ebc, generators, world_size=world_size, local_size=world_size, device_type="cpu"
+    )
+    return {
+        name: sorted(
+            (
+                s.placement.rank(),
+                s.shard_offsets[0],
+                s.shard_sizes[0],
+                s.shard_offsets[1],
+                s.shard_sizes[1],
+            )
+            for s in p.sharding_spec.shards
+        )
+        for name, p in plan.items()
+    }
+
+
+def our_shards(plan, tables, world_size):
+    return {
+        name: sorted((s.rank, s.row_offset, s.rows, s.col_offset, s.cols) for s in t.shards)
+        for name, t in plan.resolve(tables, world_size).items()
+    }
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_resolution_matches_torchrec(world_size):
+    last = world_size - 1
+    cw_ranks = [last, 0, last, 0]
+    ours = ShardingPlan({"a": column_wise(cw_ranks), "b": row_wise(), "c": table_wise(last)})
+    theirs = {
+        "a": tr.column_wise(ranks=cw_ranks),
+        "b": tr.row_wise(),
+        "c": tr.table_wise(rank=last),
+    }
+    assert our_shards(ours, TABLES, world_size) == torchrec_shards(TABLES, theirs, world_size)
+
+
+def test_uneven_row_wise_matches_torchrec_offsets():
+    sizes = [0, 3, 4, 0]
+    ours = our_shards(ShardingPlan({"c": row_wise(sizes)}), [TABLES[2]], 4)["c"]
+    # TorchRec's uneven row-wise helper is for inference and places every block on rank
+    # 0; its offsets and sizes are the oracle, block i belongs to rank i.
+    plan = tr.construct_module_sharding_plan(
+        EmbeddingBagCollection(tables=[TABLES[2]], device="meta"),
+        {"c": tr.row_wise((sizes, "cpu"))},
+        world_size=4,
+        local_size=4,
+        device_type="cpu",
+    )
+    theirs = [
+        (i, s.shard_offsets[0], s.shard_sizes[0], s.shard_offsets[1], s.shard_sizes[1])
+        for i, s in enumerate(plan["c"].sharding_spec.shards)
+    ]
+    assert ours == sorted(theirs)
+
+
+def test_column_wise_explicit_widths_in_column_order():
+    shards = ShardingPlan({"a": column_wise([1, 0, 1], [4, 8, 4])}).resolve([TABLES[0]], 2)["a"]
+    assert [(s.rank, s.col_offset, s.cols) for s in shards.shards] == [
+        (1, 0, 4),
+        (0, 4, 8),
+        (1, 12, 4),
+    ]
+    assert shards.ranks == (0, 1)
+    assert [s.cols for s in shards.shards_on(1)] == [4, 4]
+
+
+@pytest.mark.parametrize(
+    ("spec", "table", "message"),
+    [
+        (table_wise(4), TABLES[0], "table 'a': rank 4 is outside the world of 4 ranks"),
+        (row_wise([3, 3, 3]), TABLES[0], "table 'a': row_wise gives 3 sizes for a world of 4"),
+        (
+            row_wise([3, 3, 3, 2]),
+            TABLES[0],
+            "table 'a': row_wise sizes [3, 3, 3, 2] sum to 11, not 10",
+        ),
+        (column_wise([0, 5]), TABLES[0], "table 'a': rank 5 is outside the world of 4 ranks"),
+        (
+            column_wise([0, 1], [8, 4]),
+            TABLES[0],
+            "table 'a': column_wise widths [8, 4] sum to 12, not 16",
+        ),
+        (column_wise([0, 1, 2]), TABLES[0], "table 'a': embedding_dim 16 does not split into 3"),
+        (column_wise([0, 1], [6, 10]), TABLES[0], "column block width 6 is not a multiple of 4"),
+        (
+            column_wise([0, 1]),
+            config("d", 5, 8 + 4 + 2),
+            "column block width 7 is not a multiple of 4",
+        ),
+        (table_wise(0), config("d", 5, 6), "table 'd': embedding_dim 6 is not a multiple of 4"),
+    ],
+)
+def test_validation_names_table_and_problem(spec, table, message):
+    with pytest.raises(PlanError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        ShardingPlan({table.name: spec}).resolve([table], 4)
+
+
+def test_validation_reports_missing_and_unknown_tables_together():
+    plan = ShardingPlan({"a": table_wise(0), "zzz": table_wise(0)})
+    with pytest.raises(PlanError) as err:
+        plan.resolve(TABLES, 2)
+    text = str(err.value)
+    assert "table 'b': no entry in the plan" in text
+    assert "table 'c': no entry in the plan" in text
+    assert "table 'zzz': the plan names it but the model has no such table" in text
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (table_wise(-1), "rank must be a non-negative int"),
+        (row_wise([2, -1]), "row_wise sizes must be non-negative ints"),
+        (column_wise([]), "column_wise needs at least one rank"),
+        (column_wise([0, 1], [8]), "column_wise gives 1 widths for 2 ranks"),
+        (column_wise([0], [0]), "column_wise widths must be positive ints"),
+        ("row_wise", "expected table_wise"),
+    ],
+)
+def test_malformed_specs_fail_at_construction(spec, message):
+    with pytest.raises(PlanError, match=f"table 't': {message}"):
+        ShardingPlan({"t": spec})
+
+
+def test_world_size_must_be_positive():
+    with pytest.raises(PlanError, match="world size must be a positive int"):
+        ShardingPlan({"a": table_wise(0)}).resolve([TABLES[0]], 0)
+
+
+specs = st.one_of(
+    st.builds(table_wise, st.integers(0, 7)),
+    st.builds(row_wise, st.none() | st.lists(st.integers(0, 100), min_size=1, max_size=8)),
+    st.builds(
+        column_wise,
+        st.lists(st.integers(0, 7), min_size=1, max_size=6),
+    ),
+    st.integers(1, 6).flatmap(
+        lambda n: st.builds(
+            column_wise,
+            st.lists(st.integers(0, 7), min_size=n, max_size=n),
+            st.lists(st.integers(1, 64).map(lambda w: 4 * w), min_size=n, max_size=n),
+        )
+    ),
+)
+plans = st.dictionaries(st.from_regex(r"[a-z][a-z0-9_]{0,8}", fullmatch=True), specs, max_size=6)
+
+
+@settings(max_examples=100, deadline=None)
+@given(plans)
+def test_yaml_round_trip(tables):
+    plan = ShardingPlan(tables)
+    assert ShardingPlan.from_yaml(plan.to_yaml()) == plan
+
+
+def test_save_and_load_file(tmp_path):
+    plan = ShardingPlan(
+        {"a": column_wise([1, 0, 1], [4, 8, 4]), "b": row_wise([5, 0]), "c": table_wise(1)}
+    )
+    plan.save(tmp_path / "plan.yaml")
+    assert ShardingPlan.load(tmp_path / "plan.yaml") == plan
+    assert plan.resolve(TABLES, 2) == ShardingPlan.load(tmp_path / "plan.yaml").resolve(TABLES, 2)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("tables: [", "not valid YAML"),
+        ("a: 1", "one key, 'tables'"),
+        ("tables:\n  a: {type: diagonal}", "table 'a': expected a mapping with type one of"),
+        ("tables:\n  a: {type: table_wise}", "table 'a': table_wise needs a rank"),
+        (
+            "tables:\n  a: {type: row_wise, size: [1]}",
+            r"table 'a': unknown keys \['size'\] for row_wise",
+        ),
+        (
+            "tables:\n  a: {type: column_wise, ranks: 3}",
+            "table 'a': column_wise ranks must be a list",
+        ),
+        ("tables:\n  a: {type: column_wise}", "table 'a': column_wise needs ranks"),
+        (
+            "tables:\n  a: {type: table_wise, rank: -2}",
+            "table 'a': rank must be a non-negative int",
+        ),
+    ],
+)
+def test_from_yaml_errors(text, message):
+    with pytest.raises(PlanError, match=message):
+        ShardingPlan.from_yaml(text)
+
+
+def test_to_torchrec_matches_torchrec_helpers():
+    plan = ShardingPlan({"a": column_wise([2, 0, 2, 1]), "b": row_wise(), "c": table_wise(3)})
+    converted = embshard.to_torchrec_plan(plan, TABLES, 4)
+    oracle = tr.construct_module_sharding_plan(
+        EmbeddingBagCollection(tables=TABLES, device="meta"),
+        {"a": tr.column_wise(ranks=[2, 0, 2, 1]), "b": tr.row_wise(), "c": tr.table_wise(rank=3)},
+        world_size=4,
+        local_size=4,
+        device_type="cpu",
+    )
+    for name in ("a", "b", "c"):
+        ours, theirs = converted[name], oracle[name]
+        assert ours.sharding_type == theirs.sharding_type
+        assert ours.ranks == theirs.ranks
+        assert ours.compute_kernel == "fused"
+        assert ours.sharding_spec == theirs.sharding_spec
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_torchrec_round_trip(world_size):
+    last = world_size - 1
+    plan = ShardingPlan(
+        {
+            "a": column_wise([last, 0, last, 0]),
+            "b": row_wise([0] * last + [5]),
+            "c": table_wise(last),
+        }
+    )
+    back = embshard.from_torchrec_plan(embshard.to_torchrec_plan(plan, TABLES, world_size))
+    assert our_shards(back, TABLES, world_size) == our_shards(plan, TABLES, world_size)
+    even = ShardingPlan({"a": column_wise([0, last], [4, 12]), "b": row_wise(), "c": row_wise()})
+    assert embshard.from_torchrec_plan(embshard.to_torchrec_plan(even, TABLES, world_size)) == even
+
+
+def test_from_torchrec_refuses_unknown_sharding_types():
+    plan = tr.construct_module_sharding_plan(
+        EmbeddingBagCollection(tables=TABLES[:2], device="meta"),
+        {"a": tr.data_parallel(), "b": tr.table_wise(rank=0)},
+        world_size=2,
+        local_size=2,
+        device_type="cpu",
+    )
+    assert plan["a"].sharding_type == ShardingType.DATA_PARALLEL.value
+    with pytest.raises(PlanError, match="table 'a': TorchRec sharding type 'data_parallel'"):
+        embshard.from_torchrec_plan(plan)
