@@ -44,6 +44,12 @@ def _check_mesh(mesh: DeviceMesh) -> None:
         )
 
 
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
 class ShardedEmbeddingBagCollection(nn.Module):
     """The sharded form of a TorchRec ``EmbeddingBagCollection``; build it with ``shard()``."""
 
@@ -62,12 +68,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._tables = plan.resolve(self._configs, mesh.size())
         self._plan = plan
         self._mesh = mesh
-        device = (
-            torch.device(mesh.device_type, torch.cuda.current_device())
-            if (mesh.device_type == "cuda")
-            else torch.device(mesh.device_type)
+        self._storage = allocate_storage(
+            self._tables, mesh.get_local_rank(), optimizer, _mesh_device(mesh)
         )
-        self._storage = allocate_storage(self._tables, mesh.get_local_rank(), optimizer, device)
         self._fill(seed, weights)
         self._weights = {
             name: table_dtensor(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -168,7 +169,7 @@ def _resolve_table(
             problems.append(f"row_wise gives {len(sizes)} sizes for a world of {world_size} ranks")
         if sum(sizes) != rows:
             problems.append(f"row_wise sizes {list(sizes)} sum to {sum(sizes)}, not {rows} rows")
-        offsets = [0, *_running_sums(sizes)]
+        offsets = list(accumulate(sizes, initial=0))
         shards = tuple(TableShard(r, offsets[r], n, 0, dim) for r, n in enumerate(sizes))
         return shards, problems
 
@@ -184,19 +185,11 @@ def _resolve_table(
         widths = (dim // len(spec.ranks),) * len(spec.ranks)
     for width in sorted(set(widths)):
         problems += fbgemm_dim(width, "column block width")
-    offsets = [0, *_running_sums(widths)]
+    offsets = list(accumulate(widths, initial=0))
     shards = tuple(
         TableShard(r, 0, rows, offsets[i], w) for i, (r, w) in enumerate(zip(spec.ranks, widths))
     )
     return shards, problems
-
-
-def _running_sums(values: Sequence[int]) -> list[int]:
-    sums, total = [], 0
-    for v in values:
-        total += v
-        sums.append(total)
-    return sums
 
 
 @dataclass(frozen=True)
