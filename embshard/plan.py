@@ -9,14 +9,16 @@ problems are reported together, each naming its table.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+T = TypeVar("T")
 
 # FBGEMM's TBE kernels take only embedding dims that are multiples of 4.
 FBGEMM_DIM_MULTIPLE = 4
@@ -107,6 +109,25 @@ def even_row_sizes(num_embeddings: int, world_size: int) -> tuple[int, ...]:
         sizes.append(min(block, left))
         left -= sizes[-1]
     return tuple(sizes)
+
+
+def raise_problems(heading: str, problems: Sequence[str]) -> None:
+    if problems:
+        raise PlanError(f"{heading}:\n  " + "\n  ".join(problems))
+
+
+def plan_from_entries(
+    entries: Mapping[str, T], parse: Callable[[T], TableSpec], heading: str
+) -> ShardingPlan:
+    """A plan of ``parse(entry)`` per table; every table's PlanError is reported together."""
+    specs, problems = {}, []
+    for name, entry in entries.items():
+        try:
+            specs[name] = parse(entry)
+        except PlanError as e:
+            problems.append(f"table {name!r}: {e}")
+    raise_problems(heading, problems)
+    return ShardingPlan(specs)
 
 
 def _is_int(value: Any) -> bool:
@@ -205,8 +226,7 @@ class ShardingPlan:
             for name, spec in self.tables.items()
             for p in _spec_problems(spec)
         ]
-        if problems:
-            raise PlanError("invalid sharding plan:\n  " + "\n  ".join(problems))
+        raise_problems("invalid sharding plan", problems)
 
     def resolve(
         self, tables: Sequence[EmbeddingBagConfig], world_size: int
@@ -231,8 +251,7 @@ class ShardingPlan:
             resolved[config.name] = ShardedTable(
                 config.name, config.num_embeddings, config.embedding_dim, spec, shards
             )
-        if problems:
-            raise PlanError("sharding plan does not fit the model:\n  " + "\n  ".join(problems))
+        raise_problems("sharding plan does not fit the model", problems)
         return resolved
 
     def to_yaml(self) -> str:
@@ -254,15 +273,7 @@ class ShardingPlan:
             or not isinstance(data["tables"], dict)
         ):
             raise PlanError("a sharding plan file is a mapping with one key, 'tables'")
-        specs, problems = {}, []
-        for name, entry in data["tables"].items():
-            try:
-                specs[name] = _spec_from_dict(entry)
-            except PlanError as e:
-                problems.append(f"table {name!r}: {e}")
-        if problems:
-            raise PlanError("invalid sharding plan:\n  " + "\n  ".join(problems))
-        return cls(specs)
+        return plan_from_entries(data["tables"], _spec_from_dict, "invalid sharding plan")
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_yaml())

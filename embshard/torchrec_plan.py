@@ -23,6 +23,7 @@ from embshard.plan import (
     TableWise,
     column_wise,
     even_row_sizes,
+    plan_from_entries,
     row_wise,
     table_wise,
 )
@@ -69,15 +70,9 @@ def to_torchrec_plan(
 
 def from_torchrec_plan(module_plan: Mapping[str, ParameterSharding]) -> ShardingPlan:
     """The embshard plan equal to a TorchRec per-module plan (table name -> sharding)."""
-    specs, problems = {}, []
-    for name, sharding in module_plan.items():
-        try:
-            specs[name] = _spec_from_parameter_sharding(sharding)
-        except PlanError as e:
-            problems.append(f"table {name!r}: {e}")
-    if problems:
-        raise PlanError("cannot convert TorchRec plan:\n  " + "\n  ".join(problems))
-    return ShardingPlan(specs)
+    return plan_from_entries(
+        module_plan, _spec_from_parameter_sharding, "cannot convert TorchRec plan"
+    )
 
 
 def _spec_from_parameter_sharding(sharding: ParameterSharding) -> TableSpec:
