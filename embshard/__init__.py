@@ -1,5 +1,6 @@
 """embshard: shard the embedding tables of TorchRec models across torch.distributed ranks."""
 
+from embshard.inputs import InputError
 from embshard.lookup import SGD, Adagrad, FusedOptimizer, RowWiseAdagrad
 from embshard.module import ShardedEmbeddingBagCollection, shard
 from embshard.plan import (
@@ -23,6 +24,7 @@ __all__ = [
     "Adagrad",
     "ColumnWise",
     "FusedOptimizer",
+    "InputError",
     "LocalShardsWrapper",
     "PlanError",
     "RowWise",

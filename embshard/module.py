@@ -1,8 +1,11 @@
 """ShardedEmbeddingBagCollection: a TorchRec EmbeddingBagCollection sharded over a mesh.
 
 Each rank allocates only its own shards, in one FBGEMM TBE, and exposes every table
-as a DTensor over views of the TBE's weights. ``state_dict()`` has the unsharded
-module's keys (``embedding_bags.<table>.weight``), so TorchRec state dicts load into it.
+as a DTensor over views of the TBE's weights. ``forward`` is one training step's
+data path, top to bottom: check the local batch, exchange counts, exchange ids,
+look up, send the pooled rows home, assemble the KeyedTensor. ``state_dict()`` has
+the unsharded module's keys (``embedding_bags.<table>.weight``), so TorchRec state
+dicts load into it.
 """
 
 from __future__ import annotations
@@ -15,12 +18,22 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from embshard.dist import (
+    InputDistribution,
+    Outgoing,
+    PooledAllToAll,
+    exchange_counts,
+    raise_if_any_failed,
+)
 from embshard.init import init_shard
+from embshard.inputs import LocalBatch, check_batch
 from embshard.lookup import SGD, FusedOptimizer
 from embshard.plan import ShardingPlan
+from embshard.routes import build_routes
 from embshard.shards import allocate_storage, gather_table, table_dtensor
 
 
@@ -44,6 +57,18 @@ def _check_mesh(mesh: DeviceMesh) -> None:
         )
 
 
+def _check_configs(configs: Sequence[EmbeddingBagConfig], weighted: bool) -> None:
+    for c in configs:
+        if c.data_type != DataType.FP32:
+            raise ValueError(f"table {c.name!r}: embshard stores FP32 tables, got {c.data_type}")
+        if weighted and c.pooling != PoolingType.SUM:
+            raise ValueError(
+                f"table {c.name!r}: weighted features need SUM pooling, as in TorchRec"
+            )
+        if c.pooling not in (PoolingType.SUM, PoolingType.MEAN):
+            raise ValueError(f"table {c.name!r}: pooling {c.pooling} is not SUM or MEAN")
+
+
 def _mesh_device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
@@ -61,15 +86,26 @@ class ShardedEmbeddingBagCollection(nn.Module):
         optimizer: FusedOptimizer,
         seed: int = 0,
         weights: Mapping[str, torch.Tensor] | None = None,
+        is_weighted: bool = False,
     ) -> None:
         super().__init__()
         _check_mesh(mesh)
+        _check_configs(configs, is_weighted)
         self._configs = list(configs)
         self._tables = plan.resolve(self._configs, mesh.size())
         self._plan = plan
         self._mesh = mesh
+        self._group = mesh.get_group()
+        self._rank = mesh.get_local_rank()
+        self._routes = build_routes(self._configs, self._tables, mesh.size(), is_weighted)
+        self._input_dist = InputDistribution(self._routes, self._rank)
+        self._slot_dims = [sum(self._routes.slot_dims(r)) for r in range(mesh.size())]
+        self._output_columns = self._routes.output_columns()
+        self._mean_feature = self._routes.mean_feature_by_column()
+        self._anchor = torch.zeros(0, requires_grad=True)
+        feature_table_map = [s.tbe_table for s in self._routes.slots[self._rank]]
         self._storage = allocate_storage(
-            self._tables, mesh.get_local_rank(), optimizer, _mesh_device(mesh)
+            self._tables, self._rank, optimizer, _mesh_device(mesh), feature_table_map
         )
         self._fill(seed, weights)
         self._weights = {
@@ -78,6 +114,69 @@ class ShardedEmbeddingBagCollection(nn.Module):
             )
             for name, table in self._tables.items()
         }
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """Pool this rank's local batch; the result is that batch's rows only.
+
+        Collective: every rank of the mesh must call it, each with its own batch (batch
+        sizes may differ, and may be zero). A bad batch on any rank raises the same
+        InputError on every rank.
+        """
+        batch, outgoing, problem = self._prepare(features)
+        send_sizes = outgoing.sizes if outgoing else [0] * self._mesh.size()
+        batch_size = batch.batch_size if batch else 0
+        counts = exchange_counts(send_sizes, batch_size, problem is None, self._group)
+        raise_if_any_failed(counts, problem, self._group)
+
+        recv_sizes, batch_sizes = counts[:, 0].tolist(), counts[:, 1].tolist()
+        received = self._input_dist.exchange(outgoing, recv_sizes, self._group)
+        indices, offsets, weights = self._input_dist.unpack(received, recv_sizes, batch_sizes)
+
+        pooled = self._lookup(indices, offsets, weights, sum(batch_sizes))
+        gathered = PooledAllToAll.apply(
+            self._anchor, pooled, batch_sizes, self._slot_dims, self._rank, self._group
+        )
+        return KeyedTensor(
+            keys=[e.name for e in self._routes.embeddings],
+            length_per_key=[e.dim for e in self._routes.embeddings],
+            values=self._assemble(gathered, batch.lengths),
+        )
+
+    def _prepare(
+        self, features: KeyedJaggedTensor
+    ) -> tuple[LocalBatch | None, Outgoing | None, str | None]:
+        """The checked batch and its packed payload, or what is wrong. Never raises: a
+        rank that failed here must still tell the others in the counts exchange."""
+        batch = check_batch(features, self._routes)
+        if isinstance(batch, str):
+            return None, None, batch
+        try:
+            return batch, self._input_dist.pack(batch), None
+        except Exception as e:
+            return None, None, f"packing the batch failed: {type(e).__name__}: {e}"
+
+    def _lookup(
+        self,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None,
+        global_batch: int,
+    ) -> torch.Tensor:
+        """SUM-pooled rows of every slot for the global batch: one TBE call."""
+        if self._storage.tbe is None:
+            return torch.zeros(global_batch, 0)
+        return self._storage.tbe(indices, offsets, per_sample_weights=weights)
+
+    def _assemble(self, gathered: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Column blocks to their columns, row-wise partials summed, MEAN divided by the
+        requester's own bag lengths."""
+        out = gathered.new_zeros(gathered.shape[0], self._routes.output_dim)
+        out = out.index_add(1, self._output_columns, gathered)
+        if self._mean_feature is None:
+            return out
+        ones = torch.ones(1, lengths.shape[1], dtype=lengths.dtype)
+        divisors = torch.cat([ones, lengths.clamp(min=1)])[self._mean_feature]
+        return out / divisors.t().to(out.dtype)
 
     def _fill(self, seed: int, weights: Mapping[str, torch.Tensor] | None) -> None:
         """Write each local shard: from ``weights`` (full tables) or the seeded init."""
@@ -179,4 +278,5 @@ def shard(
         optimizer,
         seed,
         weights=None if on_meta else {n: w.detach() for n, w in weights.items()},
+        is_weighted=module.is_weighted(),
     )

@@ -100,6 +100,11 @@ class ShardedTable:
         return tuple(sorted({s.rank for s in self.shards if s.rows and s.cols}))
 
 
+def local_shards(tables: Mapping[str, ShardedTable], rank: int) -> list[tuple[str, TableShard]]:
+    """The non-empty shards on ``rank``, in table then column order: its TBE's tables."""
+    return [(n, s) for n, t in tables.items() for s in t.shards_on(rank) if s.rows and s.cols]
+
+
 def even_row_sizes(num_embeddings: int, world_size: int) -> tuple[int, ...]:
     """TorchRec's even row split: ceil-sized blocks, then the remainder, then zeros."""
     block = math.ceil(num_embeddings / world_size) if num_embeddings else 0

@@ -28,7 +28,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from embshard.lookup import FusedOptimizer, build_tbe
-from embshard.plan import ColumnWise, RowWise, ShardedTable, TableShard, TableWise
+from embshard.plan import (
+    ColumnWise,
+    RowWise,
+    ShardedTable,
+    TableShard,
+    TableWise,
+    local_shards,
+)
 
 aten = torch.ops.aten
 
@@ -253,12 +260,16 @@ def allocate_storage(
     rank: int,
     optimizer: FusedOptimizer,
     device: torch.device,
+    feature_table_map: Sequence[int],
 ) -> LocalStorage:
-    """Allocate only this rank's non-empty shards, in one TBE, zero-filled."""
-    shards = [
-        (name, s) for name, t in tables.items() for s in t.shards_on(rank) if s.rows and s.cols
-    ]
-    tbe = build_tbe([(s.rows, s.cols) for _, s in shards], optimizer, device) if shards else None
+    """Allocate only this rank's non-empty shards, in one TBE, zero-filled.
+
+    ``feature_table_map`` gives, for each TBE feature, the index of its shard in
+    ``local_shards(tables, rank)``.
+    """
+    shards = local_shards(tables, rank)
+    shapes = [(s.rows, s.cols) for _, s in shards]
+    tbe = build_tbe(shapes, optimizer, device, feature_table_map) if shards else None
     views = tbe.split_embedding_weights() if tbe is not None else []
     wrappers = {}
     for name in tables:

@@ -71,6 +71,8 @@ class World:
                 errors.append(f"--- rank {rank} ---\n{value}")
             results.append(value)
         if errors:
+            # The other ranks may be out of step now: start the next test on a fresh world.
+            self.close()
             raise AssertionError(f"{fn.__name__} failed:\n" + "\n".join(errors))
         return results
 

@@ -1,0 +1,152 @@
+"""Static routing of a sharded EmbeddingBagCollection, the same on every rank.
+
+Built once from the resolved plan. An *embedding* is one output key: a feature looked
+up in a table (TorchRec's names: the feature, or ``feature@table`` when a feature
+feeds several tables). A *slot* is one TBE feature on a rank: an embedding looked up
+in one local shard. Every rank sends every other rank, for each of its slots in
+order, the bags of its local batch: the raw ids for table-wise and column-wise
+shards, the rebased ids of that rank's row block for row-wise shards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_modules import get_embedding_names_by_table
+
+from embshard.plan import RowWise, ShardedTable, TableShard, local_shards
+
+
+@dataclass(frozen=True)
+class Embedding:
+    name: str
+    feature: int
+    table: str
+    dim: int
+    mean: bool
+    out_offset: int
+
+
+@dataclass(frozen=True)
+class Slot:
+    embedding: int
+    shard: TableShard
+    tbe_table: int
+
+
+@dataclass(frozen=True)
+class Routes:
+    features: tuple[str, ...]
+    embeddings: tuple[Embedding, ...]
+    slots: tuple[tuple[Slot, ...], ...]
+    # Row-wise embeddings are bucketized before sending: their features, and each
+    # one's row-block boundaries (world_size + 1 of them).
+    rw_embeddings: tuple[int, ...]
+    rw_boundaries: tuple[tuple[int, ...], ...]
+    # Per feature: the smallest table it feeds, whose rows bound its ids.
+    feature_rows: tuple[int, ...]
+    feature_table: tuple[str, ...]
+    weighted: bool
+
+    @property
+    def world_size(self) -> int:
+        return len(self.slots)
+
+    @property
+    def output_dim(self) -> int:
+        return sum(e.dim for e in self.embeddings)
+
+    def send_rows(self) -> torch.Tensor:
+        """For every (destination, slot) in destination order, the row of the sender's
+        [features; row-wise buckets] lengths table that holds its bags."""
+        num_features, num_rw = len(self.features), len(self.rw_embeddings)
+        rows = []
+        for dest, slots in enumerate(self.slots):
+            for slot in slots:
+                if slot.embedding in self.rw_embeddings:
+                    rw = self.rw_embeddings.index(slot.embedding)
+                    rows.append(num_features + dest * num_rw + rw)
+                else:
+                    rows.append(self.embeddings[slot.embedding].feature)
+        return torch.tensor(rows, dtype=torch.long)
+
+    def slot_dims(self, rank: int) -> list[int]:
+        return [s.shard.cols for s in self.slots[rank]]
+
+    def output_columns(self) -> torch.Tensor:
+        """For every column the requester receives (ranks in order, each rank's slots in
+        order), its column in the output; row-wise partials share columns and add up."""
+        columns = [
+            self.embeddings[s.embedding].out_offset + s.shard.col_offset + j
+            for slots in self.slots
+            for s in slots
+            for j in range(s.shard.cols)
+        ]
+        return torch.tensor(columns, dtype=torch.long)
+
+    def mean_feature_by_column(self) -> torch.Tensor | None:
+        """Per output column: 1 + the feature whose bag lengths divide it (MEAN), or 0
+        (SUM); None when no table pools by MEAN."""
+        if not any(e.mean for e in self.embeddings):
+            return None
+        return torch.tensor(
+            [e.feature + 1 if e.mean else 0 for e in self.embeddings for _ in range(e.dim)]
+        )
+
+
+def _row_boundaries(table: ShardedTable) -> tuple[int, ...]:
+    return (*(s.row_offset for s in table.shards), table.num_embeddings)
+
+
+def build_routes(
+    configs: Sequence[EmbeddingBagConfig],
+    tables: dict[str, ShardedTable],
+    world_size: int,
+    weighted: bool,
+) -> Routes:
+    features: list[str] = []
+    for config in configs:
+        features += [f for f in config.feature_names if f not in features]
+    embeddings, offset = [], 0
+    for config, names in zip(configs, get_embedding_names_by_table(configs)):
+        for feature, name in zip(config.feature_names, names):
+            mean = config.pooling == PoolingType.MEAN
+            embeddings.append(
+                Embedding(
+                    name, features.index(feature), config.name, config.embedding_dim, mean, offset
+                )
+            )
+            offset += config.embedding_dim
+    slots = []
+    for rank in range(world_size):
+        shards = local_shards(tables, rank)
+        # Grouped by shard: FBGEMM's CPU row-wise Adagrad needs each table's features
+        # to be contiguous in the TBE.
+        slots.append(
+            tuple(
+                Slot(e, shard, index)
+                for index, (table, shard) in enumerate(shards)
+                for e, emb in enumerate(embeddings)
+                if table == emb.table
+            )
+        )
+    rw = tuple(i for i, e in enumerate(embeddings) if isinstance(tables[e.table].spec, RowWise))
+    boundaries = tuple(_row_boundaries(tables[embeddings[i].table]) for i in rw)
+    rows = {c.name: c.num_embeddings for c in configs}
+    smallest = [
+        min((c.name for c in configs if f in c.feature_names), key=rows.__getitem__)
+        for f in features
+    ]
+    return Routes(
+        features=tuple(features),
+        embeddings=tuple(embeddings),
+        slots=tuple(slots),
+        rw_embeddings=rw,
+        rw_boundaries=boundaries,
+        feature_rows=tuple(rows[t] for t in smallest),
+        feature_table=tuple(smallest),
+        weighted=weighted,
+    )

@@ -1,0 +1,203 @@
+"""Sharded forward, backward and fused optimizers against the unsharded TorchRec module."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from oracle import Case, Table, local_batches, run_case
+from torch.profiler import ProfilerActivity, profile
+from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
+
+import embshard
+from embshard import ShardingPlan, column_wise, row_wise, table_wise
+
+TOL = 1e-5
+
+TABLES = (
+    Table("a", 40, 8, ("f_a",)),
+    Table("b", 30, 12, ("f_b1", "f_b2")),  # two features share a table
+    Table("c", 25, 16, ("f_c",), mean=True),
+    Table("d", 20, 16, ("f_a", "f_d")),  # f_a feeds two tables
+)
+
+
+def plans(world: int) -> dict[str, ShardingPlan]:
+    last = world - 1
+    uneven = [25] if world == 1 else [10] + [0] * (world - 2) + [15]
+    return {
+        "table_wise": ShardingPlan({t.name: table_wise(i % world) for i, t in enumerate(TABLES)}),
+        "row_wise": ShardingPlan({t.name: row_wise() for t in TABLES}),
+        "column_wise": ShardingPlan(
+            {
+                "a": column_wise([last, 0]),
+                "b": column_wise([0, last, 0], [4, 4, 4]),
+                "c": column_wise([last, 0, last, 0]),
+                "d": column_wise([0, last]),
+            }
+        ),
+        "mixed": ShardingPlan(
+            {
+                "a": table_wise(last),
+                "b": row_wise(),
+                "c": row_wise(uneven),  # an empty rank in the middle
+                "d": column_wise([last, 0, last, 0]),  # two blocks per rank, out of order
+            }
+        ),
+    }
+
+
+def batch_sizes(world: int) -> tuple[int, ...]:
+    # Different local batch sizes, and an empty batch on rank 1.
+    return tuple([5, 0, 3, 6][:world]) if world > 1 else (4,)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("plan", ["table_wise", "row_wise", "column_wise", "mixed"])
+def test_training_matches_unsharded(world, world_size, plan):
+    case = Case(TABLES, plans(world_size)[plan], batch_sizes(world_size), seed=world_size)
+    for worst in world(world_size).run(run_case, case):
+        assert worst["forward"] < TOL and worst["weights"] < TOL, worst
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize(
+    "optimizer",
+    [embshard.RowWiseAdagrad(lr=0.1, eps=1e-4), embshard.Adagrad(lr=0.1, eps=1e-4)],
+    ids=["rowwise_adagrad", "adagrad"],
+)
+def test_adagrad_matches_unsharded(world, world_size, optimizer):
+    # Column-wise row-wise Adagrad keeps one accumulator per row of each column block;
+    # the oracle does the same (tests/oracle.py), every other layout per whole row.
+    case = Case(TABLES, plans(world_size)["mixed"], batch_sizes(world_size), optimizer=optimizer)
+    for worst in world(world_size).run(run_case, case):
+        assert worst["forward"] < TOL and worst["weights"] < TOL, worst
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_weighted_features(world, world_size):
+    tables = tuple(Table(t.name, t.rows, t.dim, t.features) for t in TABLES)  # SUM only
+    case = Case(tables, plans(world_size)["mixed"], batch_sizes(world_size), weighted=True)
+    for worst in world(world_size).run(run_case, case):
+        assert worst["forward"] < TOL and worst["weights"] < TOL, worst
+
+
+def count_collectives(case: Case) -> list[int]:
+    """Backend collectives (gloo's own profiler events) of each forward plus backward."""
+    rank = dist.get_rank()
+    torch.manual_seed(case.seed)
+    ebc = EmbeddingBagCollection(tables=[t.config() for t in case.tables])
+    sharded = embshard.shard(ebc, case.plan)
+    counts = []
+    for step in range(2):
+        batch = local_batches(case, step)[rank]
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            sharded(batch).values().sum().backward()
+        counts.append(sum(e.name.startswith("gloo:") for e in prof.events()))
+    return counts
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("plan", ["table_wise", "mixed"])
+def test_at_most_four_collectives_per_step(world, world_size, plan):
+    case = Case(TABLES, plans(world_size)[plan], batch_sizes(world_size))
+    for counts in world(world_size).run(count_collectives, case):
+        assert counts == [4, 4]
+
+
+def bad_batches(case: Case) -> dict[str, KeyedJaggedTensor]:
+    good = local_batches(case, 0)[1]
+    keys, lengths, values = good.keys(), good.lengths(), good.values()
+    out_of_range = values.clone()
+    first_c = int(lengths.view(len(keys), -1)[: keys.index("f_c")].sum())
+    out_of_range[first_c] = 25
+    negative = values.clone()
+    negative[0] = -3
+    return {
+        "id 25 is outside [0, 25)": KeyedJaggedTensor(keys, out_of_range, lengths=lengths),
+        "id -3 is outside [0, 20)": KeyedJaggedTensor(keys, negative, lengths=lengths),
+        "unknown: ['f_x'], missing: ['f_d']": KeyedJaggedTensor(
+            [*keys[:-1], "f_x"], values, lengths=lengths
+        ),
+        f"lengths add up to {int(lengths.sum())} but there are {len(values) - 1} ids": (
+            KeyedJaggedTensor(keys, values[:-1], lengths=lengths)
+        ),
+        "ids and lengths must be int32 or int64, got torch.float32": KeyedJaggedTensor(
+            keys, values.float(), lengths=lengths
+        ),
+    }
+
+
+def forward_with_bad_input_on_rank_1(case: Case):
+    rank = dist.get_rank()
+    sharded = embshard.shard(
+        EmbeddingBagCollection(tables=[t.config() for t in case.tables], device="meta"), case.plan
+    )
+    good = local_batches(case, 0)[rank]
+    reports = {}
+    for expected, bad in bad_batches(case).items():
+        start = time.monotonic()
+        try:
+            sharded(bad if rank == 1 else good)
+            reports[expected] = None
+        except embshard.InputError as e:
+            reports[expected] = (str(e), time.monotonic() - start)
+    sharded(good).values().sum().backward()  # the world is still in step
+    return reports
+
+
+def test_bad_input_on_one_rank_raises_on_every_rank(world):
+    case = Case(TABLES, plans(3)["mixed"], (4, 5, 3))
+    reports = world(3).run(forward_with_bad_input_on_rank_1, case, timeout=120)
+    for expected in bad_batches(case):
+        messages = {r[expected][0] for r in reports}
+        assert len(messages) == 1, messages
+        message = messages.pop()
+        assert "rank 1: " in message and expected in message, message
+        assert all(r[expected][1] < 30 for r in reports)
+    out_of_range = reports[0]["id 25 is outside [0, 25)"][0]
+    assert "feature 'f_c' (table 'c')" in out_of_range
+    assert "feature 'f_a' (table 'd')" in reports[0]["id -3 is outside [0, 20)"][0]
+
+
+@st.composite
+def random_cases(draw, world_size: int) -> Case:
+    feature_pool = [f"f{i}" for i in range(5)]
+    tables, specs = [], {}
+    for i in range(draw(st.integers(1, 4))):
+        name = f"t{i}"
+        features = tuple(
+            draw(st.lists(st.sampled_from(feature_pool), min_size=1, max_size=2, unique=True))
+        )
+        rows = draw(st.integers(1, 30))
+        blocks = draw(st.lists(st.integers(0, world_size - 1), min_size=1, max_size=3))
+        widths = draw(st.lists(st.integers(1, 2), min_size=len(blocks), max_size=len(blocks)))
+        cuts = sorted(
+            draw(st.lists(st.integers(0, rows), min_size=world_size - 1, max_size=world_size - 1))
+        )
+        kind = draw(st.sampled_from(["tw", "rw", "uneven", "cw"]))
+        dim = 4 * sum(widths) if kind == "cw" else 4 * draw(st.integers(1, 3))
+        tables.append(Table(name, rows, dim, features, mean=draw(st.booleans())))
+        specs[name] = {
+            "tw": table_wise(draw(st.integers(0, world_size - 1))),
+            "rw": row_wise(),
+            "uneven": row_wise([b - a for a, b in zip([0, *cuts], [*cuts, rows])]),
+            "cw": column_wise(blocks, [4 * w for w in widths]),
+        }[kind]
+    sizes = tuple(draw(st.lists(st.integers(0, 4), min_size=world_size, max_size=world_size)))
+    return Case(tuple(tables), ShardingPlan(specs), sizes, steps=2, seed=draw(st.integers(0, 999)))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_random_plans_tables_and_batches(world, world_size):
+    @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(random_cases(world_size))
+    def check(case):
+        for worst in world(world_size).run(run_case, case):
+            assert worst["forward"] < TOL and worst["weights"] < TOL, worst
+
+    check()
