@@ -2,6 +2,7 @@
 
 from embshard.inputs import InputError
 from embshard.lookup import SGD, Adagrad, FusedOptimizer, RowWiseAdagrad
+from embshard.model import shard_model
 from embshard.module import ShardedEmbeddingBagCollection, shard
 from embshard.plan import (
     ColumnWise,
@@ -40,6 +41,7 @@ __all__ = [
     "gather_table",
     "row_wise",
     "shard",
+    "shard_model",
     "table_wise",
     "to_torchrec_plan",
 ]
