@@ -1,7 +1,7 @@
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint format
+.PHONY: install test lint format demo
 
 install: $(STAMP)
 
@@ -11,6 +11,10 @@ $(STAMP): pyproject.toml tools/install.sh
 
 test: install
 	$(VENV)/bin/python -m pytest -q
+
+# The main job: 2-process training of the small synthetic DLRM, about a minute.
+demo: install
+	$(VENV)/bin/embshard train configs/small.yaml --nproc 2
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -14,6 +14,7 @@ from embshard.plan import (
     TableSpec,
     TableWise,
     column_wise,
+    default_plan,
     row_wise,
     table_wise,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "TableSpec",
     "TableWise",
     "column_wise",
+    "default_plan",
     "from_torchrec_plan",
     "gather_table",
     "row_wise",

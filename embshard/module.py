@@ -267,8 +267,7 @@ def shard(
     if not dist.is_initialized():
         raise RuntimeError("shard() needs torch.distributed initialized (init_process_group)")
     if mesh is None:
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     weights = {name: bag.weight for name, bag in module.embedding_bags.items()}
     on_meta = any(w.is_meta for w in weights.values())
     return ShardedEmbeddingBagCollection(

@@ -1,0 +1,224 @@
+"""Training configs: YAML files read strictly into dataclasses.
+
+Unknown keys, missing keys and wrong types fail at load time with a message that
+names the file and the key's path, before any process group exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+
+from embshard.plan import PlanError, ShardingPlan
+
+SPARSE_OPTIMIZERS = ["sgd", "adagrad", "rowwise_adagrad"]
+CRITEO_DENSE = 13
+CRITEO_CATEGORICAL = 26
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the file and the key."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    kind: Literal["dlrm", "dlrm_dcn"]
+    dense_in_features: int
+    dense_arch_layer_sizes: list[int]
+    over_arch_layer_sizes: list[int]
+    dcn_num_layers: int = 2
+    dcn_low_rank_dim: int = 16
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    features: list[str]
+    pooling: Literal["sum", "mean"] = "sum"
+    mean_pooling: float = 1.0  # mean ids per bag, for synthetic data and the planner
+
+    def embedding_bag_config(self) -> EmbeddingBagConfig:
+        return EmbeddingBagConfig(
+            name=self.name,
+            num_embeddings=self.num_embeddings,
+            embedding_dim=self.embedding_dim,
+            feature_names=list(self.features),
+            pooling=PoolingType.MEAN if self.pooling == "mean" else PoolingType.SUM,
+        )
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    type: Literal["sgd", "adagrad", "rowwise_adagrad", "adam"]
+    lr: float
+    eps: float = 1e-8
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    type: Literal["synthetic", "criteo"] = "synthetic"
+    path: str | None = None  # Criteo TSV for training
+    eval_path: str | None = None  # Criteo TSV held out for evaluation
+    skip_bad_lines: bool = False  # skip malformed Criteo lines instead of failing
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    every: int = 100  # steps between evaluations; 0 turns them off
+    batches: int = 8  # per rank
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    metrics: str | None = None  # JSONL file that rank 0 appends to
+    every: int = 10  # steps between metrics lines
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: ModelConfig
+    tables: list[TableConfig]
+    sparse_optimizer: OptimizerConfig
+    dense_optimizer: OptimizerConfig
+    batch_size: int  # per rank
+    steps: int
+    plan: dict[str, Any] | None = None  # a plan's "tables" mapping; None: default_plan
+    seed: int = 0
+    timeout_s: int = 120  # process group timeout
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return [t.embedding_bag_config() for t in self.tables]
+
+    def sharding_plan(self) -> ShardingPlan | None:
+        if self.plan is None:
+            return None
+        return ShardingPlan.from_yaml(yaml.safe_dump({"tables": self.plan}))
+
+
+def _parse(kind: Any, value: Any, where: str) -> Any:
+    """``value`` checked against the type annotation ``kind``."""
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(kind)
+        if value is None and type(None) in options:
+            return None
+        return _parse(next(o for o in options if o is not type(None)), value, where)
+    if origin is Literal:
+        if value not in typing.get_args(kind):
+            raise ConfigError(
+                f"{where}: expected one of {list(typing.get_args(kind))}, got {value!r}"
+            )
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        (item,) = typing.get_args(kind)
+        return [_parse(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return value
+    if dataclasses.is_dataclass(kind):
+        return _dataclass(kind, value, where)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if (kind is int and isinstance(value, bool)) or not isinstance(value, kind):
+        raise ConfigError(f"{where}: expected {kind.__name__}, got {value!r}")
+    return value
+
+
+def _dataclass(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {unknown} (known: {sorted(fields)})")
+    missing = [
+        n
+        for n, f in fields.items()
+        if n not in data
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(f"{where}: missing keys {missing}")
+    return cls(**{k: _parse(hints[k], v, f"{where}.{k}") for k, v in data.items()})
+
+
+def load_config(path: str | Path) -> TrainConfig:
+    """Read and check a training config; every problem found is a ConfigError."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    config = _dataclass(TrainConfig, data, str(path))
+    _check(config, str(path))
+    return config
+
+
+def _check(config: TrainConfig, where: str) -> None:
+    if not config.tables:
+        raise ConfigError(f"{where}.tables: a model needs at least one table")
+    names = [t.name for t in config.tables]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{where}.tables: table names repeat: {names}")
+    for key in ("batch_size", "steps", "timeout_s"):
+        if getattr(config, key) < 1:
+            raise ConfigError(f"{where}.{key}: must be at least 1")
+    dims = {t.embedding_dim for t in config.tables}
+    if len(dims) != 1:
+        raise ConfigError(
+            f"{where}.tables: DLRM needs one embedding_dim for all, got {sorted(dims)}"
+        )
+    if config.model.dense_arch_layer_sizes[-1] != dims.pop():
+        raise ConfigError(
+            f"{where}.model.dense_arch_layer_sizes: the last size must equal embedding_dim"
+        )
+    try:
+        plan = config.sharding_plan()
+    except PlanError as e:
+        raise ConfigError(f"{where}.plan: {e}") from None
+    if plan is not None:
+        missing = [n for n in names if n not in plan.tables]
+        unknown = [n for n in plan.tables if n not in names]
+        if missing or unknown:
+            raise ConfigError(
+                f"{where}.plan: tables missing from the plan: {missing}; "
+                f"plan entries for tables the model does not have: {unknown}"
+            )
+    if config.sparse_optimizer.type not in SPARSE_OPTIMIZERS:
+        raise ConfigError(
+            f"{where}.sparse_optimizer.type: FBGEMM's CPU kernels run {SPARSE_OPTIMIZERS}"
+        )
+    data = config.data
+    if data.type == "criteo":
+        if config.model.dense_in_features != CRITEO_DENSE:
+            raise ConfigError(f"{where}.model.dense_in_features: Criteo has {CRITEO_DENSE}")
+        columns = {f"cat_{i}" for i in range(CRITEO_CATEGORICAL)}
+        unknown = sorted({f for t in config.tables for f in t.features} - columns)
+        if unknown:
+            raise ConfigError(f"{where}.tables: Criteo features are cat_0..cat_25, got {unknown}")
+        for key in ("path", "eval_path"):
+            file = getattr(data, key)
+            if file is not None and not Path(file).is_file():
+                raise ConfigError(f"{where}.data.{key}: cannot read {file}")
+        if data.path is None:
+            raise ConfigError(f"{where}.data.path: Criteo data needs a path")

@@ -1,0 +1,95 @@
+"""Training configs fail before training, naming the file, key and problem."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from embshard.cli import main as cli
+from embshard.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def small() -> dict:
+    return yaml.safe_load((ROOT / "configs" / "small.yaml").read_text())
+
+
+def write(tmp_path: Path, data: dict) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_shipped_configs_load(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the Criteo config reads data/criteo_sample/*.tsv
+    for name in ("train", "eval"):
+        (tmp_path / "data" / "criteo_sample").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "data" / "criteo_sample" / f"{name}.tsv").write_text("")
+    for path in (ROOT / "configs").glob("*.yaml"):
+        if path.name != "example_plan.yaml":
+            load_config(path)
+
+
+def broken(change) -> dict:
+    data = small()
+    change(data)
+    return data
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            lambda d: d["model"].update(dense_in=3),
+            r"config.yaml.model: unknown keys \['dense_in'\]",
+        ),
+        (lambda d: d.pop("steps"), r"config.yaml: missing keys \['steps'\]"),
+        (lambda d: d.update(batch_size="big"), "config.yaml.batch_size: expected int, got 'big'"),
+        (lambda d: d["model"].update(kind="wide"), "config.yaml.model.kind: expected one of"),
+        (lambda d: d["tables"][0].update(embedding_dim=8), "one embedding_dim for all"),
+        (lambda d: d["tables"][1].update(name="user"), "table names repeat"),
+        (
+            lambda d: d.update(plan={"user": {"type": "row_wise"}}),
+            r"tables missing from the plan: \['item', 'category', 'city', 'device'\]",
+        ),
+        (
+            lambda d: d.update(plan={"user": {"type": "row_wise", "size": [1]}}),
+            r"config.yaml.plan: invalid sharding plan:\n  table 'user': unknown keys",
+        ),
+        (
+            lambda d: d["sparse_optimizer"].update(type="adam"),
+            "sparse_optimizer.type: FBGEMM's CPU",
+        ),
+        (
+            lambda d: d.update(data={"type": "criteo", "path": "/nope.tsv"}),
+            r"tables: Criteo features are cat_0..cat_25, got \['category'",
+        ),
+        (lambda d: d.update(steps=0), "config.yaml.steps: must be at least 1"),
+    ],
+)
+def test_config_errors(tmp_path, change, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, broken(change)))
+
+
+def test_unreadable_criteo_file(tmp_path):
+    data = yaml.safe_load((ROOT / "configs" / "criteo_sample.yaml").read_text())
+    data["data"]["path"] = str(tmp_path / "missing.tsv")
+    with pytest.raises(ConfigError, match=r"data.path: cannot read .*missing.tsv"):
+        load_config(write(tmp_path, data))
+
+
+def test_unreadable_config(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "none.yaml")
+
+
+def test_cli_reports_config_errors_before_starting(tmp_path):
+    path = write(tmp_path, broken(lambda d: d["model"].update(dense_in=3)))
+    result = CliRunner().invoke(cli, ["train", str(path), "--nproc", "2"])
+    assert result.exit_code == 1
+    assert "unknown keys ['dense_in']" in result.output
