@@ -34,3 +34,63 @@ def train(config: str, nproc: int) -> None:
         run(args)
     except ChildFailedError as e:
         raise click.ClickException(f"training failed:\n{e}") from None
+
+
+@main.group()
+def ckpt() -> None:
+    """Inspect and export checkpoints (no process group needed)."""
+
+
+@ckpt.command()
+@click.argument("directory", type=click.Path(exists=True, file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+def inspect(directory: str, as_json: bool) -> None:
+    """Show a checkpoint: step, size, tables, their saved layout and optimizer state.
+
+    DIRECTORY is a checkpoint (step_*) or a root of them, for the latest.
+    """
+    import json
+
+    from embshard.checkpoint import CheckpointError, describe
+
+    try:
+        info = describe(directory)
+    except CheckpointError as e:
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    click.echo(
+        f"{info['path']}: step {info['step']}, saved by {info['world_size']} ranks, "
+        f"{info['bytes_on_disk'] / 2**20:.1f} MiB on disk"
+    )
+    click.echo(
+        f"dense: {info['dense_tensors']} tensors, optimizer state: {info['dense_optimizer']}"
+    )
+    for name, table in info["tables"].items():
+        state = table["optimizer_state_shape"]
+        click.echo(
+            f"{name}: {tuple(table['shape'])} {table['dtype']}, {table['optimizer']}"
+            + (f" state {tuple(state)}" if state else "")
+        )
+        for s in table["shards"]:
+            if s["rows"] and s["cols"]:
+                click.echo(
+                    f"    rank {s['rank']}: rows {s['row_offset']}:{s['row_offset'] + s['rows']}, "
+                    f"cols {s['col_offset']}:{s['col_offset'] + s['cols']}"
+                )
+
+
+@ckpt.command()
+@click.argument("directory", type=click.Path(exists=True, file_okay=False))
+@click.argument("out", type=click.Path(dir_okay=False))
+def export(directory: str, out: str) -> None:
+    """Write DIRECTORY's model as a plain unsharded state dict (torch.save) to OUT."""
+    from embshard.checkpoint import CheckpointError
+    from embshard.checkpoint import export as export_checkpoint
+
+    try:
+        keys = export_checkpoint(directory, out)
+    except CheckpointError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"wrote {len(keys)} tensors to {out}")

@@ -32,7 +32,7 @@ from embshard.dist import (
 from embshard.init import init_shard
 from embshard.inputs import LocalBatch, check_batch
 from embshard.lookup import SGD, FusedOptimizer
-from embshard.plan import ShardingPlan
+from embshard.plan import ShardedTable, ShardingPlan
 from embshard.routes import build_routes
 from embshard.shards import allocate_storage, gather_table, table_dtensor
 
@@ -92,6 +92,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         _check_mesh(mesh)
         _check_configs(configs, is_weighted)
         self._configs = list(configs)
+        self._optimizer = optimizer
         self._tables = plan.resolve(self._configs, mesh.size())
         self._plan = plan
         self._mesh = mesh
@@ -108,11 +109,14 @@ class ShardedEmbeddingBagCollection(nn.Module):
             self._tables, self._rank, optimizer, _mesh_device(mesh), feature_table_map
         )
         self._fill(seed, weights)
+        submesh = functools.partial(_submesh, mesh)
         self._weights = {
-            name: table_dtensor(
-                table, self._storage.wrappers[name], mesh, functools.partial(_submesh, mesh)
-            )
+            name: table_dtensor(table, self._storage.weights[name], mesh, submesh)
             for name, table in self._tables.items()
+        }
+        self._optimizer_state = {
+            name: table_dtensor(self._tables[name], wrapper, mesh, submesh, shape)
+            for name, (wrapper, shape) in self._storage.optimizer_state.items()
         }
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
@@ -200,6 +204,21 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """Every table as a DTensor over this rank's shards (views of the TBE's weights)."""
         return dict(self._weights)
 
+    @property
+    def fused_optimizer(self) -> FusedOptimizer:
+        return self._optimizer
+
+    @property
+    def tables(self) -> dict[str, ShardedTable]:
+        """Every table's resolved shards."""
+        return dict(self._tables)
+
+    def optimizer_state(self) -> dict[str, DTensor]:
+        """The fused optimizer's state, ``embedding_bags.<table>.momentum1``: per element
+        (Adagrad, shaped like the table) or per row and column block (row-wise
+        Adagrad, one column per block); empty for SGD. Views: writes go to the TBE."""
+        return {f"embedding_bags.{n}.momentum1": s for n, s in self._optimizer_state.items()}
+
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return list(self._configs)
 
@@ -242,7 +261,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     def _load_table(self, name: str, value: torch.Tensor) -> None:
         full = gather_table(value) if isinstance(value, DTensor) else value
-        wrapper = self._storage.wrappers[name]
+        wrapper = self._storage.weights[name]
         with torch.no_grad():
             for shard, (row, col) in zip(wrapper.local_shards(), wrapper.local_offsets()):
                 rows, cols = shard.shape

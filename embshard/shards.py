@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from embshard.lookup import FusedOptimizer, build_tbe
+from embshard.lookup import Adagrad, FusedOptimizer, RowWiseAdagrad, build_tbe
 from embshard.plan import (
     ColumnWise,
     RowWise,
@@ -199,13 +199,15 @@ def table_dtensor(
     local: LocalShardsWrapper,
     mesh: DeviceMesh,
     submesh: Callable[[tuple[int, ...]], DeviceMesh],
+    shape: tuple[int, int] | None = None,
 ) -> DTensor:
     """The table as a DTensor with its global shape and stride.
 
     Table-wise: ``Replicate()`` on its owner's one-rank mesh. Row-wise: ``Shard(0)``
     on ``mesh``. Column-wise: ``Shard(1)`` on the mesh of its owners. ``submesh(ranks)``
     gives the mesh of plan ranks ``ranks``; it must be called in the same order on
-    every rank, since building a mesh is collective.
+    every rank, since building a mesh is collective. ``shape`` overrides the global
+    shape, for optimizer state laid out like the table's rows.
     """
     if isinstance(table.spec, TableWise):
         table_mesh, placement = submesh((table.spec.rank,)), Replicate()
@@ -215,13 +217,14 @@ def table_dtensor(
         table_mesh, placement = submesh(tuple(sorted(set(table.spec.ranks)))), Shard(1)
     else:
         raise TypeError(f"table {table.name!r}: unknown sharding spec {table.spec!r}")
+    rows, cols = shape or (table.num_embeddings, table.embedding_dim)
     return DTensor.from_local(
         local,
         table_mesh,
         [placement],
         run_check=False,
-        shape=torch.Size((table.num_embeddings, table.embedding_dim)),
-        stride=(table.embedding_dim, 1),
+        shape=torch.Size((rows, cols)),
+        stride=(cols, 1),
     )
 
 
@@ -243,16 +246,45 @@ def gather_table(table: DTensor, group: dist.ProcessGroup | None = None) -> torc
     return full
 
 
+def column_blocks(table: ShardedTable) -> list[tuple[int, int]]:
+    """The table's distinct column ranges (offset, width): its blocks for row-wise
+    optimizer state, one per column-wise block, else one for the whole row."""
+    return sorted({(s.col_offset, s.cols) for s in table.shards})
+
+
 @dataclass
 class LocalStorage:
     """A rank's shards of every table, all in one TBE (none if the rank holds nothing).
 
-    TBE table ``i`` holds ``shards[i]``; ``wrappers`` views them per table.
+    TBE table ``i`` holds ``shards[i]``. ``weights`` views them per table;
+    ``optimizer_state`` views the fused optimizer's state per table, with its global
+    shape: Adagrad's is shaped like the table, row-wise Adagrad's is one column per
+    column block (``column_blocks``), SGD has none.
     """
 
     tbe: SplitTableBatchedEmbeddingBagsCodegen | None
     shards: list[tuple[str, TableShard]]
-    wrappers: dict[str, LocalShardsWrapper]
+    weights: dict[str, LocalShardsWrapper]
+    optimizer_state: dict[str, tuple[LocalShardsWrapper, tuple[int, int]]]
+
+
+def _per_table(
+    tables: Mapping[str, ShardedTable],
+    shards: list[tuple[str, TableShard]],
+    views: Sequence[torch.Tensor],
+    offset: Callable[[ShardedTable, TableShard], tuple[int, int]],
+    device: torch.device,
+) -> dict[str, LocalShardsWrapper]:
+    wrappers = {}
+    for name, table in tables.items():
+        mine = [(s, v) for (n, s), v in zip(shards, views) if n == name]
+        wrappers[name] = LocalShardsWrapper(
+            [v for _, v in mine],
+            [offset(table, s) for s, _ in mine],
+            dtype=torch.float32,
+            device=device,
+        )
+    return wrappers
 
 
 def allocate_storage(
@@ -271,13 +303,28 @@ def allocate_storage(
     shapes = [(s.rows, s.cols) for _, s in shards]
     tbe = build_tbe(shapes, optimizer, device, feature_table_map) if shards else None
     views = tbe.split_embedding_weights() if tbe is not None else []
-    wrappers = {}
-    for name in tables:
-        mine = [(s, v) for (n, s), v in zip(shards, views) if n == name]
-        wrappers[name] = LocalShardsWrapper(
-            [v for _, v in mine],
-            [(s.row_offset, s.col_offset) for s, _ in mine],
-            dtype=torch.float32,
-            device=device,
+    weights = _per_table(tables, shards, views, lambda t, s: (s.row_offset, s.col_offset), device)
+    state: dict[str, tuple[LocalShardsWrapper, tuple[int, int]]] = {}
+    if isinstance(optimizer, Adagrad):
+        states = [st[0] for st in tbe.split_optimizer_states()] if tbe is not None else []
+        wrappers = _per_table(
+            tables, shards, states, lambda t, s: (s.row_offset, s.col_offset), device
         )
-    return LocalStorage(tbe, shards, wrappers)
+        state = {
+            n: (w, (t.num_embeddings, t.embedding_dim))
+            for (n, w), t in zip(wrappers.items(), tables.values())
+        }
+    elif isinstance(optimizer, RowWiseAdagrad):
+        states = (
+            [st[0].unsqueeze(1) for st in tbe.split_optimizer_states()] if tbe is not None else []
+        )
+
+        def block(table: ShardedTable, s: TableShard) -> tuple[int, int]:
+            return s.row_offset, column_blocks(table).index((s.col_offset, s.cols))
+
+        wrappers = _per_table(tables, shards, states, block, device)
+        state = {
+            n: (w, (t.num_embeddings, len(column_blocks(t))))
+            for (n, w), t in zip(wrappers.items(), tables.values())
+        }
+    return LocalStorage(tbe, shards, weights, state)

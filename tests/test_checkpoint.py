@@ -1,0 +1,322 @@
+"""Checkpoints: resharding across worlds and plans, optimizer state, safety, interop, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from click.testing import CliRunner
+from oracle import Case, Table, global_batch, local_batches
+from torchrec import EmbeddingBagCollection
+
+import embshard
+from embshard import ShardingPlan, column_wise, row_wise, table_wise
+from embshard import checkpoint as ckpt
+from embshard.cli import main as cli
+
+TABLES = (
+    Table("a", 30, 16, ("f_a",)),
+    Table("b", 30, 16, ("f_b",)),
+    Table("c", 24, 16, ("f_c",)),
+    Table("d", 40, 16, ("f_d",)),
+)
+
+PLANS = {
+    4: {
+        "a": table_wise(3),
+        "b": row_wise([0, 20, 0, 10]),
+        "c": column_wise([3, 0, 3, 1]),
+        "d": row_wise(),
+    },
+    1: {t.name: table_wise(0) for t in TABLES},
+    2: {"a": row_wise(), "b": column_wise([1, 0]), "c": table_wise(1), "d": row_wise([5, 35])},
+    3: {
+        "a": column_wise([2, 0]),
+        "b": table_wise(1),
+        "c": row_wise(),
+        "d": column_wise([0, 1, 2, 0]),
+    },
+}
+
+
+def build(world: int, optimizer, seed: int = 0, plan=None):
+    torch.manual_seed(seed)
+    ebc = EmbeddingBagCollection(tables=[t.config() for t in TABLES], device="meta")
+    return embshard.shard(ebc, ShardingPlan(plan or PLANS[world]), optimizer=optimizer, seed=seed)
+
+
+def train_steps(sharded, steps: int, seed: int = 0) -> None:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    case = Case(TABLES, sharded.plan, tuple([6] * world), seed=seed)
+    for step in range(steps):
+        sharded(local_batches(case, step)[rank]).values().pow(2).sum().backward()
+
+
+def full(sharded) -> dict[str, torch.Tensor]:
+    tables = {f"weight.{n}": embshard.gather_table(w) for n, w in sharded.weights.items()}
+    state = {
+        f"state.{k.split('.')[1]}": embshard.gather_table(v)
+        for k, v in sharded.optimizer_state().items()
+    }
+    return tables | state
+
+
+def save_trained(root: str, optimizer, steps: int = 2) -> dict:
+    sharded = build(dist.get_world_size(), optimizer)
+    train_steps(sharded, steps)
+    ckpt.save(root, sharded, step=steps)
+    return full(sharded)
+
+
+def load_into(root: str, optimizer, plan=None) -> tuple[int, dict]:
+    sharded = build(dist.get_world_size(), optimizer, seed=9, plan=plan)
+    step = ckpt.load(ckpt.latest(root), sharded)
+    return step, full(sharded)
+
+
+def expected_rowwise(saved: torch.Tensor, saved_blocks, target_blocks) -> torch.Tensor:
+    """Width-weighted mean of the saved blocks each target block overlaps."""
+    columns = []
+    for start, width in target_blocks:
+        total = torch.zeros(saved.shape[0])
+        for index, (s, w) in enumerate(saved_blocks):
+            overlap = max(0, min(start + width, s + w) - max(start, s))
+            total += saved[:, index] * overlap / width
+        columns.append(total)
+    return torch.stack(columns, dim=1)
+
+
+def blocks_of(plan_spec, dim: int = 16) -> list[tuple[int, int]]:
+    if isinstance(plan_spec, embshard.ColumnWise):
+        width = dim // len(plan_spec.ranks)
+        return [(i * width, width) for i in range(len(plan_spec.ranks))]
+    return [(0, dim)]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_reshard_from_4_ranks(world, world_size, tmp_path):
+    optimizer = embshard.RowWiseAdagrad(lr=0.1)
+    saved = world(4).run(save_trained, str(tmp_path), optimizer)[0]
+    for step, loaded in world(world_size).run(load_into, str(tmp_path), optimizer):
+        assert step == 2
+        for t in TABLES:
+            assert torch.equal(loaded[f"weight.{t.name}"], saved[f"weight.{t.name}"]), t.name
+            expected = expected_rowwise(
+                saved[f"state.{t.name}"],
+                blocks_of(PLANS[4][t.name]),
+                blocks_of(PLANS[world_size][t.name]),
+            )
+            torch.testing.assert_close(loaded[f"state.{t.name}"], expected, rtol=1e-6, atol=0)
+            assert loaded[f"state.{t.name}"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_adagrad_state_reshards_exactly(world, world_size, tmp_path):
+    optimizer = embshard.Adagrad(lr=0.1)
+    saved = world(4).run(save_trained, str(tmp_path), optimizer)[0]
+    for _, loaded in world(world_size).run(load_into, str(tmp_path), optimizer):
+        for key, value in saved.items():
+            assert torch.equal(loaded[key], value), key
+
+
+def one_step_state(root: str | None, plan_name: str) -> dict:
+    """Row-wise Adagrad after one step under a plan, optionally saved. One rank takes
+    the 4-rank global batch with the loss divided by 4, as the 4 ranks do together."""
+    world = dist.get_world_size()
+    sharded = build(world, embshard.RowWiseAdagrad(lr=0.1), plan=PLANS[int(plan_name)])
+    batches = local_batches(Case(TABLES, sharded.plan, (6,) * 4), 0)
+    if world == 1:
+        (sharded(global_batch(batches)).values().pow(2).sum() / 4).backward()
+    else:
+        sharded(batches[dist.get_rank()]).values().pow(2).sum().backward()
+    if root:
+        ckpt.save(root, sharded, step=1)
+    return full(sharded)
+
+
+def test_merging_column_blocks_of_rowwise_state_is_exact(world, tmp_path):
+    # One step from the same weights and batch: the table-wise state is exactly the
+    # width-weighted mean of the column blocks' states.
+    world(4).run(one_step_state, str(tmp_path), "4")
+    loaded = world(1).run(load_into, str(tmp_path), embshard.RowWiseAdagrad(lr=0.1))[0][1]
+    direct = world(1).run(one_step_state, None, "1")[0]
+    torch.testing.assert_close(loaded["state.c"], direct["state.c"], rtol=1e-6, atol=0)
+
+
+def mismatched_load(root: str, change: str):
+    tables = list(TABLES)
+    if change == "shape":
+        tables[2] = Table("c", 25, 16, ("f_c",))
+    else:
+        tables[2] = Table("z", 24, 16, ("f_c",))
+    plan = {t.name: table_wise(0) for t in tables}
+    ebc = EmbeddingBagCollection(tables=[t.config() for t in tables], device="meta")
+    sharded = embshard.shard(ebc, ShardingPlan(plan), optimizer=embshard.SGD(lr=0.1))
+    before = full(sharded)
+    try:
+        ckpt.load(ckpt.latest(root), sharded)
+    except ckpt.CheckpointError as e:
+        after = full(sharded)
+        return str(e), all(torch.equal(before[k], after[k]) for k in before)
+    return None, False
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            "shape",
+            "table 'c' (model.embedding_bags.c.weight): the checkpoint has (24, 16) "
+            "torch.float32, the model (25, 16) torch.float32",
+        ),
+        ("name", "table 'z' (model.embedding_bags.z.weight): missing from the checkpoint"),
+    ],
+)
+def test_mismatched_checkpoint_fails_on_every_rank_and_changes_nothing(
+    world, tmp_path, change, message
+):
+    world(2).run(save_trained, str(tmp_path), embshard.SGD(lr=0.1))
+    for error, unchanged in world(2).run(mismatched_load, str(tmp_path), change):
+        assert error is not None and message in error, error
+        assert unchanged
+
+
+def damaged_load(root: str):
+    sharded = build(dist.get_world_size(), embshard.RowWiseAdagrad(lr=0.1), seed=9)
+    before = full(sharded)
+    try:
+        ckpt.load(root, sharded)
+    except ckpt.CheckpointError as e:
+        after = full(sharded)
+        return str(e), all(torch.equal(before[k], after[k]) for k in before)
+    return None, False
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "garbage"])
+def test_damaged_checkpoint_fails_on_every_rank_and_changes_nothing(world, tmp_path, damage):
+    world(2).run(save_trained, str(tmp_path), embshard.RowWiseAdagrad(lr=0.1))
+    path = ckpt.latest(tmp_path)
+    victim = sorted(path.glob("*.distcp"))[-1]
+    data = victim.read_bytes()
+    if damage == "missing":
+        victim.unlink()
+    elif damage == "truncated":
+        victim.write_bytes(data[: len(data) // 2])
+    else:
+        victim.write_bytes(data[:64] + bytes(len(data) - 64))
+    expected = "reading the checkpoint failed" if damage == "garbage" else "incomplete checkpoint"
+    for error, unchanged in world(2).run(damaged_load, str(path)):
+        assert error is not None and expected in error, error
+        assert unchanged
+
+
+def save_steps(root: str, steps: list[int], keep: int) -> None:
+    sharded = build(dist.get_world_size(), embshard.SGD(lr=0.1))
+    for step in steps:
+        ckpt.save(root, sharded, step=step, keep=keep)
+
+
+def test_keeps_the_last_k(world, tmp_path):
+    world(2).run(save_steps, str(tmp_path), [1, 2, 3, 4, 5], 2)
+    assert [p.name for p in ckpt.checkpoints(tmp_path)] == ["step_00000004", "step_00000005"]
+    (tmp_path / ".step_00000006.tmp").mkdir()  # a save cut off midway
+    assert ckpt.latest(tmp_path).name == "step_00000005"
+
+
+def load_unsharded_dcp(path: str, reference: dict) -> bool:
+    sharded = build(dist.get_world_size(), embshard.SGD(lr=0.1), seed=9)
+    assert ckpt.load(path, sharded) == 0
+    return all(
+        torch.equal(embshard.gather_table(w), reference[n]) for n, w in sharded.weights.items()
+    )
+
+
+def test_torchrec_state_dicts_load_and_exports_load_into_torchrec(world, tmp_path):
+    torch.manual_seed(5)
+    ebc = EmbeddingBagCollection(tables=[t.config() for t in TABLES])
+    reference = {n: b.weight.detach().clone() for n, b in ebc.embedding_bags.items()}
+    dcp.save(ebc.state_dict(), checkpoint_id=str(tmp_path / "plain"), no_dist=True)
+    assert all(world(3).run(load_unsharded_dcp, str(tmp_path / "plain"), reference))
+
+    world(2).run(save_trained, str(tmp_path / "sharded"), embshard.SGD(lr=0.1))
+    saved = world(2).run(load_into, str(tmp_path / "sharded"), embshard.SGD(lr=0.1))[0][1]
+    result = CliRunner().invoke(
+        cli, ["ckpt", "export", str(tmp_path / "sharded"), str(tmp_path / "out.pt")]
+    )
+    assert result.exit_code == 0, result.output
+    unsharded = EmbeddingBagCollection(tables=[t.config() for t in TABLES])
+    unsharded.load_state_dict(torch.load(tmp_path / "out.pt"), strict=True)
+    for name, bag in unsharded.embedding_bags.items():
+        assert torch.equal(bag.weight, saved[f"weight.{name}"])
+
+
+def test_ckpt_inspect(world, tmp_path):
+    world(4).run(save_trained, str(tmp_path), embshard.RowWiseAdagrad(lr=0.1))
+    result = CliRunner().invoke(cli, ["ckpt", "inspect", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.output)
+    assert info["step"] == 2 and info["world_size"] == 4 and info["bytes_on_disk"] > 0
+    c = info["tables"]["embedding_bags.c"]
+    assert (
+        c["shape"] == [24, 16] and c["dtype"] == "float32" and c["optimizer"] == "rowwise_adagrad"
+    )
+    assert c["optimizer_state_shape"] == [24, 4]
+    assert [(s["rank"], s["col_offset"], s["cols"]) for s in c["shards"]] == [
+        (3, 0, 4),
+        (0, 4, 4),
+        (3, 8, 4),
+        (1, 12, 4),
+    ]
+    text = CliRunner().invoke(cli, ["ckpt", "inspect", str(tmp_path)])
+    assert "embedding_bags.b: (30, 16) float32, rowwise_adagrad state (30, 1)" in text.output
+    assert "    rank 3: rows 20:30, cols 0:16" in text.output
+    bad = CliRunner().invoke(cli, ["ckpt", "inspect", str(tmp_path / "step_00000002" / "..")])
+    assert bad.exit_code == 0
+
+
+SAVER = """
+import os, sys, time, torch, torch.distributed as dist
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+import embshard
+from embshard import checkpoint as ckpt
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+tables = [
+    EmbeddingBagConfig(name=f"t{i}", num_embeddings=1 << 20, embedding_dim=32, feature_names=["f"])
+    for i in range(4)
+]
+plan = embshard.ShardingPlan({t.name: embshard.row_wise() for t in tables})
+sharded = embshard.shard(EmbeddingBagCollection(tables=tables, device="meta"), plan)
+ckpt.save(sys.argv[1], sharded, step=1)
+print("saved", flush=True)
+while True:
+    ckpt.save(sys.argv[1], sharded, step=2)
+"""
+
+
+def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path):
+    root = tmp_path / "ckpt"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SAVER, str(root), str(tmp_path / "store")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout.readline().strip() == "saved"
+    deadline = time.monotonic() + 120
+    while not (root / ".step_00000002.tmp").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # inside the write of step 2
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert ckpt.latest(root).name == "step_00000001"
+    info = ckpt.describe(root)
+    assert info["step"] == 1 and info["tables"]["embedding_bags.t0"]["shape"] == [1 << 20, 32]
+    tensors = ckpt.read_tensors(root / "step_00000001", "model.")
+    assert tensors["embedding_bags.t3.weight"].shape == (1 << 20, 32)
