@@ -15,10 +15,18 @@ def main() -> None:
 @main.command()
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.option("--nproc", default=2, show_default=True, help="Processes (ranks) on this host.")
-def train(config: str, nproc: int) -> None:
+@click.option("--resume", is_flag=True, help="Continue from the latest checkpoint.")
+@click.option(
+    "--max-restarts",
+    default=0,
+    show_default=True,
+    help="Restart every rank this many times when one fails; restarts resume.",
+)
+def train(config: str, nproc: int, resume: bool, max_restarts: int) -> None:
     """Train the DLRM that CONFIG (YAML) describes, with NPROC ranks on this host.
 
-    The same as: torchrun --standalone --nproc-per-node NPROC -m embshard.train --config CONFIG
+    The same as: torchrun --standalone --nproc-per-node NPROC --max-restarts K
+    -m embshard.train --config CONFIG [--resume]
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -27,9 +35,9 @@ def train(config: str, nproc: int) -> None:
         load_config(config)  # fail here, before any process starts
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
-    args = get_args_parser().parse_args(
-        ["--standalone", "--nproc-per-node", str(nproc), "-m", "embshard.train", "--config", config]
-    )
+    launch = ["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts)]
+    job = ["-m", "embshard.train", "--config", config, *(["--resume"] if resume else [])]
+    args = get_args_parser().parse_args([*launch, *job])
     try:
         run(args)
     except ChildFailedError as e:

@@ -85,6 +85,13 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str | None = None  # root of step_* checkpoints; None: no checkpoints
+    every: int = 0  # steps between saves (0: only at the end and on SIGTERM)
+    keep: int = 3  # how many to keep
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     model: ModelConfig
     tables: list[TableConfig]
@@ -98,6 +105,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return [t.embedding_bag_config() for t in self.tables]

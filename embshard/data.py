@@ -93,8 +93,9 @@ class SyntheticData:
         )
         return Batch(dense, sparse, labels)
 
-    def train_batches(self) -> Iterator[Batch]:
-        step = 0
+    def train_batches(self, start: int = 0) -> Iterator[Batch]:
+        """The batches of steps ``start``, ``start + 1``, ..."""
+        step = start
         while True:
             yield self.batch(step)
             step += 1
@@ -204,8 +205,12 @@ class CriteoData:
         )
         return Batch(dense, sparse, labels)
 
-    def train_batches(self) -> Iterator[Batch]:
-        return self._batches(self.path, repeat=True)
+    def train_batches(self, start: int = 0) -> Iterator[Batch]:
+        """The batches of steps ``start``, ``start + 1``, ...: the file's, cycled."""
+        batches = self._batches(self.path, repeat=True)
+        for _ in range(start):
+            next(batches)
+        return batches
 
     def eval_batches(self, count: int) -> list[Batch]:
         if self.eval_path is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -28,6 +29,7 @@ from torchrec.models.dlrm import DLRM, DLRM_DCN
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from tqdm import tqdm
 
+from embshard import checkpoint
 from embshard.config import ConfigError, OptimizerConfig, TrainConfig, load_config
 from embshard.data import Batch, CriteoData, SyntheticData
 from embshard.lookup import SGD, Adagrad, FusedOptimizer, RowWiseAdagrad
@@ -135,23 +137,27 @@ class Metrics:
             self.file.close()
 
 
-def train(config: TrainConfig) -> dict:
+def train(config: TrainConfig, resume: bool = False) -> dict:
     """Run the training loop on an initialized process group; rank 0 reports.
 
-    SIGTERM (on any rank) stops every rank after the step in flight.
+    With ``resume`` (or when torchrun restarted the job), it continues from the latest
+    checkpoint under ``config.checkpoint.dir``, on any world size. SIGTERM (on any
+    rank) saves a checkpoint, if configured, and stops every rank after the step in
+    flight.
     """
     global _stop_requested
     _stop_requested = False
     previous = signal.signal(signal.SIGTERM, _request_stop)
     try:
-        return _train(config)
+        return _train(config, resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _train(config: TrainConfig) -> dict:
+def _train(config: TrainConfig, resume: bool) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     plan = config.sharding_plan() or default_plan(config.embedding_bag_configs(), world)
+    torch.manual_seed(config.seed)  # the dense layers' init: runs are reproducible
     model = shard_model(
         build_model(config),
         plan,
@@ -162,20 +168,26 @@ def _train(config: TrainConfig) -> dict:
         layout = describe_plan(plan, config, world)
         print(f"embshard: {config.model.kind} on {world} ranks, plan:\n{layout}", flush=True)
     optimizer = dense_optimizer(config.dense_optimizer, model.parameters())
+    saves = config.checkpoint
+    start = 0
+    found = checkpoint.latest(saves.dir) if resume and saves.dir else None
+    if found is not None:
+        start = checkpoint.load(found, model, optimizer)
+        if rank == 0:
+            print(f"embshard: resumed from {found} at step {start}", flush=True)
     data = build_data(config, rank, world)
     eval_batches = data.eval_batches(config.eval.batches) if config.eval.every else []
     metrics = Metrics(config.logging.metrics, rank)
-    progress = tqdm(
-        total=config.steps, disable=rank != 0 or not config.logging.progress, file=sys.stdout
-    )
-    summary: dict = {"steps": 0}
-    if config.eval.every:
+    quiet = rank != 0 or not config.logging.progress
+    progress = tqdm(total=config.steps, initial=start, disable=quiet, file=sys.stdout)
+    summary: dict = {"steps": start}
+    if config.eval.every and start == 0:
         auc, eval_loss = evaluate(model, eval_batches)
         metrics.write({"step": 0, "eval_auc": auc, "eval_loss": eval_loss})
         progress.write(f"step 0: eval AUC {auc:.4f}, eval loss {eval_loss:.4f}")
-    start = last = time.perf_counter()
+    began = last = time.perf_counter()
     samples_since = 0
-    for step, batch in zip(range(config.steps), data.train_batches()):
+    for step, batch in zip(range(start, config.steps), data.train_batches(start)):
         logits = model(batch.dense, batch.sparse).squeeze(1)
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
         loss.backward()
@@ -195,7 +207,7 @@ def _train(config: TrainConfig) -> dict:
                     "step": step + 1,
                     "loss": global_loss,
                     "samples_per_s": rate,
-                    "elapsed_s": now - start,
+                    "elapsed_s": now - began,
                 }
             )
             progress.set_postfix(loss=f"{global_loss:.4f}", samples_s=f"{rate:,.0f}")
@@ -206,6 +218,9 @@ def _train(config: TrainConfig) -> dict:
             metrics.write({"step": step + 1, "eval_auc": auc, "eval_loss": eval_loss})
             progress.write(f"step {step + 1}: eval AUC {auc:.4f}, eval loss {eval_loss:.4f}")
             summary.update(eval_auc=auc, eval_loss=eval_loss)
+        done = step + 1 == config.steps
+        if saves.dir and (stop or done or (saves.every and (step + 1) % saves.every == 0)):
+            checkpoint.save(saves.dir, model, optimizer, step=step + 1, keep=saves.keep)
         if stop:
             progress.write(f"stopping at step {step + 1}: a rank received SIGTERM")
             summary["stopped"] = True
@@ -215,18 +230,37 @@ def _train(config: TrainConfig) -> dict:
     return summary
 
 
+def init_process_group(timeout: timedelta) -> None:
+    """gloo over torchrun's store, under a prefix per restart attempt: torchrun keeps
+    its store across restarts, and gloo would otherwise find the dead attempt's peer
+    addresses there and fail to connect."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size=world,
+        is_master=rank == 0 and not agent_store,
+        timeout=timeout,
+    )
+    prefixed = dist.PrefixStore(f"embshard/attempt_{attempt}", store)
+    dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=world, timeout=timeout)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m embshard.train", description=__doc__)
     parser.add_argument("--config", required=True, help="training config (YAML)")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config)
     except ConfigError as e:
         print(f"embshard: {e}", file=sys.stderr)
         return 2
-    dist.init_process_group("gloo", timeout=timedelta(seconds=config.timeout_s))
+    init_process_group(timedelta(seconds=config.timeout_s))
     try:
-        summary = train(config)
+        summary = train(config, resume=args.resume)
         if dist.get_rank() == 0:
             print(f"embshard: done {json.dumps(summary)}", flush=True)
     finally:

@@ -8,11 +8,14 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import yaml
 
+from embshard import checkpoint as ckpt
 from embshard.config import load_config
 from embshard.train import train
 
@@ -101,3 +104,73 @@ def test_malformed_criteo_line_ends_the_job_with_its_location(tmp_path):
     run = run_cli("train", str(config), "--nproc", "2", cwd=tmp_path)
     assert run.returncode != 0
     assert "train.tsv:251: malformed Criteo line" in run.stdout + run.stderr
+
+
+def small_config(tmp: Path, name: str, steps: int, ckpt_dir: Path, every: int) -> Path:
+    data = yaml.safe_load((ROOT / "configs" / "small.yaml").read_text())
+    data.update(steps=steps, batch_size=32)
+    data["eval"] = {"every": 0}
+    data["logging"] = {"progress": False}
+    data["checkpoint"] = {"dir": str(ckpt_dir), "every": every, "keep": 2}
+    path = tmp / name
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def train_resuming(path: str, resume: bool) -> dict:
+    return train(load_config(path), resume=resume)
+
+
+def test_resume_reaches_the_uninterrupted_weights(world, tmp_path):
+    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+    world(2).run(train_resuming, str(small_config(tmp_path, "a.yaml", 20, straight, 10)), False)
+    world(2).run(train_resuming, str(small_config(tmp_path, "b.yaml", 10, interrupted, 10)), False)
+    summaries = world(2).run(
+        train_resuming, str(small_config(tmp_path, "c.yaml", 20, interrupted, 10)), True
+    )
+    assert summaries[0]["steps"] == 20
+    expected = ckpt.read_tensors(ckpt.latest(straight))
+    resumed = ckpt.read_tensors(ckpt.latest(interrupted))
+    assert ckpt.latest(interrupted).name == "step_00000020"
+    assert expected.keys() == resumed.keys()
+    assert any(k.startswith("dense_optimizer.") for k in expected)
+    assert any(k.startswith("sparse_optimizer.") for k in expected)
+    for key, value in expected.items():
+        assert torch.equal(value, resumed[key]), key
+    # And on another world size, under the default plan for 3 ranks.
+    on_three = world(3).run(
+        train_resuming, str(small_config(tmp_path, "d.yaml", 30, interrupted, 10)), True
+    )
+    assert on_three[0]["steps"] == 30 and ckpt.latest(interrupted).name == "step_00000030"
+
+
+def test_killed_rank_restarts_from_the_last_checkpoint(tmp_path):
+    saves = tmp_path / "ckpt"
+    config = small_config(tmp_path, "long.yaml", 300, saves, 25)
+    cli = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "embshard"),
+            "train",
+            str(config),
+            "--nproc",
+            "2",
+            "--max-restarts",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tmp_path,
+    )
+    deadline = time.monotonic() + 240
+    while not (saves / "step_00000050").is_dir() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    workers = subprocess.run(
+        ["pgrep", "-P", str(cli.pid), "-f", "embshard.train"], capture_output=True, text=True
+    ).stdout.split()
+    assert workers, "no worker processes found"
+    os.kill(int(workers[-1]), signal.SIGKILL)
+    output, _ = cli.communicate(timeout=300)
+    assert cli.returncode == 0, output[-3000:]
+    assert "embshard: resumed from" in output
+    assert ckpt.latest(saves).name == "step_00000300"
