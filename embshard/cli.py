@@ -68,9 +68,10 @@ def inspect(directory: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
+    size = info["bytes_on_disk"]
+    shown = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.1f} KiB"
     click.echo(
-        f"{info['path']}: step {info['step']}, saved by {info['world_size']} ranks, "
-        f"{info['bytes_on_disk'] / 2**20:.1f} MiB on disk"
+        f"{info['path']}: step {info['step']}, saved by {info['world_size']} ranks, {shown} on disk"
     )
     click.echo(
         f"dense: {info['dense_tensors']} tensors, optimizer state: {info['dense_optimizer']}"

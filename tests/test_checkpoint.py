@@ -239,6 +239,7 @@ def load_unsharded_dcp(path: str, reference: dict) -> bool:
     )
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_torchrec_state_dicts_load_and_exports_load_into_torchrec(world, tmp_path):
     torch.manual_seed(5)
     ebc = EmbeddingBagCollection(tables=[t.config() for t in TABLES])

@@ -65,11 +65,13 @@ def test_sigterm_on_one_rank_stops_every_rank(world, tmp_path):
     data.update(steps=100_000, batch_size=64)
     data["eval"] = {"every": 0}
     data["logging"] = {"progress": False}
+    data["checkpoint"] = {"dir": str(tmp_path / "ckpt")}
     path = tmp_path / "long.yaml"
     path.write_text(yaml.safe_dump(data))
     summaries = world(2).run(stop_rank_1_by_sigterm, str(path), timeout=120)
     assert all(s.get("stopped") for s in summaries)
     assert summaries[0]["steps"] == summaries[1]["steps"] < 100_000
+    assert ckpt.describe(tmp_path / "ckpt")["step"] == summaries[0]["steps"]
 
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
