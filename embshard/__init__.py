@@ -14,10 +14,10 @@ from embshard.plan import (
     TableSpec,
     TableWise,
     column_wise,
-    default_plan,
     row_wise,
     table_wise,
 )
+from embshard.planner import PlanningError, TableConstraint, Topology, plan_tables
 from embshard.shards import LocalShardsWrapper, gather_table
 from embshard.torchrec_plan import from_torchrec_plan, to_torchrec_plan
 
@@ -29,18 +29,21 @@ __all__ = [
     "InputError",
     "LocalShardsWrapper",
     "PlanError",
+    "PlanningError",
     "RowWise",
     "RowWiseAdagrad",
     "ShardedEmbeddingBagCollection",
     "ShardedTable",
     "ShardingPlan",
+    "TableConstraint",
     "TableShard",
     "TableSpec",
     "TableWise",
+    "Topology",
     "column_wise",
-    "default_plan",
     "from_torchrec_plan",
     "gather_table",
+    "plan_tables",
     "row_wise",
     "shard",
     "shard_model",

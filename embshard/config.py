@@ -45,6 +45,10 @@ class TableConfig:
     features: list[str]
     pooling: Literal["sum", "mean"] = "sum"
     mean_pooling: float = 1.0  # mean ids per bag, for synthetic data and the planner
+    # Planner constraints: allowed sharding types, ranks its shards may use, column blocks.
+    shardings: list[Literal["table_wise", "row_wise", "column_wise"]] | None = None
+    ranks: list[int] | None = None
+    column_blocks: int | None = None
 
     def embedding_bag_config(self) -> EmbeddingBagConfig:
         return EmbeddingBagConfig(
@@ -85,6 +89,20 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
+class TopologyConfig:
+    """The planner's picture of the machines; unset values take the kind's defaults."""
+
+    kind: Literal["cpu", "gpu"] = "cpu"
+    ranks_per_host: int | None = None
+    memory_per_rank: str | None = None  # like 80GiB
+    intra_bandwidth: float | None = None  # bytes/s
+    inter_bandwidth: float | None = None
+    intra_latency: float | None = None  # s
+    inter_latency: float | None = None
+    lookup_bandwidth: float | None = None
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     dir: str | None = None  # root of step_* checkpoints; None: no checkpoints
     every: int = 0  # steps between saves (0: only at the end and on SIGTERM)
@@ -99,13 +117,14 @@ class TrainConfig:
     dense_optimizer: OptimizerConfig
     batch_size: int  # per rank
     steps: int
-    plan: dict[str, Any] | None = None  # a plan's "tables" mapping; None: default_plan
+    plan: dict[str, Any] | None = None  # a plan's "tables" mapping; None: the planner
     seed: int = 0
     timeout_s: int = 120  # process group timeout
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return [t.embedding_bag_config() for t in self.tables]

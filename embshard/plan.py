@@ -105,25 +105,6 @@ def local_shards(tables: Mapping[str, ShardedTable], rank: int) -> list[tuple[st
     return [(n, s) for n, t in tables.items() for s in t.shards_on(rank) if s.rows and s.cols]
 
 
-def default_plan(tables: Sequence[EmbeddingBagConfig], world_size: int) -> ShardingPlan:
-    """A sensible plan until the planner decides: a table bigger than an even share of
-    all tables goes row-wise over every rank; the others, biggest first, table-wise on
-    the rank that holds the fewest bytes so far."""
-    sizes = {t.name: t.num_embeddings * t.embedding_dim for t in tables}
-    share = sum(sizes.values()) / world_size
-    load = [0] * world_size
-    specs: dict[str, TableSpec] = {}
-    for name in sorted(sizes, key=sizes.__getitem__, reverse=True):
-        if world_size > 1 and sizes[name] > share:
-            specs[name] = row_wise()
-            load = [held + sizes[name] / world_size for held in load]
-        else:
-            rank = load.index(min(load))
-            specs[name] = table_wise(rank)
-            load[rank] += sizes[name]
-    return ShardingPlan({t.name: specs[t.name] for t in tables})
-
-
 def even_row_sizes(num_embeddings: int, world_size: int) -> tuple[int, ...]:
     """TorchRec's even row split: ceil-sized blocks, then the remainder, then zeros."""
     block = math.ceil(num_embeddings / world_size) if num_embeddings else 0

@@ -34,7 +34,8 @@ from embshard.config import ConfigError, OptimizerConfig, TrainConfig, load_conf
 from embshard.data import Batch, CriteoData, SyntheticData
 from embshard.lookup import SGD, Adagrad, FusedOptimizer, RowWiseAdagrad
 from embshard.model import shard_model
-from embshard.plan import ShardingPlan, default_plan
+from embshard.plan import ShardingPlan
+from embshard.planner import plan_config
 
 _stop_requested = False
 
@@ -156,7 +157,7 @@ def train(config: TrainConfig, resume: bool = False) -> dict:
 
 def _train(config: TrainConfig, resume: bool) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    plan = config.sharding_plan() or default_plan(config.embedding_bag_configs(), world)
+    plan = config.sharding_plan() or plan_config(config, world)[0]
     torch.manual_seed(config.seed)  # the dense layers' init: runs are reproducible
     model = shard_model(
         build_model(config),
