@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from embshard.config import ConfigError, load_config
@@ -103,3 +105,101 @@ def export(directory: str, out: str) -> None:
     except CheckpointError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"wrote {len(keys)} tensors to {out}")
+
+
+@main.command()
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.option("--world-size", "-w", type=int, required=True, help="Ranks to plan for.")
+@click.option("--memory-per-rank", default=None, help="Like 80GiB; default: the config's topology.")
+@click.option("--out", type=click.Path(dir_okay=False), help="Write the plan (YAML) here.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+def plan(
+    config: str, world_size: int, memory_per_rank: str | None, out: str | None, as_json: bool
+) -> None:
+    """Plan CONFIG's tables for WORLD_SIZE ranks.
+
+    Prints each rank's memory, estimated step cost and shards, why each table is
+    sharded as it is, and the plan; --out writes the plan for the config's `plan:` or
+    `embshard show`.
+    """
+    import json
+
+    import yaml
+
+    from embshard.planner import PlanningError, plan_config
+
+    try:
+        sharding, report = plan_config(load_config(config), world_size, memory_per_rank)
+    except (ConfigError, PlanningError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    if out:
+        sharding.save(out)
+    if as_json:
+        click.echo(
+            json.dumps(
+                {"report": report.to_dict(), "plan": yaml.safe_load(sharding.to_yaml())}, indent=2
+            )
+        )
+        return
+    click.echo(report.to_text())
+    click.echo(sharding.to_yaml().rstrip())
+    if out:
+        click.echo(f"wrote {out}")
+
+
+@main.command()
+@click.argument("plan_file", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "--config", required=True, type=click.Path(dir_okay=False), help="The model's config."
+)
+@click.option("--world-size", "-w", type=int, help="Ranks; default: as the plan implies.")
+@click.option("--png", type=click.Path(dir_okay=False), help="Also plot per-rank memory and cost.")
+@click.option("--width", default=60, show_default=True, help="Characters per bar.")
+def show(plan_file: str, config: str, world_size: int | None, png: str | None, width: int) -> None:
+    """Draw how PLAN_FILE lays out each table of CONFIG: which rank holds which rows
+    and columns (a symbol per rank: 0-9, a-z, A-Z)."""
+    from embshard.plan import PlanError, ShardingPlan
+    from embshard.planner import plan_loads, topology_for
+    from embshard.show import draw_plan, plot_loads, summary
+
+    try:
+        model = load_config(config)
+        sharding = ShardingPlan.load(plan_file)
+        world = world_size or _implied_world_size(sharding)
+        tables = sharding.resolve(model.embedding_bag_configs(), world)
+    except (ConfigError, PlanError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(draw_plan(tables, width))
+    loads = plan_loads(
+        sharding,
+        model.tables,
+        topology_for(model, world),
+        model.batch_size,
+        model.sparse_optimizer.type,
+    )
+    click.echo(summary(loads))
+    if png:
+        plot_loads(loads, png, f"{Path(plan_file).name} on {world} ranks")
+        click.echo(f"wrote {png}")
+
+
+def _implied_world_size(sharding) -> int:
+    from embshard.plan import ColumnWise, PlanError, RowWise, TableWise
+
+    sizes, highest = set(), -1
+    for spec in sharding.tables.values():
+        if isinstance(spec, TableWise):
+            highest = max(highest, spec.rank)
+        elif isinstance(spec, ColumnWise):
+            highest = max(highest, *spec.ranks)
+        elif isinstance(spec, RowWise) and spec.sizes is not None:
+            sizes.add(len(spec.sizes))
+    if len(sizes) == 1:
+        return sizes.pop()
+    if (
+        not sizes
+        and highest >= 0
+        and not any(isinstance(s, RowWise) for s in sharding.tables.values())
+    ):
+        return highest + 1
+    raise PlanError("cannot tell the world size from the plan: pass --world-size")

@@ -407,9 +407,9 @@ def plan_tables(
     """A plan that fits every rank's memory and keeps the slowest rank's estimated
     step cost near the lower bound, with a report of per-rank memory and cost.
 
-    Round by round, while the slowest rank is more than 2 % above the lower bound,
-    the costliest table on it that can be split further is, and the pieces are placed
-    again; the best placement seen wins.
+    Round by round, while the slowest rank is more than 2 % above the lower bound, the
+    costliest table that can be split further on each rank above that is split, and
+    the pieces are placed again; the best placement seen wins.
     """
     constraints = dict(constraints or {})
     unknown = set(constraints) - {t.name for t in tables}
@@ -439,11 +439,15 @@ def plan_tables(
             best = (slowest, dict(choices), loads, placed)
         if slowest <= 1.02 * bound:
             break
-        worst = max(loads, key=lambda r: r.cost)
-        split = _split_one(worst, choices, options, model)
-        if split is None:
+        splits = dict(
+            split
+            for load in loads
+            if load.cost > 1.02 * bound
+            and (split := _split_one(load, choices, options, model)) is not None
+        )
+        if not splits:
             break
-        choices[split[0]] = split[1]
+        choices.update(splits)
     _, choices, loads, placed = best
     specs = {t.name: _spec(t, choices[t.name].kind, placed[t.name], world) for t in tables}
     report = PlanReport(

@@ -1,0 +1,85 @@
+"""Pictures of a plan: each table's layout as text, per-rank memory and cost as a PNG."""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from embshard.plan import ColumnWise, ShardedTable, TableShard
+from embshard.planner import RankLoad, format_bytes
+
+_SYMBOLS = string.digits + string.ascii_lowercase + string.ascii_uppercase
+
+
+def _symbol(rank: int) -> str:
+    return _SYMBOLS[rank] if rank < len(_SYMBOLS) else "#"
+
+
+def _bar(extents: Sequence[tuple[int, int]], total: int, width: int) -> str:
+    """``width`` characters split by (rank, length) in order, by rounding the running
+    totals, so the bar is exact; a non-empty piece gets at least one."""
+    ends, running = [], 0
+    for _, length in extents:
+        running += length
+        ends.append(round(width * running / total))
+    cells = [end - start for start, end in zip([0, *ends], ends)]
+    for i, (_, length) in enumerate(extents):
+        if length and not cells[i]:
+            cells[i] = 1
+            cells[cells.index(max(cells))] -= 1
+    return "".join(_symbol(rank) * n for (rank, _), n in zip(extents, cells))
+
+
+def draw_table(table: ShardedTable, width: int = 60) -> list[str]:
+    """One bar along the split dimension (rows, or columns for column-wise), a symbol
+    per rank (0-9, a-z, A-Z), then each shard's exact rows and columns."""
+    by_columns = isinstance(table.spec, ColumnWise)
+    kind = type(table.spec).__name__
+    shards: list[TableShard] = [s for s in table.shards if s.rows and s.cols]
+    extents = [(s.rank, s.cols if by_columns else s.rows) for s in shards]
+    total = table.embedding_dim if by_columns else table.num_embeddings
+    axis = "cols" if by_columns else "rows"
+    lines = [
+        f"{table.name} ({table.num_embeddings} x {table.embedding_dim}) {kind}",
+        f"  {axis} |{_bar(extents, total, width)}|",
+    ]
+    lines += [
+        f"    rank {s.rank}: rows {s.row_offset}:{s.row_offset + s.rows}, "
+        f"cols {s.col_offset}:{s.col_offset + s.cols}"
+        for s in shards
+    ]
+    return lines
+
+
+def draw_plan(tables: Mapping[str, ShardedTable], width: int = 60) -> str:
+    return "\n".join(line for table in tables.values() for line in draw_table(table, width))
+
+
+def plot_loads(loads: Sequence[RankLoad], path: str | Path, title: str) -> None:
+    """Bars of per-rank memory and estimated step cost."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks = [load.rank for load in loads]
+    figure, (memory, cost) = plt.subplots(2, 1, figsize=(max(6, len(ranks) * 0.25), 6), sharex=True)
+    memory.bar(ranks, [load.memory / 2**30 for load in loads], color="tab:blue")
+    memory.set_ylabel("memory (GiB)")
+    memory.set_title(title)
+    cost.bar(ranks, [1e3 * load.cost for load in loads], color="tab:orange")
+    cost.set_ylabel("estimated cost (ms/step)")
+    cost.set_xlabel("rank")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def summary(loads: Sequence[RankLoad]) -> str:
+    most = max(loads, key=lambda load: load.memory)
+    slowest = max(loads, key=lambda load: load.cost)
+    return (
+        f"most memory: rank {most.rank} with {format_bytes(most.memory)}; "
+        f"slowest: rank {slowest.rank} at {1e3 * slowest.cost:.3f} ms/step"
+    )
