@@ -289,7 +289,7 @@ def _staging(
                     lambda staged, key=key, target=target: _copy_one(staged[key], target)
                 )
             else:
-                staged, convert = _rowwise_conversion(module, name, old["blocks"], key)
+                staged, convert = _rowwise_conversion(module, name, old["blocks"], target)
                 staging["sparse_optimizer"][key] = staged
                 commits.append(convert)
     return staging, commits
@@ -302,15 +302,14 @@ def _zero(value: DTensor) -> None:
 
 
 def _rowwise_conversion(
-    module: ShardedEmbeddingBagCollection, name: str, saved_blocks: list, key: str
+    module: ShardedEmbeddingBagCollection, name: str, saved_blocks: list, live: DTensor
 ) -> tuple[DTensor, Callable[[dict[str, Any]], None]]:
     """Row-wise Adagrad keeps, per row, the mean over a block's columns of the squared
     gradients. A new block's state is the width-weighted mean of the saved blocks it
     overlaps: exact when it is a union of saved blocks (column-wise to table-wise or
     row-wise), an approximation when it splits one (the other way round)."""
     table = module.tables[name]
-    live = module.optimizer_state()[key]
-    rank = module._rank
+    rank = module.rank
     ranges = sorted({(s.row_offset, s.rows) for s in table.shards_on(rank) if s.rows and s.cols})
     width = len(saved_blocks)
     shards = [torch.empty(rows, width) for _, rows in ranges]

@@ -205,6 +205,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return dict(self._weights)
 
     @property
+    def rank(self) -> int:
+        """This rank's position in the mesh: the rank numbers plans use."""
+        return self._rank
+
+    @property
     def fused_optimizer(self) -> FusedOptimizer:
         return self._optimizer
 
