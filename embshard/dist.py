@@ -167,17 +167,20 @@ def _slot_major_order(slots: int, batch_sizes: list[int]) -> torch.Tensor:
 
 
 class PooledAllToAll(torch.autograd.Function):
-    """Each rank's pooled rows go back to the ranks whose samples they are.
+    """Each rank's pooled rows go back to the ranks whose samples they are, and land
+    in their output columns.
 
-    Forward: [global batch, this rank's slot dims] -> [local batch, all ranks' slot
-    dims, ranks in order]. Backward: the reverse, divided by the world size, so the
-    sparse gradients are averaged over ranks as DDP averages the dense ones.
+    Forward: [global batch, this rank's slot dims] -> [local batch, output dims]: the
+    all-to-all, then every slot's columns copied to (or, for row-wise partials, added
+    into) their output columns. Backward: each slot takes its output columns' gradient,
+    the all-to-all runs in reverse, and the result is divided by the world size, so
+    the sparse gradients are averaged over ranks as DDP averages the dense ones.
     ``anchor`` requires grad on every rank, so every rank joins the backward
     all-to-all even when it holds no shards.
     """
 
     @staticmethod
-    def forward(ctx, anchor, pooled, batch_sizes, dims, rank, group):  # type: ignore[override]
+    def forward(ctx, anchor, pooled, batch_sizes, dims, moves, output_dim, rank, group):  # type: ignore[override]
         local_batch = batch_sizes[rank]
         send_splits = [b * pooled.shape[1] for b in batch_sizes]
         recv_splits = [local_batch * d for d in dims]
@@ -186,15 +189,28 @@ class PooledAllToAll(torch.autograd.Function):
             received, pooled.contiguous().view(-1), recv_splits, send_splits, group=group
         )
         blocks = [c.view(local_batch, d) for c, d in zip(received.split(recv_splits), dims)]
+        out = pooled.new_empty(local_batch, output_dim)
+        for m in moves:
+            piece = blocks[m.rank][:, m.source : m.source + m.width]
+            target = out[:, m.target : m.target + m.width]
+            if m.add:
+                target.add_(piece)
+            else:
+                target.copy_(piece)
         ctx.save_for_backward(anchor)
-        ctx.splits = (send_splits, recv_splits, dims, pooled.shape, group)
-        return torch.cat(blocks, dim=1)
+        ctx.layout = (send_splits, recv_splits, dims, moves, local_batch, pooled.shape, group)
+        return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        send_splits, recv_splits, dims, pooled_shape, group = ctx.splits
-        send = torch.cat([g.reshape(-1) for g in grad.split(dims, dim=1)])
+        send_splits, recv_splits, dims, moves, local_batch, pooled_shape, group = ctx.layout
+        send = grad.new_empty(sum(recv_splits))
+        blocks = [c.view(local_batch, d) for c, d in zip(send.split(recv_splits), dims)]
+        for m in moves:
+            blocks[m.rank][:, m.source : m.source + m.width].copy_(
+                grad[:, m.target : m.target + m.width]
+            )
         received = grad.new_empty(sum(send_splits))
         dist.all_to_all_single(received, send, send_splits, recv_splits, group=group)
-        grad_pooled = received.view(pooled_shape) / dist.get_world_size(group)
-        return None, grad_pooled, None, None, None, None
+        grad_pooled = received.view(pooled_shape).div_(dist.get_world_size(group))
+        return None, grad_pooled, None, None, None, None, None, None

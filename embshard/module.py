@@ -101,7 +101,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._routes = build_routes(self._configs, self._tables, mesh.size(), is_weighted)
         self._input_dist = InputDistribution(self._routes, self._rank)
         self._slot_dims = [sum(self._routes.slot_dims(r)) for r in range(mesh.size())]
-        self._output_columns = self._routes.output_columns()
+        self._column_moves = self._routes.column_moves()
         self._mean_feature = self._routes.mean_feature_by_column()
         self._anchor = torch.zeros(0, requires_grad=True)
         feature_table_map = [s.tbe_table for s in self._routes.slots[self._rank]]
@@ -138,12 +138,19 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
         pooled = self._lookup(indices, offsets, weights, sum(batch_sizes))
         gathered = PooledAllToAll.apply(
-            self._anchor, pooled, batch_sizes, self._slot_dims, self._rank, self._group
+            self._anchor,
+            pooled,
+            batch_sizes,
+            self._slot_dims,
+            self._column_moves,
+            self._routes.output_dim,
+            self._rank,
+            self._group,
         )
         return KeyedTensor(
             keys=[e.name for e in self._routes.embeddings],
             length_per_key=[e.dim for e in self._routes.embeddings],
-            values=self._assemble(gathered, batch.lengths),
+            values=self._mean_pool(gathered, batch.lengths),
         )
 
     def _prepare(
@@ -171,11 +178,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
             return torch.zeros(global_batch, 0)
         return self._storage.tbe(indices, offsets, per_sample_weights=weights)
 
-    def _assemble(self, gathered: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Column blocks to their columns, row-wise partials summed, MEAN divided by the
-        requester's own bag lengths."""
-        out = gathered.new_zeros(gathered.shape[0], self._routes.output_dim)
-        out = out.index_add(1, self._output_columns, gathered)
+    def _mean_pool(self, out: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """MEAN-pooled features divided by the requester's own bag lengths."""
         if self._mean_feature is None:
             return out
         ones = torch.ones(1, lengths.shape[1], dtype=lengths.dtype)

@@ -38,6 +38,18 @@ class Slot:
 
 
 @dataclass(frozen=True)
+class ColumnMove:
+    """Columns [source, +width) of ``rank``'s pooled block go to output columns
+    [target, +width), added to what is there when ``add``."""
+
+    rank: int
+    source: int
+    target: int
+    width: int
+    add: bool
+
+
+@dataclass(frozen=True)
 class Routes:
     features: tuple[str, ...]
     embeddings: tuple[Embedding, ...]
@@ -76,16 +88,20 @@ class Routes:
     def slot_dims(self, rank: int) -> list[int]:
         return [s.shard.cols for s in self.slots[rank]]
 
-    def output_columns(self) -> torch.Tensor:
-        """For every column the requester receives (ranks in order, each rank's slots in
-        order), its column in the output; row-wise partials share columns and add up."""
-        columns = [
-            self.embeddings[s.embedding].out_offset + s.shard.col_offset + j
-            for slots in self.slots
-            for s in slots
-            for j in range(s.shard.cols)
-        ]
-        return torch.tensor(columns, dtype=torch.long)
+    def column_moves(self) -> list[ColumnMove]:
+        """Where each slot's pooled columns go in the output: per rank, per slot, the
+        columns of that rank's block and of the output. A row-wise table's slots on
+        several ranks share output columns: the first copies, the others add."""
+        moves, written = [], set()
+        for rank, slots in enumerate(self.slots):
+            source = 0
+            for slot in slots:
+                target = self.embeddings[slot.embedding].out_offset + slot.shard.col_offset
+                key = (target, slot.shard.cols)
+                moves.append(ColumnMove(rank, source, target, slot.shard.cols, key in written))
+                written.add(key)
+                source += slot.shard.cols
+        return moves
 
     def mean_feature_by_column(self) -> torch.Tensor | None:
         """Per output column: 1 + the feature whose bag lengths divide it (MEAN), or 0
