@@ -46,6 +46,18 @@ def train(config: str, nproc: int, resume: bool, max_restarts: int) -> None:
         raise click.ClickException(f"training failed:\n{e}") from None
 
 
+@main.command(
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    add_help_option=False,
+)
+@click.pass_context
+def bench(ctx: click.Context) -> None:
+    """Benchmark embshard against TorchRec side by side (options: embshard bench --help)."""
+    from embshard.bench import main as run_bench
+
+    run_bench(ctx.args)
+
+
 @main.group()
 def ckpt() -> None:
     """Inspect and export checkpoints (no process group needed)."""

@@ -1,0 +1,418 @@
+"""Benchmark embshard against TorchRec's DistributedModelParallel, side by side.
+
+    .venv/bin/python tools/bench.py --world-sizes 2 4 --workloads a b c --json bench.json
+    .venv/bin/embshard bench --world-sizes 2 --workloads a      (the same)
+
+For each world size it starts W gloo processes (one thread each). For every workload
+and plan, both libraries get the same tables, the same weights (TorchRec's local shards
+are copied from embshard's) and the same pre-generated inputs, the same plan (converted
+with ``embshard.to_torchrec_plan``, FUSED kernel) and the same fused optimizer
+(EXACT_SGD). Outputs are compared before anything is timed; then training steps
+(forward, backward with the fused update) alternate between the two libraries. A
+step's time is the slowest rank's. It also times the same per-rank lookups, backward
+and update in a bare TBE (the data the rank's TBE received, in one process), and the
+machine's gather bandwidth against the local lookup's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+CRITEO_KAGGLE_ROWS = [
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
+    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+]  # fmt: skip
+
+WORKLOADS = {
+    "a": {"shapes": [(100_000, 64)] * 8, "pooling": 20, "batch": 1024},
+    "b": {"shapes": [(10_000, 32)] * 64, "pooling": 5, "batch": 1024},
+    "c": {
+        "shapes": [(min(r, 1_000_000), 64) for r in CRITEO_KAGGLE_ROWS],
+        "pooling": 1,
+        "batch": 1024,
+    },
+}
+PLANS = ["table_wise", "row_wise", "column_wise", "mixed"]
+
+
+def table_configs(workload: str):
+    from torchrec import EmbeddingBagConfig
+
+    return [
+        EmbeddingBagConfig(
+            name=f"t{i}", num_embeddings=rows, embedding_dim=dim, feature_names=[f"f{i}"]
+        )
+        for i, (rows, dim) in enumerate(WORKLOADS[workload]["shapes"])
+    ]
+
+
+def make_plan(name: str, configs, world: int):
+    import embshard
+
+    def spec(i: int, kind: str):
+        if kind == "table_wise":
+            return embshard.table_wise(i % world)
+        if kind == "row_wise":
+            return embshard.row_wise()
+        blocks = world if configs[i].embedding_dim % (4 * world) == 0 else 1
+        return embshard.column_wise([(i + b) % world for b in range(blocks)])
+
+    kinds = ["table_wise", "row_wise", "column_wise"]
+    return embshard.ShardingPlan(
+        {c.name: spec(i, kinds[i % 3] if name == "mixed" else name) for i, c in enumerate(configs)}
+    )
+
+
+def make_inputs(workload: str, rank: int, steps: int):
+    from torchrec import KeyedJaggedTensor
+
+    spec = WORKLOADS[workload]
+    generator = torch.Generator().manual_seed(1000 + rank)
+    batches = []
+    for _ in range(steps):
+        lengths, values = [], []
+        for rows, _ in spec["shapes"]:
+            bag = torch.randint(1, 2 * spec["pooling"], (spec["batch"],), generator=generator)
+            lengths.append(bag)
+            values.append(torch.randint(0, rows, (int(bag.sum()),), generator=generator))
+        keys = [f"f{i}" for i in range(len(spec["shapes"]))]
+        batches.append(
+            KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
+        )
+    return batches
+
+
+def build_torchrec(configs, plan, world: int):
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec import EmbeddingBagCollection
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingPlan
+
+    import embshard
+
+    class Holder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+
+        def forward(self, features):
+            return self.ebc(features)
+
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.01}
+    )
+    module_plan = embshard.to_torchrec_plan(plan, configs, world)
+    return DistributedModelParallel(
+        Holder(),
+        device=torch.device("cpu"),
+        plan=ShardingPlan({"ebc": module_plan}),
+        sharders=[sharder],
+    )
+
+
+def copy_weights(ours, theirs) -> None:
+    """TorchRec's local shards take embshard's values, matched by global offsets."""
+    state = theirs.state_dict()
+    for name, weight in ours.weights.items():
+        local = weight.to_local()
+        mine = (
+            dict(zip(map(tuple, local.local_offsets()), local.local_shards()))
+            if local.numel()
+            else {}
+        )
+        target = state[f"ebc.embedding_bags.{name}.weight"]
+        shards = target.local_shards() if hasattr(target, "local_shards") else []
+        for shard in shards:
+            offsets = tuple(shard.metadata.shard_offsets)
+            if shard.tensor.numel():
+                with torch.no_grad():
+                    shard.tensor.copy_(mine[offsets])
+
+
+def pooled_keyed(model, batch):
+    out = model(batch)
+    return out.wait() if hasattr(out, "wait") else out
+
+
+def pooled(model, batch) -> torch.Tensor:
+    return pooled_keyed(model, batch).values()
+
+
+def difference(ours, theirs, batch) -> float:
+    """Largest difference of the two outputs, key by key (TorchRec orders keys its own way)."""
+    with torch.no_grad():
+        mine, other = pooled_keyed(ours, batch).to_dict(), pooled_keyed(theirs, batch).to_dict()
+    return max((mine[k] - other[k]).abs().max().item() for k in mine)
+
+
+def train_step(model, batch) -> float:
+    start = time.perf_counter()
+    pooled(model, batch).sum().backward()
+    return time.perf_counter() - start
+
+
+class CollectiveBytes:
+    """Counts the bytes a rank hands to torch.distributed's collectives."""
+
+    OUTPUT_FIRST = ("all_to_all_single", "all_to_all", "all_gather", "all_gather_into_tensor",
+                    "reduce_scatter_tensor")  # fmt: skip
+    NAMES = (*OUTPUT_FIRST, "all_reduce", "broadcast")
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.originals: dict[str, Callable] = {}
+
+    def __enter__(self) -> CollectiveBytes:
+        for name in self.NAMES:
+            original = getattr(dist, name)
+            self.originals[name] = original
+
+            def wrapped(*args, _original=original, _name=name, **kwargs):
+                bound = inspect.signature(_original).bind(*args, **kwargs)
+                sent = list(bound.signature.parameters)[1 if _name in self.OUTPUT_FIRST else 0]
+                tensors = bound.arguments[sent]
+                tensors = tensors if isinstance(tensors, list | tuple) else [tensors]
+                self.bytes += sum(
+                    t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)
+                )
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, wrapped)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self.originals.items():
+            setattr(dist, name, original)
+
+
+def per_step_comm(model, batch) -> tuple[int, int]:
+    """(backend collectives, bytes sent by this rank) of one training step."""
+    with CollectiveBytes() as counter, profile(activities=[ProfilerActivity.CPU]) as prof:
+        pooled(model, batch).sum().backward()
+    return sum(e.name.startswith("gloo:") for e in prof.events()), counter.bytes
+
+
+def bare_tbe_time(ours, batch, repeats: int) -> tuple[float, float]:
+    """The rank's own lookups, backward and update in a fresh TBE, on the indices its
+    TBE received for ``batch``; and the forward's achieved gather bandwidth."""
+    from embshard.lookup import SGD, build_tbe
+
+    captured = {}
+    original = ours._lookup
+
+    def capture(indices, offsets, weights, global_batch):
+        captured.update(indices=indices.clone(), offsets=offsets.clone())
+        return original(indices, offsets, weights, global_batch)
+
+    ours._lookup = capture
+    pooled(ours, batch).sum().backward()
+    ours._lookup = original
+    if ours._storage.tbe is None:
+        return 0.0, 0.0
+    shards = ours._storage.shards
+    tbe = build_tbe([(s.rows, s.cols) for _, s in shards], SGD(0.01), torch.device("cpu"),
+                    [slot.tbe_table for slot in ours._routes.slots[ours._rank]])  # fmt: skip
+    indices, offsets = captured["indices"], captured["offsets"]
+    times, forwards = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = tbe(indices, offsets)
+        forwards.append(time.perf_counter() - start)
+        out.sum().backward()
+        times.append(time.perf_counter() - start)
+    dims = ours._routes.slot_dims(ours._rank)
+    batch_size = (len(offsets) - 1) // len(dims)
+    counts = (offsets[1:] - offsets[:-1]).view(len(dims), batch_size).sum(1).tolist()
+    gathered = sum(c * d * 4 for c, d in zip(counts, dims))
+    return statistics.median(times), gathered / statistics.median(forwards)
+
+
+def slowest(values: list[float]) -> list[float]:
+    """Per step, the largest value over ranks."""
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def bench_case(workload: str, plan_name: str, steps: int, warmup: int) -> dict:
+    import embshard
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    configs = table_configs(workload)
+    plan = make_plan(plan_name, configs, world)
+    from torchrec import EmbeddingBagCollection
+
+    ours = embshard.shard(EmbeddingBagCollection(tables=configs, device="meta"), plan)
+    theirs = build_torchrec(configs, plan, world)
+    copy_weights(ours, theirs)
+    batches = make_inputs(workload, rank, warmup + steps)
+    gap = slowest([difference(ours, theirs, batches[0])])[0]
+    record = {
+        "workload": workload,
+        "plan": plan_name,
+        "world_size": world,
+        "outputs_equal": gap <= 1e-4,
+    }
+    if gap > 1e-4:
+        record["max_difference"] = gap
+        return record
+    for i in range(warmup):
+        train_step(ours, batches[i])
+        train_step(theirs, batches[i])
+    ours_times, theirs_times = [], []
+    for batch in batches[warmup:]:
+        ours_times.append(train_step(ours, batch))
+        theirs_times.append(train_step(theirs, batch))
+    ours_times, theirs_times = slowest(ours_times), slowest(theirs_times)
+    bare, bandwidth = bare_tbe_time(ours, batches[0], max(5, steps // 2))
+    bare = slowest([bare])[0]
+    bandwidth = min(-x for x in slowest([-bandwidth]))
+    samples = WORKLOADS[workload]["batch"] * world
+    for name, times, model in (("embshard", ours_times, ours), ("torchrec", theirs_times, theirs)):
+        collectives, sent = per_step_comm(model, batches[0])
+        record[name] = {
+            "median_ms": 1e3 * statistics.median(times),
+            "p10_ms": 1e3 * percentile(times, 0.1),
+            "p90_ms": 1e3 * percentile(times, 0.9),
+            "samples_per_s": samples / statistics.median(times),
+            "collectives_per_step": collectives,
+            "bytes_sent_per_rank": max(slowest([float(sent)])),
+        }
+    record["throughput_ratio"] = (
+        record["embshard"]["samples_per_s"] / record["torchrec"]["samples_per_s"]
+    )
+    record["bare_tbe_ms"] = 1e3 * bare
+    record["overhead_vs_bare_tbe"] = record["embshard"]["median_ms"] / record["bare_tbe_ms"]
+    record["lookup_gather_gbps"] = bandwidth / 1e9
+    return record
+
+
+def worker(rank: int, world: int, store: str, args: argparse.Namespace, results) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=600))  # fmt: skip
+    records = []
+    for workload in args.workloads:
+        for plan_name in args.plans:
+            record = bench_case(workload, plan_name, args.steps, args.warmup)
+            records.append(record)
+            if rank == 0:
+                print(summary_line(record), flush=True)
+    if rank == 0:
+        results.put(records)
+    dist.destroy_process_group()
+
+
+def gather_bandwidth(rows: int = 1 << 22, dim: int = 64, ids: int = 8 * 1024 * 20) -> float:
+    """Bytes/s of summing random rows of a 1 GiB table (bigger than the caches), one thread."""
+    torch.set_num_threads(1)
+    table = torch.randn(rows, dim)
+    index = torch.randint(0, rows, (ids,))
+    offsets = torch.arange(0, ids, 20)
+    times = []
+    for _ in range(7):
+        start = time.perf_counter()
+        F.embedding_bag(index, table, offsets, mode="sum")
+        times.append(time.perf_counter() - start)
+    return ids * dim * 4 / statistics.median(times)
+
+
+def summary_line(r: dict) -> str:
+    head = f"W={r['world_size']} {r['workload']} {r['plan']:<12}"
+    if not r["outputs_equal"]:
+        return f"{head} outputs differ by {r['max_difference']:.2e}: not timed"
+    ours, theirs = r["embshard"], r["torchrec"]
+    return (
+        f"{head} embshard {ours['median_ms']:7.2f} ms [{ours['p10_ms']:.2f}-{ours['p90_ms']:.2f}] "
+        f"{ours['collectives_per_step']} coll {ours['bytes_sent_per_rank'] / 2**20:6.2f} MiB | "
+        f"torchrec {theirs['median_ms']:7.2f} ms [{theirs['p10_ms']:.2f}-{theirs['p90_ms']:.2f}] "
+        f"{theirs['collectives_per_step']} coll {theirs['bytes_sent_per_rank'] / 2**20:6.2f} MiB | "
+        f"ratio {r['throughput_ratio']:.2f}x | bare TBE {r['bare_tbe_ms']:.2f} ms "
+        f"(x{r['overhead_vs_bare_tbe']:.2f})"
+    )
+
+
+def plot(records: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timed = [r for r in records if r["outputs_equal"]]
+    labels = [f"{r['workload']}/{r['plan']}\nW={r['world_size']}" for r in timed]
+    x = range(len(timed))
+    figure, axes = plt.subplots(figsize=(max(8, len(timed) * 0.9), 4.5))
+    axes.bar(
+        [i - 0.2 for i in x], [r["embshard"]["samples_per_s"] for r in timed], 0.4, label="embshard"
+    )
+    axes.bar(
+        [i + 0.2 for i in x],
+        [r["torchrec"]["samples_per_s"] for r in timed],
+        0.4,
+        label="TorchRec DMP",
+    )
+    axes.set_xticks(list(x), labels, fontsize=7)
+    axes.set_ylabel("training samples/s (all ranks)")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="embshard bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--plans", nargs="+", default=PLANS, choices=PLANS)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--json", default="bench.json", help="results file")
+    parser.add_argument("--png", default=None, help="plot of samples/s per plan")
+    args = parser.parse_args(argv)
+    limit = gather_bandwidth()
+    print(f"machine: random-row gather bandwidth {limit / 1e9:.2f} GB/s (one thread)", flush=True)
+    records = []
+    for world in args.world_sizes:
+        with tempfile.TemporaryDirectory() as tmp:
+            results = mp.get_context("spawn").SimpleQueue()
+            mp.start_processes(worker, args=(world, os.path.join(tmp, "store"), args, results),
+                               nprocs=world, start_method="spawn")  # fmt: skip
+            records += results.get()
+    for r in records:
+        if r["outputs_equal"]:
+            r["lookup_fraction_of_gather_limit"] = r["lookup_gather_gbps"] * 1e9 / limit
+    Path(args.json).write_text(
+        json.dumps({"gather_gbps": limit / 1e9, "results": records}, indent=2)
+    )
+    if args.png:
+        plot(records, args.png)
+    print(f"wrote {args.json}" + (f" and {args.png}" if args.png else ""), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
