@@ -21,7 +21,15 @@ TRAINING = ROOT / "examples" / "train_ebc.py"
 def run_example(path: Path, log_dir: Path) -> list[str]:
     """Rank outputs of the example on 2 ranks; each rank's stdout goes to its own file,
     so lines cannot interleave."""
-    launch = ["--nproc-per-node", "2", "--redirects", "1", "--log-dir", str(log_dir)]
+    launch = [
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--redirects",
+        "1",
+        "--log-dir",
+        str(log_dir),
+    ]
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", *launch, str(path)],
         capture_output=True,
