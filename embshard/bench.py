@@ -228,7 +228,7 @@ def bare_tbe_time(ours, batch, repeats: int) -> tuple[float, float]:
         return 0.0, 0.0
     shards = ours._storage.shards
     tbe = build_tbe([(s.rows, s.cols) for _, s in shards], SGD(0.01), torch.device("cpu"),
-                    [slot.tbe_table for slot in ours._routes.slots[ours._rank]])  # fmt: skip
+                    [slot.tbe_table for slot in ours._routes.slots[ours.rank]])  # fmt: skip
     indices, offsets = captured["indices"], captured["offsets"]
     times, forwards = [], []
     for _ in range(repeats):
@@ -237,7 +237,7 @@ def bare_tbe_time(ours, batch, repeats: int) -> tuple[float, float]:
         forwards.append(time.perf_counter() - start)
         out.sum().backward()
         times.append(time.perf_counter() - start)
-    dims = ours._routes.slot_dims(ours._rank)
+    dims = ours._routes.slot_dims(ours.rank)
     batch_size = (len(offsets) - 1) // len(dims)
     counts = (offsets[1:] - offsets[:-1]).view(len(dims), batch_size).sum(1).tolist()
     gathered = sum(c * d * 4 for c, d in zip(counts, dims))
