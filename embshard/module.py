@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -43,8 +43,19 @@ def _key(table: str) -> str:
 
 @functools.cache
 def _submesh(mesh: DeviceMesh, ranks: tuple[int, ...]) -> DeviceMesh:
-    """The mesh of plan ranks ``ranks`` (positions in ``mesh``); built once per process."""
-    return DeviceMesh(mesh.device_type, mesh.mesh[list(ranks)])
+    """The mesh of plan ranks ``ranks`` (positions in ``mesh``), built once per process.
+
+    Metadata only: no process group behind it. embshard's collectives and DCP's run
+    on the default group; groups held by meshes cost a collective each to create and,
+    with torch 2.13's gloo, can abort the process at exit ("terminate called without
+    an active exception") after destroy_process_group.
+    """
+    return DeviceMesh(mesh.device_type, mesh.mesh[list(ranks)], _init_backend=False)
+
+
+def _world_mesh() -> DeviceMesh:
+    """A CPU mesh over the world, without process groups of its own (see _submesh)."""
+    return DeviceMesh("cpu", torch.arange(dist.get_world_size()), _init_backend=False)
 
 
 def _check_mesh(mesh: DeviceMesh) -> None:
@@ -96,8 +107,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._tables = plan.resolve(self._configs, mesh.size())
         self._plan = plan
         self._mesh = mesh
-        self._group = mesh.get_group()
-        self._rank = mesh.get_local_rank()
+        self._group = None  # the default group: the mesh spans the whole world
+        self._rank = mesh.get_coordinate()[0]
         self._routes = build_routes(self._configs, self._tables, mesh.size(), is_weighted)
         self._input_dist = InputDistribution(self._routes, self._rank)
         self._slot_dims = [sum(self._routes.slot_dims(r)) for r in range(mesh.size())]
@@ -295,7 +306,7 @@ def shard(
     if not dist.is_initialized():
         raise RuntimeError("shard() needs torch.distributed initialized (init_process_group)")
     if mesh is None:
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        mesh = _world_mesh()
     weights = {name: bag.weight for name, bag in module.embedding_bags.items()}
     on_meta = any(w.is_meta for w in weights.values())
     return ShardedEmbeddingBagCollection(

@@ -205,9 +205,8 @@ def table_dtensor(
 
     Table-wise: ``Replicate()`` on its owner's one-rank mesh. Row-wise: ``Shard(0)``
     on ``mesh``. Column-wise: ``Shard(1)`` on the mesh of its owners. ``submesh(ranks)``
-    gives the mesh of plan ranks ``ranks``; it must be called in the same order on
-    every rank, since building a mesh is collective. ``shape`` overrides the global
-    shape, for optimizer state laid out like the table's rows.
+    gives the mesh of plan ranks ``ranks``. ``shape`` overrides the global shape, for
+    optimizer state laid out like the table's rows.
     """
     if isinstance(table.spec, TableWise):
         table_mesh, placement = submesh((table.spec.rank,)), Replicate()
