@@ -113,6 +113,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._input_dist = InputDistribution(self._routes, self._rank)
         self._slot_dims = [sum(self._routes.slot_dims(r)) for r in range(mesh.size())]
         self._column_moves = self._routes.column_moves()
+        self._keys = [e.name for e in self._routes.embeddings]
+        self._dims = [e.dim for e in self._routes.embeddings]
         self._mean_feature = self._routes.mean_feature_by_column()
         self._anchor = torch.zeros(0, requires_grad=True)
         feature_table_map = [s.tbe_table for s in self._routes.slots[self._rank]]
@@ -159,8 +161,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
             self._group,
         )
         return KeyedTensor(
-            keys=[e.name for e in self._routes.embeddings],
-            length_per_key=[e.dim for e in self._routes.embeddings],
+            keys=self._keys,
+            length_per_key=self._dims,
             values=self._mean_pool(gathered, batch.lengths),
         )
 

@@ -449,7 +449,7 @@ def plan_tables(
             break
         choices.update(splits)
     _, choices, loads, placed = best
-    specs = {t.name: _spec(t, choices[t.name].kind, placed[t.name], world) for t in tables}
+    specs = {t.name: _spec(choices[t.name].kind, placed[t.name], world) for t in tables}
     report = PlanReport(
         ranks=loads,
         tables=[
@@ -482,7 +482,7 @@ def _split_one(
     return None
 
 
-def _spec(table: TableConfig, kind: str, placed: list[tuple[int, _Piece]], world: int):
+def _spec(kind: str, placed: list[tuple[int, _Piece]], world: int):
     if kind == "table_wise":
         return table_wise(placed[0][0])
     ordered = sorted(placed, key=lambda rp: rp[1].index)
@@ -517,11 +517,12 @@ def plan_loads(
             load = loads[shard.rank]
             load.memory += model.memory(shard.rows, shard.cols)
             load.cost += model.shard_cost(table, kinds[type(sharded.spec)], shard.rows, shard.cols)
-            load.shards.append(_shard_name(table.name, shard))
+            load.shards.append(shard_name(table.name, shard))
     return loads
 
 
-def _shard_name(name: str, shard: TableShard) -> str:
+def shard_name(name: str, shard: TableShard) -> str:
+    """``table[row_offset:+rows, col_offset:+cols]``."""
     return f"{name}[{shard.row_offset}:+{shard.rows}, {shard.col_offset}:+{shard.cols}]"
 
 

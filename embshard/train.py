@@ -34,8 +34,8 @@ from embshard.config import ConfigError, OptimizerConfig, TrainConfig, load_conf
 from embshard.data import Batch, CriteoData, SyntheticData
 from embshard.lookup import SGD, Adagrad, FusedOptimizer, RowWiseAdagrad
 from embshard.model import shard_model
-from embshard.plan import ShardingPlan
-from embshard.planner import plan_config
+from embshard.plan import ShardingPlan, local_shards
+from embshard.planner import plan_config, shard_name
 
 _stop_requested = False
 
@@ -90,11 +90,9 @@ def describe_plan(plan: ShardingPlan, config: TrainConfig, world: int) -> str:
     tables = plan.resolve(config.embedding_bag_configs(), world)
     lines = [plan.to_yaml().rstrip(), "per rank:"]
     for rank in range(world):
-        shards = [(n, s) for n, t in tables.items() for s in t.shards_on(rank) if s.rows]
+        shards = local_shards(tables, rank)
         mib = sum(s.rows * s.cols for _, s in shards) * 4 / 2**20
-        held = ", ".join(
-            f"{n}[{s.row_offset}:+{s.rows}, {s.col_offset}:+{s.cols}]" for n, s in shards
-        )
+        held = ", ".join(shard_name(n, s) for n, s in shards)
         lines.append(f"  rank {rank}: {mib:.1f} MiB  {held or '-'}")
     return "\n".join(lines)
 
