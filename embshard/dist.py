@@ -45,8 +45,8 @@ def raise_if_any_failed(
     raise InputError("bad input batch:\n  " + "\n  ".join(found))
 
 
-def _to_bits(weights: torch.Tensor) -> torch.Tensor:
-    return weights.view(torch.int32).long()
+def _to_bits(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return weights.view(torch.int32).to(dtype)
 
 
 def _from_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -73,10 +73,11 @@ class InputDistribution:
         self.rw_features = torch.tensor(
             [routes.embeddings[e].feature for e in rw], dtype=torch.int32
         )
-        self.rw_bounds = [torch.tensor(b, dtype=torch.long) for b in routes.rw_boundaries]
+        dtype = routes.id_dtype
+        self.rw_bounds = [torch.tensor(b, dtype=dtype) for b in routes.rw_boundaries]
         # Only used by FBGEMM when boundaries are absent; the boundaries rule.
         self.rw_block_sizes = torch.tensor(
-            [max(1, b[1] - b[0]) for b in routes.rw_boundaries], dtype=torch.long
+            [max(1, b[1] - b[0]) for b in routes.rw_boundaries], dtype=dtype
         )
         self.world = world
 
@@ -118,7 +119,7 @@ class InputDistribution:
         for dest, dest_lengths in enumerate(rows):
             pieces += [dest_lengths.reshape(-1), id_chunks[dest]]
             if weight_chunks is not None:
-                pieces.append(_to_bits(weight_chunks[dest]))
+                pieces.append(_to_bits(weight_chunks[dest], values.dtype))
         sizes = [
             n * batch_size + ids * (2 if weights is not None else 1)
             for n, ids in zip(self.slots_per_rank, ids_per_dest)

@@ -63,7 +63,6 @@ def check_batch(features: object, routes: Routes) -> LocalBatch | str:
             return "the module is weighted but the batch has no weights"
         if weights.dtype != torch.float32 or weights.numel() != values.numel():
             return f"weights must be float32, one per id; got {weights.dtype} x {weights.numel()}"
-    values = values.long()
     order = [keys.index(f) for f in routes.features]
     if order != list(range(len(keys))):
         perm = torch.tensor(order, dtype=torch.int32)
@@ -71,19 +70,26 @@ def check_batch(features: object, routes: Routes) -> LocalBatch | str:
             perm, lengths, values, weights
         )
     problem = _out_of_range(lengths, values, routes)
-    return problem or LocalBatch(lengths, values, weights)
+    if problem:
+        return problem
+    return LocalBatch(lengths.to(routes.id_dtype), values.to(routes.id_dtype), weights)
 
 
 def _out_of_range(lengths: torch.Tensor, values: torch.Tensor, routes: Routes) -> str | None:
-    counts = lengths.sum(1)
-    feature_of = torch.repeat_interleave(torch.arange(len(routes.features)), counts)
-    bound = torch.tensor(routes.feature_rows)[feature_of]
-    bad = ((values < 0) | (values >= bound)).nonzero()
-    if not len(bad):
+    """The first id outside its feature's table, if any: one pass over all ids when
+    they are all below the smallest table's rows, else one per feature."""
+    if not values.numel():
         return None
-    first = int(bad[0])
-    feature = int(feature_of[first])
-    return (
-        f"feature {routes.features[feature]!r} (table {routes.feature_table[feature]!r}): "
-        f"id {int(values[first])} is outside [0, {routes.feature_rows[feature]})"
-    )
+    low, high = torch.aminmax(values)
+    if low >= 0 and high < min(routes.feature_rows):
+        return None
+    for feature, ids in enumerate(values.split(lengths.sum(1).tolist())):
+        rows = routes.feature_rows[feature]
+        if not len(ids) or (ids.min() >= 0 and ids.max() < rows):
+            continue
+        first = int(((ids < 0) | (ids >= rows)).nonzero()[0])
+        return (
+            f"feature {routes.features[feature]!r} (table {routes.feature_table[feature]!r}): "
+            f"id {int(ids[first])} is outside [0, {rows})"
+        )
+    return None

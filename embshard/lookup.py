@@ -74,6 +74,9 @@ def build_tbe(
 
     Its weights start at zero on CPU; callers write the real values through
     ``split_embedding_weights()``, whose tensors are views of the TBE's buffer.
+    FBGEMM's own bounds check is off (it cost 20 % of the CPU forward): every id is
+    checked against its table on the rank that sends it (``inputs.check_batch``),
+    and row-wise ids are rebased into their block by FBGEMM's bucketizer.
     """
     if device.type == "cuda":
         location, compute = EmbeddingLocation.DEVICE, ComputeDevice.CUDA
@@ -83,7 +86,7 @@ def build_tbe(
         [(rows, cols, location, compute) for rows, cols in shard_shapes],
         feature_table_map=None if feature_table_map is None else list(feature_table_map),
         pooling_mode=PoolingMode.SUM,
-        bounds_check_mode=BoundsCheckMode.FATAL,
+        bounds_check_mode=BoundsCheckMode.NONE,
         device=device,
         **_fbgemm_optimizer(optimizer),
     )

@@ -68,6 +68,12 @@ class Routes:
         return len(self.slots)
 
     @property
+    def id_dtype(self) -> torch.dtype:
+        """What ids and lengths travel as: int32, half the bytes of int64, unless a
+        table has 2**31 rows or more."""
+        return torch.int32 if max(self.feature_rows, default=0) < 2**31 else torch.int64
+
+    @property
     def output_dim(self) -> int:
         return sum(e.dim for e in self.embeddings)
 
