@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from embshard.inputs import InputError, LocalBatch
-from embshard.routes import Routes
+from embshard.routes import ColumnMove, Routes
 
 _OK, _BAD = 0, 1
 
@@ -167,6 +167,16 @@ def _slot_major_order(slots: int, batch_sizes: list[int]) -> torch.Tensor:
     return (slots * starts[source] + slot * sizes[source] + sample).reshape(-1).int()
 
 
+def _column_runs(t: torch.Tensor, start: int, step: int, move: ColumnMove) -> torch.Tensor:
+    """The [rows, count, width] view of ``move``'s column runs in 2-D ``t``."""
+    rows, columns = t.stride()
+    return t.as_strided(
+        (t.shape[0], move.count, move.width),
+        (rows, step * columns, columns),
+        t.storage_offset() + start * columns,
+    )
+
+
 class PooledAllToAll(torch.autograd.Function):
     """Each rank's pooled rows go back to the ranks whose samples they are, and land
     in their output columns.
@@ -192,8 +202,8 @@ class PooledAllToAll(torch.autograd.Function):
         blocks = [c.view(local_batch, d) for c, d in zip(received.split(recv_splits), dims)]
         out = pooled.new_empty(local_batch, output_dim)
         for m in moves:
-            piece = blocks[m.rank][:, m.source : m.source + m.width]
-            target = out[:, m.target : m.target + m.width]
+            piece = _column_runs(blocks[m.rank], m.source, m.source_step, m)
+            target = _column_runs(out, m.target, m.target_step, m)
             if m.add:
                 target.add_(piece)
             else:
@@ -208,8 +218,8 @@ class PooledAllToAll(torch.autograd.Function):
         send = grad.new_empty(sum(recv_splits))
         blocks = [c.view(local_batch, d) for c, d in zip(send.split(recv_splits), dims)]
         for m in moves:
-            blocks[m.rank][:, m.source : m.source + m.width].copy_(
-                grad[:, m.target : m.target + m.width]
+            _column_runs(blocks[m.rank], m.source, m.source_step, m).copy_(
+                _column_runs(grad, m.target, m.target_step, m)
             )
         received = grad.new_empty(sum(send_splits))
         dist.all_to_all_single(received, send, send_splits, recv_splits, group=group)

@@ -39,14 +39,47 @@ class Slot:
 
 @dataclass(frozen=True)
 class ColumnMove:
-    """Columns [source, +width) of ``rank``'s pooled block go to output columns
-    [target, +width), added to what is there when ``add``."""
+    """``count`` runs of ``width`` columns of ``rank``'s pooled block, starting at
+    ``source`` and ``source_step`` apart, go to the output columns starting at
+    ``target``, ``target_step`` apart; added to what is there when ``add``. One
+    strided copy moves them all (tables placed round robin make one move a rank)."""
 
     rank: int
     source: int
     target: int
     width: int
     add: bool
+    count: int = 1
+    source_step: int = 0
+    target_step: int = 0
+
+    def extended(self, other: ColumnMove) -> ColumnMove | None:
+        """This move and ``other`` as one, when ``other`` continues its stride."""
+        if (other.rank, other.width, other.add, other.count) != (
+            self.rank,
+            self.width,
+            self.add,
+            1,
+        ):
+            return None
+        source_step = other.source - self.source if self.count == 1 else self.source_step
+        target_step = other.target - self.target if self.count == 1 else self.target_step
+        continues = (
+            other.source == self.source + self.count * source_step
+            and other.target == self.target + self.count * target_step
+        )
+        if not continues or min(source_step, target_step) < self.width:
+            return None
+        return ColumnMove(
+            self.rank,
+            self.source,
+            self.target,
+            self.width,
+            self.add,
+            self.count + 1,
+            source_step,
+            target_step,
+        )
 
 
 @dataclass(frozen=True)
@@ -98,13 +131,19 @@ class Routes:
         """Where each slot's pooled columns go in the output: per rank, per slot, the
         columns of that rank's block and of the output. A row-wise table's slots on
         several ranks share output columns: the first copies, the others add."""
-        moves, written = [], set()
+        moves: list[ColumnMove] = []
+        written = set()
         for rank, slots in enumerate(self.slots):
             source = 0
             for slot in slots:
                 target = self.embeddings[slot.embedding].out_offset + slot.shard.col_offset
                 key = (target, slot.shard.cols)
-                moves.append(ColumnMove(rank, source, target, slot.shard.cols, key in written))
+                move = ColumnMove(rank, source, target, slot.shard.cols, key in written)
+                longer = moves[-1].extended(move) if moves else None
+                if longer:
+                    moves[-1] = longer
+                else:
+                    moves.append(move)
                 written.add(key)
                 source += slot.shard.cols
         return moves
