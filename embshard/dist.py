@@ -69,10 +69,10 @@ class InputDistribution:
         world = routes.world_size
         self.slots_per_rank = [len(s) for s in routes.slots]
         self.send_rows = routes.send_rows().int()
-        rw = routes.rw_embeddings
-        self.rw_features = torch.tensor(
-            [routes.embeddings[e].feature for e in rw], dtype=torch.int32
-        )
+        rw_features = [routes.embeddings[e].feature for e in routes.rw_embeddings]
+        self.rw_features = torch.tensor(rw_features, dtype=torch.int32)
+        # When every feature is row-wise, in order, the batch needs no permuting.
+        self.rw_is_batch = rw_features == list(range(len(routes.features)))
         dtype = routes.id_dtype
         self.rw_bounds = [torch.tensor(b, dtype=dtype) for b in routes.rw_boundaries]
         # Only used by FBGEMM when boundaries are absent; the boundaries rule.
@@ -85,8 +85,12 @@ class InputDistribution:
         lengths, values, weights = batch.lengths, batch.values, batch.weights
         batch_size = batch.batch_size
         if len(self.rw_features):
-            rw_lengths, rw_values, rw_weights = torch.ops.fbgemm.permute_2D_sparse_data(
-                self.rw_features, lengths, values, weights
+            rw_lengths, rw_values, rw_weights = (
+                (lengths, values, weights)
+                if self.rw_is_batch
+                else torch.ops.fbgemm.permute_2D_sparse_data(
+                    self.rw_features, lengths, values, weights
+                )
             )
             bucket_lengths, bucket_values, bucket_weights, _, _ = (
                 torch.ops.fbgemm.block_bucketize_sparse_features(
