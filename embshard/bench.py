@@ -100,6 +100,7 @@ def make_inputs(workload: str, rank: int, steps: int):
 
 def build_torchrec(configs, plan, world: int):
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
     from torchrec import EmbeddingBagCollection
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -115,8 +116,14 @@ def build_torchrec(configs, plan, world: int):
         def forward(self, features):
             return self.ebc(features)
 
+    # FBGEMM's bounds check off, as in embshard's TBE (which checks ids before sending
+    # them), so that both run the same kernels; TorchRec's default is WARNING.
     sharder = EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.01}
+        fused_params={
+            "optimizer": EmbOptimType.EXACT_SGD,
+            "learning_rate": 0.01,
+            "bounds_check_mode": BoundsCheckMode.NONE,
+        }
     )
     module_plan = embshard.to_torchrec_plan(plan, configs, world)
     return DistributedModelParallel(
