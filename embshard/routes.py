@@ -11,7 +11,7 @@ shards, the rebased ids of that rank's row block for row-wise shards.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
@@ -55,12 +55,8 @@ class ColumnMove:
 
     def extended(self, other: ColumnMove) -> ColumnMove | None:
         """This move and ``other`` as one, when ``other`` continues its stride."""
-        if (other.rank, other.width, other.add, other.count) != (
-            self.rank,
-            self.width,
-            self.add,
-            1,
-        ):
+        kind = (self.rank, self.width, self.add)
+        if other.count != 1 or (other.rank, other.width, other.add) != kind:
             return None
         source_step = other.source - self.source if self.count == 1 else self.source_step
         target_step = other.target - self.target if self.count == 1 else self.target_step
@@ -70,16 +66,7 @@ class ColumnMove:
         )
         if not continues or min(source_step, target_step) < self.width:
             return None
-        return ColumnMove(
-            self.rank,
-            self.source,
-            self.target,
-            self.width,
-            self.add,
-            self.count + 1,
-            source_step,
-            target_step,
-        )
+        return replace(self, count=self.count + 1, source_step=source_step, target_step=target_step)
 
 
 @dataclass(frozen=True)
