@@ -80,12 +80,11 @@ def _out_of_range(lengths: torch.Tensor, values: torch.Tensor, routes: Routes) -
     they are all below the smallest table's rows, else one per feature."""
     if not values.numel():
         return None
-    low, high = torch.aminmax(values)
-    if low >= 0 and high < min(routes.feature_rows):
+    if _within(values, min(routes.feature_rows)):
         return None
     for feature, ids in enumerate(values.split(lengths.sum(1).tolist())):
         rows = routes.feature_rows[feature]
-        if not len(ids) or (ids.min() >= 0 and ids.max() < rows):
+        if not len(ids) or _within(ids, rows):
             continue
         first = int(((ids < 0) | (ids >= rows)).nonzero()[0])
         return (
@@ -93,3 +92,8 @@ def _out_of_range(lengths: torch.Tensor, values: torch.Tensor, routes: Routes) -
             f"id {int(ids[first])} is outside [0, {rows})"
         )
     return None
+
+
+def _within(ids: torch.Tensor, rows: int) -> bool:
+    low, high = torch.aminmax(ids)
+    return bool(low >= 0 and high < rows)
