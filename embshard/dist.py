@@ -53,6 +53,40 @@ def _from_bits(bits: torch.Tensor) -> torch.Tensor:
     return bits.int().view(torch.float32)
 
 
+class Scratch:
+    """Collective buffers kept from step to step. On CPU, glibc hands large freed
+    blocks back to the kernel, so a fresh buffer each step page-faults on its first
+    touch: a third of a row-wise step on workload (b) (`tools/profile_step.py`). A
+    buffer is handed out again only when no tensor holds it any more, so a gradient
+    that autograd has not consumed yet is never overwritten. CUDA's caching allocator
+    already reuses memory: there every call gets a new tensor."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """A 1-D tensor of ``numel`` elements of ``like``'s dtype and device."""
+        if like.device.type != "cpu":
+            return like.new_empty(numel)
+        buffer = self._buffers.get(name)
+        if (
+            buffer is None
+            or buffer.numel() < numel
+            or buffer.dtype != like.dtype
+            or _held_elsewhere(buffer)
+        ):
+            buffer = like.new_empty(numel + numel // 4)  # room for next step's sizes
+            self._buffers[name] = buffer
+        return buffer[:numel]
+
+
+def _held_elsewhere(buffer: torch.Tensor) -> bool:
+    """Whether a tensor other than ``buffer`` uses its memory (views included)."""
+    storage = buffer.untyped_storage()
+    # Counted: ``buffer`` itself and ``storage`` here.
+    return torch._C._storage_Use_Count(storage._cdata) > 2
+
+
 @dataclass
 class Outgoing:
     payload: torch.Tensor
@@ -63,7 +97,7 @@ class InputDistribution:
     """Packs a local batch into one buffer for all destinations, and unpacks what a
     rank receives into its TBE's indices, offsets and weights."""
 
-    def __init__(self, routes: Routes, rank: int) -> None:
+    def __init__(self, routes: Routes, rank: int, scratch: Scratch) -> None:
         self.routes = routes
         self.rank = rank
         world = routes.world_size
@@ -80,6 +114,7 @@ class InputDistribution:
             [max(1, b[1] - b[0]) for b in routes.rw_boundaries], dtype=dtype
         )
         self.world = world
+        self.scratch = scratch
 
     def pack(self, batch: LocalBatch) -> Outgoing:
         lengths, values, weights = batch.lengths, batch.values, batch.weights
@@ -133,7 +168,7 @@ class InputDistribution:
     def exchange(
         self, outgoing: Outgoing, recv_sizes: list[int], group: dist.ProcessGroup | None
     ) -> torch.Tensor:
-        received = outgoing.payload.new_empty(sum(recv_sizes))
+        received = self.scratch.take("ids", sum(recv_sizes), outgoing.payload)
         dist.all_to_all_single(received, outgoing.payload, recv_sizes, outgoing.sizes, group=group)
         return received
 
@@ -181,6 +216,20 @@ def _column_runs(t: torch.Tensor, start: int, step: int, move: ColumnMove) -> to
     )
 
 
+@dataclass(frozen=True)
+class OutputLayout:
+    """What the pooled all-to-all needs besides the batch sizes, fixed at sharding:
+    every rank's pooled block width, the column moves into the output, and where
+    this rank stands."""
+
+    block_dims: list[int]
+    moves: list[ColumnMove]
+    output_dim: int
+    rank: int
+    group: dist.ProcessGroup | None
+    scratch: Scratch
+
+
 class PooledAllToAll(torch.autograd.Function):
     """Each rank's pooled rows go back to the ranks whose samples they are, and land
     in their output columns.
@@ -195,17 +244,17 @@ class PooledAllToAll(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, anchor, pooled, batch_sizes, dims, moves, output_dim, rank, group):  # type: ignore[override]
-        local_batch = batch_sizes[rank]
+    def forward(ctx, anchor, pooled, batch_sizes, layout):  # type: ignore[override]
+        local_batch = batch_sizes[layout.rank]
         send_splits = [b * pooled.shape[1] for b in batch_sizes]
-        recv_splits = [local_batch * d for d in dims]
-        received = pooled.new_empty(sum(recv_splits))
+        recv_splits = [local_batch * d for d in layout.block_dims]
+        received = layout.scratch.take("pooled", sum(recv_splits), pooled)
         dist.all_to_all_single(
-            received, pooled.contiguous().view(-1), recv_splits, send_splits, group=group
+            received, pooled.contiguous().view(-1), recv_splits, send_splits, group=layout.group
         )
-        blocks = [c.view(local_batch, d) for c, d in zip(received.split(recv_splits), dims)]
-        out = pooled.new_empty(local_batch, output_dim)
-        for m in moves:
+        blocks = _blocks(received, recv_splits, local_batch, layout.block_dims)
+        out = pooled.new_empty(local_batch, layout.output_dim)
+        for m in layout.moves:
             piece = _column_runs(blocks[m.rank], m.source, m.source_step, m)
             target = _column_runs(out, m.target, m.target_step, m)
             if m.add:
@@ -213,19 +262,27 @@ class PooledAllToAll(torch.autograd.Function):
             else:
                 target.copy_(piece)
         ctx.save_for_backward(anchor)
-        ctx.layout = (send_splits, recv_splits, dims, moves, local_batch, pooled.shape, group)
+        ctx.splits = (send_splits, recv_splits, local_batch, pooled.shape)
+        ctx.layout = layout
         return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        send_splits, recv_splits, dims, moves, local_batch, pooled_shape, group = ctx.layout
-        send = grad.new_empty(sum(recv_splits))
-        blocks = [c.view(local_batch, d) for c, d in zip(send.split(recv_splits), dims)]
-        for m in moves:
+        (send_splits, recv_splits, local_batch, pooled_shape), layout = ctx.splits, ctx.layout
+        send = layout.scratch.take("grad_out", sum(recv_splits), grad)
+        blocks = _blocks(send, recv_splits, local_batch, layout.block_dims)
+        for m in layout.moves:
             _column_runs(blocks[m.rank], m.source, m.source_step, m).copy_(
                 _column_runs(grad, m.target, m.target_step, m)
             )
-        received = grad.new_empty(sum(send_splits))
-        dist.all_to_all_single(received, send, send_splits, recv_splits, group=group)
-        grad_pooled = received.view(pooled_shape).div_(dist.get_world_size(group))
-        return None, grad_pooled, None, None, None, None, None, None
+        received = layout.scratch.take("grad_pooled", sum(send_splits), grad)
+        dist.all_to_all_single(received, send, send_splits, recv_splits, group=layout.group)
+        grad_pooled = received.view(pooled_shape).div_(dist.get_world_size(layout.group))
+        return None, grad_pooled, None, None
+
+
+def _blocks(
+    flat: torch.Tensor, splits: list[int], rows: int, dims: list[int]
+) -> list[torch.Tensor]:
+    """Every rank's [rows, dim] block of an all-to-all buffer."""
+    return [c.view(rows, d) for c, d in zip(flat.split(splits), dims)]

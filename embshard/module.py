@@ -25,7 +25,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from embshard.dist import (
     InputDistribution,
     Outgoing,
+    OutputLayout,
     PooledAllToAll,
+    Scratch,
     exchange_counts,
     raise_if_any_failed,
 )
@@ -110,9 +112,16 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._group = None  # the default group: the mesh spans the whole world
         self._rank = mesh.get_coordinate()[0]
         self._routes = build_routes(self._configs, self._tables, mesh.size(), is_weighted)
-        self._input_dist = InputDistribution(self._routes, self._rank)
-        self._slot_dims = [sum(self._routes.slot_dims(r)) for r in range(mesh.size())]
-        self._column_moves = self._routes.column_moves()
+        scratch = Scratch()
+        self._input_dist = InputDistribution(self._routes, self._rank, scratch)
+        self._output_layout = OutputLayout(
+            block_dims=[sum(self._routes.slot_dims(r)) for r in range(mesh.size())],
+            moves=self._routes.column_moves(),
+            output_dim=self._routes.output_dim,
+            rank=self._rank,
+            group=self._group,
+            scratch=scratch,
+        )
         self._keys = [e.name for e in self._routes.embeddings]
         self._dims = [e.dim for e in self._routes.embeddings]
         self._mean_feature = self._routes.mean_feature_by_column()
@@ -150,16 +159,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         indices, offsets, weights = self._input_dist.unpack(received, recv_sizes, batch_sizes)
 
         pooled = self._lookup(indices, offsets, weights, sum(batch_sizes))
-        gathered = PooledAllToAll.apply(
-            self._anchor,
-            pooled,
-            batch_sizes,
-            self._slot_dims,
-            self._column_moves,
-            self._routes.output_dim,
-            self._rank,
-            self._group,
-        )
+        gathered = PooledAllToAll.apply(self._anchor, pooled, batch_sizes, self._output_layout)
         return KeyedTensor(
             keys=self._keys,
             length_per_key=self._dims,
