@@ -9,6 +9,7 @@ whatever the plan.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -54,30 +55,39 @@ def _from_bits(bits: torch.Tensor) -> torch.Tensor:
 
 
 class Scratch:
-    """Collective buffers kept from step to step. On CPU, glibc hands large freed
-    blocks back to the kernel, so a fresh buffer each step page-faults on its first
-    touch: a third of a row-wise step on workload (b) (`tools/profile_step.py`). A
-    buffer is handed out again only when no tensor holds it any more, so a gradient
-    that autograd has not consumed yet is never overwritten. CUDA's caching allocator
-    already reuses memory: there every call gets a new tensor."""
+    """Buffers kept from step to step. On CPU, glibc hands large freed blocks back to
+    the kernel, so a fresh buffer each step page-faults on its first touch: a third of
+    a row-wise step on workload (b) (`tools/profile_step.py`). A buffer is handed out
+    again only when no tensor holds it any more, so neither a gradient that autograd
+    has not consumed yet nor an output the caller still holds is ever overwritten;
+    two buffers a name let an output alternate while the caller holds the last one.
+    CUDA's caching allocator already reuses memory: there every call gets a new
+    tensor."""
 
     def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._buffers: dict[str, list[torch.Tensor]] = {}
 
-    def take(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
-        """A 1-D tensor of ``numel`` elements of ``like``'s dtype and device."""
+    def take(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """A contiguous tensor of ``shape`` and ``like``'s dtype and device. Not a view
+        to autograd: the caller may modify an output built in it in place."""
         if like.device.type != "cpu":
-            return like.new_empty(numel)
-        buffer = self._buffers.get(name)
-        if (
-            buffer is None
-            or buffer.numel() < numel
-            or buffer.dtype != like.dtype
-            or _held_elsewhere(buffer)
-        ):
-            buffer = like.new_empty(numel + numel // 4)  # room for next step's sizes
-            self._buffers[name] = buffer
-        return buffer[:numel]
+            return like.new_empty(shape)
+        numel = math.prod(shape)
+        kept = self._buffers.setdefault(name, [])
+        free = [
+            b
+            for b in kept
+            if b.numel() >= numel and b.dtype == like.dtype and not _held_elsewhere(b)
+        ]
+        if free:
+            buffer = free[0]
+        else:
+            # Room to spare once sizes are seen to change (ids vary from step to step).
+            room = numel // 4 if kept and kept[-1].numel() != numel else 0
+            buffer = like.new_empty(numel + room)
+            held = [b for b in kept if _held_elsewhere(b)]
+            kept[:] = [*held[-1:], buffer]
+        return like.new_empty(0).set_(buffer.untyped_storage(), 0, shape)
 
 
 def _held_elsewhere(buffer: torch.Tensor) -> bool:
@@ -168,7 +178,7 @@ class InputDistribution:
     def exchange(
         self, outgoing: Outgoing, recv_sizes: list[int], group: dist.ProcessGroup | None
     ) -> torch.Tensor:
-        received = self.scratch.take("ids", sum(recv_sizes), outgoing.payload)
+        received = self.scratch.take("ids", (sum(recv_sizes),), outgoing.payload)
         dist.all_to_all_single(received, outgoing.payload, recv_sizes, outgoing.sizes, group=group)
         return received
 
@@ -248,12 +258,12 @@ class PooledAllToAll(torch.autograd.Function):
         local_batch = batch_sizes[layout.rank]
         send_splits = [b * pooled.shape[1] for b in batch_sizes]
         recv_splits = [local_batch * d for d in layout.block_dims]
-        received = layout.scratch.take("pooled", sum(recv_splits), pooled)
+        received = layout.scratch.take("pooled", (sum(recv_splits),), pooled)
         dist.all_to_all_single(
             received, pooled.contiguous().view(-1), recv_splits, send_splits, group=layout.group
         )
         blocks = _blocks(received, recv_splits, local_batch, layout.block_dims)
-        out = pooled.new_empty(local_batch, layout.output_dim)
+        out = layout.scratch.take("out", (local_batch, layout.output_dim), pooled)
         for m in layout.moves:
             piece = _column_runs(blocks[m.rank], m.source, m.source_step, m)
             target = _column_runs(out, m.target, m.target_step, m)
@@ -269,15 +279,17 @@ class PooledAllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         (send_splits, recv_splits, local_batch, pooled_shape), layout = ctx.splits, ctx.layout
-        send = layout.scratch.take("grad_out", sum(recv_splits), grad)
+        send = layout.scratch.take("grad_out", (sum(recv_splits),), grad)
         blocks = _blocks(send, recv_splits, local_batch, layout.block_dims)
         for m in layout.moves:
             _column_runs(blocks[m.rank], m.source, m.source_step, m).copy_(
                 _column_runs(grad, m.target, m.target_step, m)
             )
-        received = layout.scratch.take("grad_pooled", sum(send_splits), grad)
-        dist.all_to_all_single(received, send, send_splits, recv_splits, group=layout.group)
-        grad_pooled = received.view(pooled_shape).div_(dist.get_world_size(layout.group))
+        grad_pooled = layout.scratch.take("grad_pooled", pooled_shape, grad)
+        dist.all_to_all_single(
+            grad_pooled.view(-1), send, send_splits, recv_splits, group=layout.group
+        )
+        grad_pooled.div_(dist.get_world_size(layout.group))
         return None, grad_pooled, None, None
 
 
