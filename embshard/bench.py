@@ -236,6 +236,11 @@ def bare_tbe_time(ours, batch, repeats: int) -> tuple[float, float]:
     shards = ours._storage.shards
     tbe = build_tbe([(s.rows, s.cols) for _, s in shards], SGD(0.01), torch.device("cpu"),
                     [slot.tbe_table for slot in ours._routes.slots[ours.rank]])  # fmt: skip
+    # The same weights: every page touched before timing, as the sharded TBE's are.
+    for mine, theirs in zip(
+        tbe.split_embedding_weights(), ours._storage.tbe.split_embedding_weights()
+    ):
+        mine.copy_(theirs)
     indices, offsets = captured["indices"], captured["offsets"]
     times, forwards = [], []
     for _ in range(repeats):
