@@ -53,21 +53,6 @@ class ColumnMove:
     source_step: int = 0
     target_step: int = 0
 
-    def extended(self, other: ColumnMove) -> ColumnMove | None:
-        """This move and ``other`` as one, when ``other`` continues its stride."""
-        kind = (self.rank, self.width, self.add)
-        if other.count != 1 or (other.rank, other.width, other.add) != kind:
-            return None
-        source_step = other.source - self.source if self.count == 1 else self.source_step
-        target_step = other.target - self.target if self.count == 1 else self.target_step
-        continues = (
-            other.source == self.source + self.count * source_step
-            and other.target == self.target + self.count * target_step
-        )
-        if not continues or min(source_step, target_step) < self.width:
-            return None
-        return replace(self, count=self.count + 1, source_step=source_step, target_step=target_step)
-
 
 @dataclass(frozen=True)
 class Routes:
@@ -115,25 +100,20 @@ class Routes:
         return [s.shard.cols for s in self.slots[rank]]
 
     def column_moves(self) -> list[ColumnMove]:
-        """Where each slot's pooled columns go in the output: per rank, per slot, the
-        columns of that rank's block and of the output. A row-wise table's slots on
-        several ranks share output columns: the first copies, the others add."""
-        moves: list[ColumnMove] = []
+        """Where each slot's pooled columns go in the output, as few strided moves as
+        found. A row-wise table's slots on several ranks share output columns: the
+        first copies, the others add, so every copy comes before any add."""
+        singles: list[ColumnMove] = []
         written = set()
         for rank, slots in enumerate(self.slots):
             source = 0
             for slot in slots:
                 target = self.embeddings[slot.embedding].out_offset + slot.shard.col_offset
                 key = (target, slot.shard.cols)
-                move = ColumnMove(rank, source, target, slot.shard.cols, key in written)
-                longer = moves[-1].extended(move) if moves else None
-                if longer:
-                    moves[-1] = longer
-                else:
-                    moves.append(move)
+                singles.append(ColumnMove(rank, source, target, slot.shard.cols, key in written))
                 written.add(key)
                 source += slot.shard.cols
-        return moves
+        return [run for add in (False, True) for run in _strided_runs(singles, add)]
 
     def mean_feature_by_column(self) -> torch.Tensor | None:
         """Per output column: 1 + the feature whose bag lengths divide it (MEAN), or 0
@@ -143,6 +123,48 @@ class Routes:
         return torch.tensor(
             [e.feature + 1 if e.mean else 0 for e in self.embeddings for _ in range(e.dim)]
         )
+
+
+_PARTNERS_TRIED = 64
+
+
+def _strided_runs(singles: list[ColumnMove], add: bool) -> list[ColumnMove]:
+    """The ``add`` moves among ``singles`` (one slot each, in rank and source order)
+    merged into runs whose sources and targets are both equally spaced, greedily: a
+    run starts at the first move left and takes the partner that makes it longest.
+    Tables dealt round robin, or column blocks rotated over ranks, make one or two
+    runs a rank."""
+    left = [m for m in singles if m.add == add]
+    runs = []
+    while left:
+        first = left[0]
+        at = {(m.rank, m.width, m.source, m.target): m for m in left}
+        partners = [m for m in left[1:] if (m.rank, m.width) == (first.rank, first.width)]
+        tried = (_run(first, p, at) for p in partners[:_PARTNERS_TRIED])
+        best = max(tried, key=lambda run: run.count, default=first)
+        runs.append(best)
+        taken = {
+            (first.source + i * best.source_step, first.target + i * best.target_step)
+            for i in range(best.count)
+        }
+        left = [m for m in left if m.rank != first.rank or (m.source, m.target) not in taken]
+    return runs
+
+
+def _run(first: ColumnMove, partner: ColumnMove, at: dict) -> ColumnMove:
+    """``first``, ``partner`` and the moves in ``at`` that keep their spacing."""
+    source_step, target_step = partner.source - first.source, partner.target - first.target
+    if target_step < first.width:  # targets must not overlap, nor run backwards
+        return first
+    count = 2
+    while (
+        first.rank,
+        first.width,
+        first.source + count * source_step,
+        first.target + count * target_step,
+    ) in at:
+        count += 1
+    return replace(first, count=count, source_step=source_step, target_step=target_step)
 
 
 def _row_boundaries(table: ShardedTable) -> tuple[int, ...]:

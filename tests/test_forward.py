@@ -112,15 +112,26 @@ def test_at_most_four_collectives_per_step(world, world_size, plan):
         assert counts == [4, 4]
 
 
-def test_round_robin_tables_place_their_columns_in_one_move_per_rank():
+def strided_moves(plan_of) -> list[tuple[int, ...]]:
+    configs = [Table(f"t{i}", 10, 8, (f"f{i}",)).config() for i in range(6)]
+    plan = ShardingPlan({c.name: plan_of(i) for i, c in enumerate(configs)})
+    routes = build_routes(configs, plan.resolve(configs, 2), 2, weighted=False)
+    return [(m.rank, m.source, m.target, m.count, m.source_step, m.target_step)
+            for m in routes.column_moves()]  # fmt: skip
+
+
+def test_tables_dealt_round_robin_place_their_columns_in_one_move_per_rank():
     """Equal tables dealt round robin land in strided runs: one copy per rank, not
     one per table (the output's correctness is the oracle tests' job)."""
-    configs = [Table(f"t{i}", 10, 8, (f"f{i}",)).config() for i in range(6)]
-    plan = ShardingPlan({c.name: table_wise(i % 2) for i, c in enumerate(configs)})
-    routes = build_routes(configs, plan.resolve(configs, 2), 2, weighted=False)
-    moves = [(m.rank, m.source, m.target, m.count, m.source_step, m.target_step)
-             for m in routes.column_moves()]  # fmt: skip
+    moves = strided_moves(lambda i: table_wise(i % 2))
     assert moves == [(0, 0, 0, 3, 8, 16), (1, 0, 8, 3, 8, 16)]
+
+
+def test_column_blocks_rotated_over_ranks_place_their_columns_in_two_moves_per_rank():
+    # Rank 0 holds block 0 of tables 0, 2, 4 and block 1 of tables 1, 3, 5.
+    moves = strided_moves(lambda i: column_wise([i % 2, (i + 1) % 2]))
+    assert moves == [(0, 0, 0, 3, 8, 16), (0, 4, 12, 3, 8, 16),
+                     (1, 0, 4, 3, 8, 16), (1, 4, 8, 3, 8, 16)]  # fmt: skip
 
 
 def test_scratch_hands_out_a_buffer_again_only_when_nothing_holds_it():
