@@ -217,8 +217,9 @@ def per_step_comm(model, batch) -> tuple[int, int]:
 
 
 def bare_tbe_time(ours, batch, repeats: int) -> tuple[float, float]:
-    """The rank's own lookups, backward and update in a fresh TBE, on the indices its
-    TBE received for ``batch``; and the forward's achieved gather bandwidth."""
+    """The rank's own lookups, backward and update in a fresh TBE with the same
+    weights, on the indices its TBE received for ``batch``; and the forward's achieved
+    gather bandwidth."""
     from embshard.lookup import SGD, build_tbe
 
     captured = {}
