@@ -74,18 +74,19 @@ class Scratch:
             return like.new_empty(shape)
         numel = math.prod(shape)
         kept = self._buffers.setdefault(name, [])
-        free = [
+        in_use = [_held_elsewhere(b) for b in kept]
+        held = [b for b, used in zip(kept, in_use) if used]
+        fits = [
             b
-            for b in kept
-            if b.numel() >= numel and b.dtype == like.dtype and not _held_elsewhere(b)
+            for b, used in zip(kept, in_use)
+            if not used and b.numel() >= numel and b.dtype == like.dtype
         ]
-        if free:
-            buffer = free[0]
+        if fits:
+            buffer = fits[0]
         else:
             # Room to spare once sizes are seen to change (ids vary from step to step).
             room = numel // 4 if kept and kept[-1].numel() != numel else 0
             buffer = like.new_empty(numel + room)
-            held = [b for b in kept if _held_elsewhere(b)]
             kept[:] = [*held[-1:], buffer]
         return like.new_empty(0).set_(buffer.untyped_storage(), 0, shape)
 

@@ -134,20 +134,17 @@ def _strided_runs(singles: list[ColumnMove], add: bool) -> list[ColumnMove]:
     run starts at the first move left and takes the partner that makes it longest.
     Tables dealt round robin, or column blocks rotated over ranks, make one or two
     runs a rank."""
-    left = [m for m in singles if m.add == add]
+    left = {(m.rank, m.width, m.source, m.target): m for m in singles if m.add == add}
     runs = []
     while left:
-        first = left[0]
-        at = {(m.rank, m.width, m.source, m.target): m for m in left}
-        partners = [m for m in left[1:] if (m.rank, m.width) == (first.rank, first.width)]
-        tried = (_run(first, p, at) for p in partners[:_PARTNERS_TRIED])
+        first, *rest = left.values()
+        partners = [m for m in rest if (m.rank, m.width) == (first.rank, first.width)]
+        tried = (_run(first, p, left) for p in partners[:_PARTNERS_TRIED])
         best = max(tried, key=lambda run: run.count, default=first)
         runs.append(best)
-        taken = {
-            (first.source + i * best.source_step, first.target + i * best.target_step)
-            for i in range(best.count)
-        }
-        left = [m for m in left if m.rank != first.rank or (m.source, m.target) not in taken]
+        for i in range(best.count):
+            source = first.source + i * best.source_step
+            del left[(first.rank, first.width, source, first.target + i * best.target_step)]
     return runs
 
 

@@ -184,12 +184,16 @@ def run_case(case: Case) -> dict[str, float]:
         )
         (loss / world).backward()
         oracle_step(oracle, case, blocks, states)
-    for name, weight in sharded.weights.items():
-        full = embshard.gather_table(weight)
-        worst["weights"] = max(
-            worst["weights"], _max_diff(full, oracle.embedding_bags[name].weight)
-        )
+    worst["weights"] = weight_gap(sharded, oracle)
     return worst
+
+
+def weight_gap(sharded, oracle) -> float:
+    """The largest difference between any sharded table, gathered, and the oracle's."""
+    return max(
+        _max_diff(embshard.gather_table(weight), oracle.embedding_bags[name].weight)
+        for name, weight in sharded.weights.items()
+    )
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -10,7 +10,15 @@ import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from oracle import Case, Table, global_batch, local_batches, oracle_step, run_case
+from oracle import (
+    Case,
+    Table,
+    global_batch,
+    local_batches,
+    oracle_step,
+    run_case,
+    weight_gap,
+)
 from torch.profiler import ProfilerActivity, profile
 from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
 
@@ -171,10 +179,7 @@ def two_forwards_one_backward(case: Case) -> dict[str, float]:
     rows = slice(start, start + case.batch_sizes[rank])
     return {
         "forward": max(float((m - e[rows]).abs().max()) for m, e in zip(mine, expected)),
-        "weights": max(
-            float((embshard.gather_table(w) - oracle.embedding_bags[n].weight).abs().max())
-            for n, w in sharded.weights.items()
-        ),
+        "weights": weight_gap(sharded, oracle),
     }
 
 

@@ -1,4 +1,4 @@
-"""Where an embshard training step spends its time: cProfile of rank 0, per step.
+"""Where a training step spends its time (embshard or TorchRec): cProfile of rank 0.
 
     .venv/bin/python tools/profile_step.py --world-size 2 --workload a --plan table_wise
     .venv/bin/python tools/profile_step.py --library torchrec ...   (TorchRec's DMP)
