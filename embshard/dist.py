@@ -21,25 +21,46 @@ from embshard.routes import ColumnMove, Routes
 _OK, _BAD = 0, 1
 
 
+@dataclass(frozen=True)
+class Counts:
+    """What the counts exchange told this rank, on the host."""
+
+    recv_sizes: list[int]  # payload elements from each rank
+    batch_sizes: list[int]  # each rank's local batch size
+    failed: bool  # some rank's batch is bad
+    send_sizes: list[int]  # payload elements for each rank
+    sent_ids: list[int]  # ids this rank sends each rank
+
+
 def exchange_counts(
-    send_sizes: list[int], batch_size: int, ok: bool, group: dist.ProcessGroup | None
-) -> torch.Tensor:
+    send_sizes: torch.Tensor,
+    sent_ids: torch.Tensor,
+    batch_size: int,
+    valid: torch.Tensor,
+    group: dist.ProcessGroup | None,
+) -> Counts:
     """Tell every rank how much this rank sends it, its batch size, and whether its
-    batch is good; returns [world_size, 3] as received from each rank."""
-    status = _OK if ok else _BAD
-    counts = torch.tensor([[size, batch_size, status] for size in send_sizes], dtype=torch.long)
+    batch is good. The step's one host sync: reading back what arrived, together with
+    ``send_sizes`` and ``sent_ids`` (per destination), which size the payload."""
+    world = send_sizes.numel()
+    status = torch.where(valid, _OK, _BAD).expand(world)
+    counts = torch.stack([send_sizes, torch.full_like(send_sizes, batch_size), status], dim=1)
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)
-    return received
+    host = torch.cat([received.view(-1), send_sizes, sent_ids]).tolist()
+    rows = [host[3 * r : 3 * r + 3] for r in range(world)]
+    return Counts(
+        recv_sizes=[r[0] for r in rows],
+        batch_sizes=[r[1] for r in rows],
+        failed=any(r[2] != _OK for r in rows),
+        send_sizes=host[3 * world : 4 * world],
+        sent_ids=host[4 * world :],
+    )
 
 
-def raise_if_any_failed(
-    counts: torch.Tensor, problem: str | None, group: dist.ProcessGroup | None
-) -> None:
-    """Every rank raises the same InputError when any rank's batch was bad; only then
-    does it cost a collective, to learn what each bad rank found."""
-    if not (counts[:, 2] != _OK).any():
-        return
+def raise_input_error(problem: str | None, group: dist.ProcessGroup | None) -> None:
+    """Every rank raises the same InputError, naming what each bad rank found. A
+    collective: called by every rank once the counts say some batch is bad."""
     problems: list[str | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(problems, problem, group=group)
     found = [f"rank {r}: {p}" for r, p in enumerate(problems) if p is not None]
@@ -98,89 +119,119 @@ def _held_elsewhere(buffer: torch.Tensor) -> bool:
     return torch._C._storage_Use_Count(storage._cdata) > 2
 
 
-@dataclass
-class Outgoing:
-    payload: torch.Tensor
-    sizes: list[int]
+@dataclass(frozen=True)
+class Routed:
+    """A batch's bags sorted by who gets them, before the payload is built: the
+    lengths table (features, or every bucketizing pass's buckets of every feature),
+    the ids and weights it describes, and how many ids go to each rank (on the
+    device: read back in the counts exchange)."""
+
+    lengths: torch.Tensor
+    values: torch.Tensor
+    weights: torch.Tensor | None
+    ids_per_rank: torch.Tensor
+    batch_size: int
 
 
 class InputDistribution:
-    """Packs a local batch into one buffer for all destinations, and unpacks what a
-    rank receives into its TBE's indices, offsets and weights."""
+    """Routes a local batch to the ranks that own its rows, packs it into one buffer
+    for all destinations, and unpacks what a rank receives into its TBE's indices,
+    offsets and weights. Every tensor lives on ``device``; the only host read is the
+    counts exchange between ``route`` and ``pack``."""
 
-    def __init__(self, routes: Routes, rank: int, scratch: Scratch) -> None:
+    def __init__(self, routes: Routes, rank: int, scratch: Scratch, device: torch.device) -> None:
         self.routes = routes
         self.rank = rank
-        world = routes.world_size
-        self.slots_per_rank = [len(s) for s in routes.slots]
-        self.send_rows = routes.send_rows().int()
-        rw_features = [routes.embeddings[e].feature for e in routes.rw_embeddings]
-        self.rw_features = torch.tensor(rw_features, dtype=torch.int32)
-        # When every feature is row-wise, in order, the batch needs no permuting.
-        self.rw_is_batch = rw_features == list(range(len(routes.features)))
-        dtype = routes.id_dtype
-        self.rw_bounds = [torch.tensor(b, dtype=dtype) for b in routes.rw_boundaries]
-        # Only used by FBGEMM when boundaries are absent; the boundaries rule.
-        self.rw_block_sizes = torch.tensor(
-            [max(1, b[1] - b[0]) for b in routes.rw_boundaries], dtype=dtype
-        )
-        self.world = world
+        self.world = routes.world_size
         self.scratch = scratch
-
-    def pack(self, batch: LocalBatch) -> Outgoing:
-        lengths, values, weights = batch.lengths, batch.values, batch.weights
-        batch_size = batch.batch_size
-        if len(self.rw_features):
-            rw_lengths, rw_values, rw_weights = (
-                (lengths, values, weights)
-                if self.rw_is_batch
-                else torch.ops.fbgemm.permute_2D_sparse_data(
-                    self.rw_features, lengths, values, weights
-                )
+        self.device = device
+        # The id bounds the batch check takes: one when every feature has the same.
+        distinct = sorted(set(routes.feature_rows))
+        self.feature_rows = torch.tensor(
+            distinct if len(distinct) == 1 else routes.feature_rows, device=device
+        )
+        self.slots_per_rank = [len(s) for s in routes.slots]
+        self.slot_counts = torch.tensor(self.slots_per_rank, device=device)
+        self.send_rows = routes.send_rows().to(device, torch.int32)
+        self.slot_rank = torch.repeat_interleave(
+            torch.arange(self.world, device=device),
+            self.slot_counts,
+            output_size=len(self.send_rows),
+        )
+        dtype = routes.id_dtype
+        self.passes = [
+            (
+                # Only used by FBGEMM when boundaries are absent; the boundaries rule.
+                torch.tensor([max(1, b[1] - b[0]) for b in bounds], dtype=dtype, device=device),
+                [torch.tensor(b, dtype=dtype, device=device) for b in bounds],
             )
-            bucket_lengths, bucket_values, bucket_weights, _, _ = (
+            for bounds in routes.bucket_passes
+        ]
+        self.ids_per_element = 2 if routes.weighted else 1
+
+    def route(self, batch: LocalBatch) -> Routed:
+        """Bucketize row-wise ids by owner (rebased into its block), and count what
+        each rank gets."""
+        lengths, values, weights = batch.lengths, batch.values, batch.weights
+        if self.passes:
+            buckets = [
                 torch.ops.fbgemm.block_bucketize_sparse_features(
-                    rw_lengths.view(-1),
-                    rw_values,
+                    lengths.view(-1),
+                    values,
                     False,
                     False,
-                    self.rw_block_sizes,
+                    block_sizes,
                     self.world,
-                    rw_weights,
+                    weights,
                     None,
                     -1,
-                    self.rw_bounds,
+                    boundaries,
                 )
-            )
-            lengths = torch.cat(
-                [lengths, bucket_lengths.view(self.world * len(self.rw_features), batch_size)]
-            )
-            values = torch.cat([values, bucket_values])
-            if weights is not None:
-                weights = torch.cat([weights, bucket_weights])
+                for block_sizes, boundaries in self.passes
+            ]
+            table_rows = len(self.passes) * self.world * len(self.routes.features)
+            lengths = torch.cat([b[0] for b in buckets]).view(table_rows, batch.batch_size)
+            values = _cat([b[1] for b in buckets])
+            weights = None if weights is None else _cat([b[2] for b in buckets])
+        per_slot = lengths.index_select(0, self.send_rows).sum(1)
+        ids_per_rank = torch.zeros(self.world, dtype=torch.long, device=self.device)
+        ids_per_rank.index_add_(0, self.slot_rank, per_slot)
+        return Routed(lengths, values, weights, ids_per_rank, batch.batch_size)
+
+    def nothing(self) -> Routed:
+        """The route of a batch that cannot be sent: nothing for anyone."""
+        zeros = torch.zeros(self.world, dtype=torch.long, device=self.device)
+        empty = torch.zeros(0, dtype=self.routes.id_dtype, device=self.device)
+        return Routed(empty.view(0, 0), empty, None, zeros, 0)
+
+    def send_sizes(self, routed: Routed) -> torch.Tensor:
+        """Payload elements for each rank: its slots' lengths, then ids (and weights)."""
+        return self.slot_counts * routed.batch_size + routed.ids_per_rank * self.ids_per_element
+
+    def pack(self, routed: Routed, ids_per_rank: list[int]) -> torch.Tensor:
+        """One buffer for all destinations: for each, its slots' lengths, ids, weights."""
         lengths, values, weights = torch.ops.fbgemm.permute_2D_sparse_data(
-            self.send_rows, lengths, values, weights
+            self.send_rows, routed.lengths, routed.values, routed.weights, sum(ids_per_rank)
         )
         rows = lengths.split(self.slots_per_rank)
-        ids_per_dest = [int(r.sum()) for r in rows]
-        id_chunks = values.split(ids_per_dest)
-        weight_chunks = weights.split(ids_per_dest) if weights is not None else None
+        id_chunks = values.split(ids_per_rank)
+        weight_chunks = weights.split(ids_per_rank) if weights is not None else None
         pieces = []
         for dest, dest_lengths in enumerate(rows):
             pieces += [dest_lengths.reshape(-1), id_chunks[dest]]
             if weight_chunks is not None:
                 pieces.append(_to_bits(weight_chunks[dest], values.dtype))
-        sizes = [
-            n * batch_size + ids * (2 if weights is not None else 1)
-            for n, ids in zip(self.slots_per_rank, ids_per_dest)
-        ]
-        return Outgoing(torch.cat(pieces), sizes)
+        return torch.cat(pieces)
 
     def exchange(
-        self, outgoing: Outgoing, recv_sizes: list[int], group: dist.ProcessGroup | None
+        self,
+        payload: torch.Tensor,
+        send_sizes: list[int],
+        recv_sizes: list[int],
+        group: dist.ProcessGroup | None,
     ) -> torch.Tensor:
-        received = self.scratch.take("ids", (sum(recv_sizes),), outgoing.payload)
-        dist.all_to_all_single(received, outgoing.payload, recv_sizes, outgoing.sizes, group=group)
+        received = self.scratch.take("ids", (sum(recv_sizes),), payload)
+        dist.all_to_all_single(received, payload, recv_sizes, send_sizes, group=group)
         return received
 
     def unpack(
@@ -189,31 +240,38 @@ class InputDistribution:
         """TBE input for the global batch: every slot's bags, sources in rank order."""
         slots = self.slots_per_rank[self.rank]
         lengths, ids, weights = [], [], []
-        for chunk, batch_size in zip(received.split(recv_sizes), batch_sizes):
-            source_lengths = chunk[: slots * batch_size]
-            count = int(source_lengths.sum())
-            lengths.append(source_lengths)
-            ids.append(chunk[slots * batch_size : slots * batch_size + count])
+        for chunk, size, batch_size in zip(received.split(recv_sizes), recv_sizes, batch_sizes):
+            start = slots * batch_size
+            count = (size - start) // self.ids_per_element
+            lengths.append(chunk[:start])
+            ids.append(chunk[start : start + count])
             if self.routes.weighted:
-                weights.append(_from_bits(chunk[slots * batch_size + count :]))
+                weights.append(_from_bits(chunk[start + count :]))
         bag_lengths, values = torch.cat(lengths), torch.cat(ids)
         bag_weights = torch.cat(weights) if self.routes.weighted else None
         if self.world > 1:
-            order = _slot_major_order(slots, batch_sizes)
+            order = _slot_major_order(slots, batch_sizes, self.device)
             bag_lengths, values, bag_weights = torch.ops.fbgemm.permute_1D_sparse_data(
-                order, bag_lengths, values, bag_weights
+                order, bag_lengths, values, bag_weights, values.numel()
             )
         offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(bag_lengths)
         return values, offsets, bag_weights
 
 
-def _slot_major_order(slots: int, batch_sizes: list[int]) -> torch.Tensor:
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
+def _slot_major_order(slots: int, batch_sizes: list[int], device: torch.device) -> torch.Tensor:
     """Bags arrive as (source, slot, sample); the TBE wants (slot, source, sample)."""
-    sizes = torch.tensor(batch_sizes, dtype=torch.long)
+    sizes = torch.tensor(batch_sizes, dtype=torch.long, device=device)
+    total = sum(batch_sizes)
     starts = torch.cumsum(sizes, 0) - sizes
-    source = torch.repeat_interleave(torch.arange(len(batch_sizes)), sizes)
-    sample = torch.arange(int(sizes.sum())) - starts[source]
-    slot = torch.arange(slots)[:, None]
+    source = torch.repeat_interleave(
+        torch.arange(len(batch_sizes), device=device), sizes, output_size=total
+    )
+    sample = torch.arange(total, device=device) - starts[source]
+    slot = torch.arange(slots, device=device)[:, None]
     return (slots * starts[source] + slot * sizes[source] + sample).reshape(-1).int()
 
 

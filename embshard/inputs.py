@@ -1,8 +1,11 @@
 """Checking a rank's local KeyedJaggedTensor before anything is sent.
 
 A bad batch must not leave the other ranks waiting in an all-to-all, so the check
-never raises: it returns the problem, which the rank then announces in the counts
-exchange (see ``dist.exchange_counts``) and every rank raises together.
+never raises: what can be seen without reading the data (keys, dtypes, sizes) comes
+back as a message; what needs the data (lengths, id ranges) comes back as a validity
+flag computed on the batch's device, which travels in the counts exchange (see
+``dist.exchange_counts``) without a host sync of its own. When any rank's flag is
+down, every rank raises together, and the bad ranks say why (``describe_problem``).
 """
 
 from __future__ import annotations
@@ -23,19 +26,66 @@ class InputError(ValueError):
 
 @dataclass(frozen=True)
 class LocalBatch:
-    """A checked batch in the model's feature order: lengths [features, batch]."""
+    """A batch in the model's feature order: lengths [features, batch], as id dtype.
+
+    ``valid`` is a 0-dim bool tensor on the batch's device. When it is False the
+    lengths and ids are stand-ins that are safe to route, and never looked up.
+    """
 
     lengths: torch.Tensor
     values: torch.Tensor
     weights: torch.Tensor | None
+    valid: torch.Tensor
 
     @property
     def batch_size(self) -> int:
         return self.lengths.shape[1]
 
 
-def check_batch(features: object, routes: Routes) -> LocalBatch | str:
-    """The batch in model order, or a message saying what is wrong with it."""
+def check_batch(features: object, routes: Routes, feature_rows: torch.Tensor) -> LocalBatch | str:
+    """The batch in model order with its validity flag, or a message saying what is
+    wrong with its structure. ``feature_rows`` holds ``routes.feature_rows`` on the
+    batch's device, or one bound when all are the same. Reads nothing back to the
+    host."""
+    problem = _structure_problem(features, routes)
+    if problem:
+        return problem
+    assert isinstance(features, KeyedJaggedTensor)
+    values, lengths = features.values(), features.lengths()
+    lengths = lengths.view(len(routes.features), lengths.numel() // len(routes.features))
+    lengths_ok = (lengths >= 0).all() & (lengths.sum() == values.numel())
+    lengths = _trusted(lengths, lengths_ok, values.numel())
+    lengths, values, weights = _in_model_order(features, routes, lengths)
+    valid = lengths_ok & _ids_in_range(lengths, values, feature_rows)
+    # A bad batch travels on as ids 0 (every table has a row 0): nothing downstream
+    # reads out of range before every rank raises.
+    values = values * valid
+    return LocalBatch(lengths.to(routes.id_dtype), values.to(routes.id_dtype), weights, valid)
+
+
+def describe_problem(features: KeyedJaggedTensor, routes: Routes) -> str:
+    """What is wrong with a batch whose ``valid`` flag is False. Reads the data on the
+    host: only called once every rank knows some batch is bad."""
+    keys, values = features.keys(), features.values()
+    lengths = features.lengths().long().view(len(keys), -1)
+    if (lengths < 0).any():
+        feature = int((lengths < 0).any(1).nonzero()[0])
+        return f"feature {keys[feature]!r} has a negative length {int(lengths[feature].min())}"
+    if int(lengths.sum()) != values.numel():
+        return f"lengths add up to {int(lengths.sum())} but there are {values.numel()} ids"
+    lengths, values, _ = _in_model_order(features, routes, lengths)
+    for feature, ids in enumerate(values.split(lengths.sum(1).tolist())):
+        rows = routes.feature_rows[feature]
+        bad = ((ids < 0) | (ids >= rows)).nonzero()
+        if len(bad):
+            return (
+                f"feature {routes.features[feature]!r} (table {routes.feature_table[feature]!r}): "
+                f"id {int(ids[bad[0]])} is outside [0, {rows})"
+            )
+    raise AssertionError("describe_problem called on a valid batch")
+
+
+def _structure_problem(features: object, routes: Routes) -> str | None:
     if not isinstance(features, KeyedJaggedTensor):
         return f"expected a KeyedJaggedTensor, got {type(features).__name__}"
     keys = features.keys()
@@ -51,49 +101,52 @@ def check_batch(features: object, routes: Routes) -> LocalBatch | str:
         return f"ids and lengths must be int32 or int64, got {values.dtype} and {lengths.dtype}"
     if lengths.numel() % len(keys):
         return f"{lengths.numel()} lengths do not split evenly over {len(keys)} features"
-    lengths = lengths.long().view(len(keys), -1)
-    if (lengths < 0).any():
-        feature = int((lengths < 0).any(1).nonzero()[0])
-        return f"feature {keys[feature]!r} has a negative length {int(lengths[feature].min())}"
-    if int(lengths.sum()) != values.numel():
-        return f"lengths add up to {int(lengths.sum())} but there are {values.numel()} ids"
-    weights = features.weights_or_none() if routes.weighted else None
+    if not lengths.numel() and values.numel():
+        return f"the batch has no bags but {values.numel()} ids"
     if routes.weighted:
+        weights = features.weights_or_none()
         if weights is None:
             return "the module is weighted but the batch has no weights"
         if weights.dtype != torch.float32 or weights.numel() != values.numel():
             return f"weights must be float32, one per id; got {weights.dtype} x {weights.numel()}"
-    order = [keys.index(f) for f in routes.features]
-    if order != list(range(len(keys))):
-        perm = torch.tensor(order, dtype=torch.int32)
-        lengths, values, weights = torch.ops.fbgemm.permute_2D_sparse_data(
-            perm, lengths, values, weights
-        )
-    problem = _out_of_range(lengths, values, routes)
-    if problem:
-        return problem
-    return LocalBatch(lengths.to(routes.id_dtype), values.to(routes.id_dtype), weights)
-
-
-def _out_of_range(lengths: torch.Tensor, values: torch.Tensor, routes: Routes) -> str | None:
-    """The first id outside its feature's table, if any: one pass over all ids when
-    they are all below the smallest table's rows, else one per feature."""
-    if not values.numel():
-        return None
-    if _within(values, min(routes.feature_rows)):
-        return None
-    for feature, ids in enumerate(values.split(lengths.sum(1).tolist())):
-        rows = routes.feature_rows[feature]
-        if not len(ids) or _within(ids, rows):
-            continue
-        first = int(((ids < 0) | (ids >= rows)).nonzero()[0])
-        return (
-            f"feature {routes.features[feature]!r} (table {routes.feature_table[feature]!r}): "
-            f"id {int(ids[first])} is outside [0, {rows})"
-        )
     return None
 
 
-def _within(ids: torch.Tensor, rows: int) -> bool:
-    low, high = torch.aminmax(ids)
-    return bool(low >= 0 and high < rows)
+def _trusted(lengths: torch.Tensor, ok: torch.Tensor, ids: int) -> torch.Tensor:
+    """``lengths`` if ``ok``, else one bag holding all ``ids``: lengths that always
+    add up, so permuting and bucketizing stay in bounds. No host read."""
+    if not lengths.numel():  # no bags, and then no ids (checked before)
+        return lengths
+    one_bag = torch.zeros_like(lengths)
+    one_bag[0, 0] = ids
+    return torch.where(ok, lengths, one_bag)
+
+
+def _in_model_order(
+    features: KeyedJaggedTensor, routes: Routes, lengths: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``lengths`` ([features, batch], adding up to the ids), the ids and the weights
+    with the features in the model's order."""
+    keys, values = features.keys(), features.values()
+    weights = features.weights_or_none() if routes.weighted else None
+    order = [keys.index(f) for f in routes.features]
+    if order == list(range(len(keys))):
+        return lengths, values, weights
+    perm = torch.tensor(order, dtype=torch.int32, device=values.device)
+    # Sized by the ids: no host read.
+    return torch.ops.fbgemm.permute_2D_sparse_data(perm, lengths, values, weights, values.numel())
+
+
+def _ids_in_range(lengths: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Whether every id lies in [0, rows of its feature's smallest table), as a 0-dim
+    bool tensor: no host read, and one id-sized temporary at most (fresh CPU buffers
+    page-fault)."""
+    if not values.numel():
+        return torch.ones((), dtype=torch.bool, device=values.device)
+    low, high = torch.aminmax(values)
+    if rows.numel() == 1:  # one bound for every feature
+        return (low >= 0) & (high < rows[0])
+    bounds = torch.repeat_interleave(
+        rows.to(values.dtype), lengths.sum(1), output_size=values.numel()
+    )
+    return (low >= 0) & (bounds.sub_(values).min() > 0)

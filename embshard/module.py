@@ -11,6 +11,7 @@ dicts load into it.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -24,19 +25,39 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from embshard.dist import (
     InputDistribution,
-    Outgoing,
     OutputLayout,
     PooledAllToAll,
+    Routed,
     Scratch,
     exchange_counts,
-    raise_if_any_failed,
+    raise_input_error,
 )
 from embshard.init import init_shard
-from embshard.inputs import LocalBatch, check_batch
+from embshard.inputs import LocalBatch, check_batch, describe_problem
 from embshard.lookup import SGD, FusedOptimizer
 from embshard.plan import ShardedTable, ShardingPlan
 from embshard.routes import build_routes
 from embshard.shards import allocate_storage, gather_table, table_dtensor
+
+
+def _silence_fx_tracing_notice() -> None:
+    """TorchRec 1.8's KeyedTensor calls torch's deprecated ``is_fx_tracing``, whose
+    one-time notice every process would print at its first forward. It concerns
+    TorchRec's call, not the user's code: spend the once while the logger is off."""
+    from torch.fx import _symbolic_trace
+
+    notice = getattr(_symbolic_trace, "is_fx_tracing_warning", None)
+    if notice is None:
+        return
+    logger = logging.getLogger(_symbolic_trace.__name__)
+    disabled, logger.disabled = logger.disabled, True
+    try:
+        notice()
+    finally:
+        logger.disabled = disabled
+
+
+_silence_fx_tracing_notice()
 
 
 def _key(table: str) -> str:
@@ -56,8 +77,10 @@ def _submesh(mesh: DeviceMesh, ranks: tuple[int, ...]) -> DeviceMesh:
 
 
 def _world_mesh() -> DeviceMesh:
-    """A CPU mesh over the world, without process groups of its own (see _submesh)."""
-    return DeviceMesh("cpu", torch.arange(dist.get_world_size()), _init_backend=False)
+    """A mesh over the world, without process groups of its own (see _submesh): CUDA
+    when the default group runs NCCL, else CPU."""
+    device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+    return DeviceMesh(device_type, torch.arange(dist.get_world_size()), _init_backend=False)
 
 
 def _check_mesh(mesh: DeviceMesh) -> None:
@@ -111,9 +134,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._mesh = mesh
         self._group = None  # the default group: the mesh spans the whole world
         self._rank = mesh.get_coordinate()[0]
+        self._device = _mesh_device(mesh)
         self._routes = build_routes(self._configs, self._tables, mesh.size(), is_weighted)
         scratch = Scratch()
-        self._input_dist = InputDistribution(self._routes, self._rank, scratch)
+        self._input_dist = InputDistribution(self._routes, self._rank, scratch, self._device)
         self._output_layout = OutputLayout(
             block_dims=[sum(self._routes.slot_dims(r)) for r in range(mesh.size())],
             moves=self._routes.column_moves(),
@@ -124,11 +148,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
         )
         self._keys = [e.name for e in self._routes.embeddings]
         self._dims = [e.dim for e in self._routes.embeddings]
-        self._mean_feature = self._routes.mean_feature_by_column()
-        self._anchor = torch.zeros(0, requires_grad=True)
+        mean_feature = self._routes.mean_feature_by_column()
+        self._mean_feature = None if mean_feature is None else mean_feature.to(self._device)
+        self._anchor = torch.zeros(0, device=self._device, requires_grad=True)
         feature_table_map = [s.tbe_table for s in self._routes.slots[self._rank]]
         self._storage = allocate_storage(
-            self._tables, self._rank, optimizer, _mesh_device(mesh), feature_table_map
+            self._tables, self._rank, optimizer, self._device, feature_table_map
         )
         self._fill(seed, weights)
         submesh = functools.partial(_submesh, mesh)
@@ -146,38 +171,61 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
         Collective: every rank of the mesh must call it, each with its own batch (batch
         sizes may differ, and may be zero). A bad batch on any rank raises the same
-        InputError on every rank.
+        InputError on every rank. One host sync: reading back the counts exchange.
         """
-        batch, outgoing, problem = self._prepare(features)
-        send_sizes = outgoing.sizes if outgoing else [0] * self._mesh.size()
-        batch_size = batch.batch_size if batch else 0
-        counts = exchange_counts(send_sizes, batch_size, problem is None, self._group)
-        raise_if_any_failed(counts, problem, self._group)
+        batch, routed, problem = self._route(features)
+        counts = exchange_counts(
+            self._input_dist.send_sizes(routed),
+            routed.ids_per_rank,
+            routed.batch_size,
+            batch.valid
+            if batch is not None
+            else torch.zeros((), dtype=torch.bool, device=self._device),
+            self._group,
+        )
+        if counts.failed:
+            raise_input_error(self._problem(features, batch, problem), self._group)
 
-        recv_sizes, batch_sizes = counts[:, 0].tolist(), counts[:, 1].tolist()
-        received = self._input_dist.exchange(outgoing, recv_sizes, self._group)
-        indices, offsets, weights = self._input_dist.unpack(received, recv_sizes, batch_sizes)
+        payload = self._input_dist.pack(routed, counts.sent_ids)
+        received = self._input_dist.exchange(
+            payload, counts.send_sizes, counts.recv_sizes, self._group
+        )
+        indices, offsets, weights = self._input_dist.unpack(
+            received, counts.recv_sizes, counts.batch_sizes
+        )
 
-        pooled = self._lookup(indices, offsets, weights, sum(batch_sizes))
-        gathered = PooledAllToAll.apply(self._anchor, pooled, batch_sizes, self._output_layout)
+        pooled = self._lookup(indices, offsets, weights, sum(counts.batch_sizes))
+        gathered = PooledAllToAll.apply(
+            self._anchor, pooled, counts.batch_sizes, self._output_layout
+        )
         return KeyedTensor(
             keys=self._keys,
             length_per_key=self._dims,
             values=self._mean_pool(gathered, batch.lengths),
         )
 
-    def _prepare(
-        self, features: KeyedJaggedTensor
-    ) -> tuple[LocalBatch | None, Outgoing | None, str | None]:
-        """The checked batch and its packed payload, or what is wrong. Never raises: a
-        rank that failed here must still tell the others in the counts exchange."""
-        batch = check_batch(features, self._routes)
-        if isinstance(batch, str):
-            return None, None, batch
+    def _route(self, features: KeyedJaggedTensor) -> tuple[LocalBatch | None, Routed, str | None]:
+        """The checked batch, routed to its owners, or what is wrong with it (and an
+        empty route). Never raises: a rank that failed here must still tell the others
+        in the counts exchange."""
         try:
-            return batch, self._input_dist.pack(batch), None
+            batch = check_batch(features, self._routes, self._input_dist.feature_rows)
+            if isinstance(batch, str):
+                return None, self._input_dist.nothing(), batch
+            return batch, self._input_dist.route(batch), None
         except Exception as e:
-            return None, None, f"packing the batch failed: {type(e).__name__}: {e}"
+            return None, self._input_dist.nothing(), f"routing the batch failed: {e!r}"
+
+    def _problem(
+        self, features: KeyedJaggedTensor, batch: LocalBatch | None, problem: str | None
+    ) -> str | None:
+        """What is wrong with this rank's batch, if anything, once some rank's is bad."""
+        if problem is not None or batch is None or bool(batch.valid):
+            return problem
+        try:
+            return describe_problem(features, self._routes)
+        except Exception as e:
+            return f"checking the batch failed: {e!r}"
 
     def _lookup(
         self,
@@ -188,14 +236,14 @@ class ShardedEmbeddingBagCollection(nn.Module):
     ) -> torch.Tensor:
         """SUM-pooled rows of every slot for the global batch: one TBE call."""
         if self._storage.tbe is None:
-            return torch.zeros(global_batch, 0)
+            return torch.zeros(global_batch, 0, device=self._device)
         return self._storage.tbe(indices, offsets, per_sample_weights=weights)
 
     def _mean_pool(self, out: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """MEAN-pooled features divided by the requester's own bag lengths."""
         if self._mean_feature is None:
             return out
-        ones = torch.ones(1, lengths.shape[1], dtype=lengths.dtype)
+        ones = torch.ones(1, lengths.shape[1], dtype=lengths.dtype, device=lengths.device)
         divisors = torch.cat([ones, lengths.clamp(min=1)])[self._mean_feature]
         return out / divisors.t().to(out.dtype)
 

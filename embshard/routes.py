@@ -28,6 +28,7 @@ class Embedding:
     dim: int
     mean: bool
     out_offset: int
+    row_wise: bool
 
 
 @dataclass(frozen=True)
@@ -59,10 +60,13 @@ class Routes:
     features: tuple[str, ...]
     embeddings: tuple[Embedding, ...]
     slots: tuple[tuple[Slot, ...], ...]
-    # Row-wise embeddings are bucketized before sending: their features, and each
-    # one's row-block boundaries (world_size + 1 of them).
-    rw_embeddings: tuple[int, ...]
-    rw_boundaries: tuple[tuple[int, ...], ...]
+    # Ids are bucketized by owner before sending, all features at once, when any table
+    # is row-wise: pass k splits each feature by one set of row boundaries (world_size
+    # + 1 of them), a row-wise table's blocks or (0, rows, ..., rows), which keeps the
+    # feature whole in bucket 0. No passes: the batch's own lengths are sent.
+    bucket_passes: tuple[tuple[tuple[int, ...], ...], ...]
+    # Per embedding: the pass whose buckets carry its ids.
+    embedding_pass: tuple[int, ...]
     # Per feature: the smallest table it feeds, whose rows bound its ids.
     feature_rows: tuple[int, ...]
     feature_table: tuple[str, ...]
@@ -84,16 +88,17 @@ class Routes:
 
     def send_rows(self) -> torch.Tensor:
         """For every (destination, slot) in destination order, the row of the sender's
-        [features; row-wise buckets] lengths table that holds its bags."""
-        num_features, num_rw = len(self.features), len(self.rw_embeddings)
-        rows = []
+        lengths table (pass, bucket, feature) that holds its bags: bucket 0 for a
+        whole feature, the destination's bucket for a row-wise slot."""
+        num_features, rows = len(self.features), []
         for dest, slots in enumerate(self.slots):
             for slot in slots:
-                if slot.embedding in self.rw_embeddings:
-                    rw = self.rw_embeddings.index(slot.embedding)
-                    rows.append(num_features + dest * num_rw + rw)
-                else:
-                    rows.append(self.embeddings[slot.embedding].feature)
+                embedding = self.embeddings[slot.embedding]
+                bucket = dest if embedding.row_wise else 0
+                bucket_pass = self.embedding_pass[slot.embedding]
+                rows.append(
+                    (bucket_pass * self.world_size + bucket) * num_features + embedding.feature
+                )
         return torch.tensor(rows, dtype=torch.long)
 
     def slot_dims(self, rank: int) -> list[int]:
@@ -168,6 +173,38 @@ def _row_boundaries(table: ShardedTable) -> tuple[int, ...]:
     return (*(s.row_offset for s in table.shards), table.num_embeddings)
 
 
+def _bucket_passes(
+    embeddings: Sequence[Embedding],
+    tables: dict[str, ShardedTable],
+    feature_rows: Sequence[int],
+    world_size: int,
+) -> tuple[tuple[tuple[tuple[int, ...], ...], ...], tuple[int, ...]]:
+    """Each feature's distinct row boundaries (whole for its table-wise and column-wise
+    tables, the blocks of each row-wise table), dealt one to a pass; and each
+    embedding's pass. One pass when every feature feeds at most one row-wise table
+    and no other; none when no table is row-wise."""
+    if not any(e.row_wise for e in embeddings):
+        return (), (0,) * len(embeddings)
+    wholes = [(0, *[rows] * world_size) for rows in feature_rows]
+    needed: list[list[tuple[int, ...]]] = [[] for _ in feature_rows]
+    for e in sorted(embeddings, key=lambda e: e.row_wise):  # wholes first
+        bounds = _row_boundaries(tables[e.table]) if e.row_wise else wholes[e.feature]
+        if bounds not in needed[e.feature]:
+            needed[e.feature].append(bounds)
+    count = max(len(n) for n in needed)
+    passes = tuple(
+        tuple(n[k] if k < len(n) else whole for n, whole in zip(needed, wholes))
+        for k in range(count)
+    )
+    embedding_pass = tuple(
+        needed[e.feature].index(
+            _row_boundaries(tables[e.table]) if e.row_wise else wholes[e.feature]
+        )
+        for e in embeddings
+    )
+    return passes, embedding_pass
+
+
 def build_routes(
     configs: Sequence[EmbeddingBagConfig],
     tables: dict[str, ShardedTable],
@@ -180,10 +217,15 @@ def build_routes(
     embeddings, offset = [], 0
     for config, names in zip(configs, get_embedding_names_by_table(configs)):
         for feature, name in zip(config.feature_names, names):
-            mean = config.pooling == PoolingType.MEAN
             embeddings.append(
                 Embedding(
-                    name, features.index(feature), config.name, config.embedding_dim, mean, offset
+                    name=name,
+                    feature=features.index(feature),
+                    table=config.name,
+                    dim=config.embedding_dim,
+                    mean=config.pooling == PoolingType.MEAN,
+                    out_offset=offset,
+                    row_wise=isinstance(tables[config.name].spec, RowWise),
                 )
             )
             offset += config.embedding_dim
@@ -200,20 +242,20 @@ def build_routes(
                 if table == emb.table
             )
         )
-    rw = tuple(i for i, e in enumerate(embeddings) if isinstance(tables[e.table].spec, RowWise))
-    boundaries = tuple(_row_boundaries(tables[embeddings[i].table]) for i in rw)
     rows = {c.name: c.num_embeddings for c in configs}
     smallest = [
         min((c.name for c in configs if f in c.feature_names), key=rows.__getitem__)
         for f in features
     ]
+    feature_rows = [rows[t] for t in smallest]
+    passes, embedding_pass = _bucket_passes(embeddings, tables, feature_rows, world_size)
     return Routes(
         features=tuple(features),
         embeddings=tuple(embeddings),
         slots=tuple(slots),
-        rw_embeddings=rw,
-        rw_boundaries=boundaries,
-        feature_rows=tuple(rows[t] for t in smallest),
+        bucket_passes=passes,
+        embedding_pass=embedding_pass,
+        feature_rows=tuple(feature_rows),
         feature_table=tuple(smallest),
         weighted=weighted,
     )

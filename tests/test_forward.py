@@ -200,7 +200,17 @@ def bad_batches(case: Case) -> dict[str, KeyedJaggedTensor]:
     out_of_range[first_c] = 25
     negative = values.clone()
     negative[0] = -3
+    # A negative length whose total still matches the ids: only the sign gives it away.
+    negative_length = lengths.clone()
+    negative_length[0] -= lengths[0] + 1
+    negative_length[1] += lengths[0] + 1
     return {
+        "feature 'f_a' has a negative length -1": KeyedJaggedTensor(
+            keys, values, lengths=negative_length
+        ),
+        f"the batch has no bags but {len(values)} ids": KeyedJaggedTensor(
+            keys, values, lengths=lengths[:0]
+        ),
         "id 25 is outside [0, 25)": KeyedJaggedTensor(keys, out_of_range, lengths=lengths),
         "id -3 is outside [0, 20)": KeyedJaggedTensor(keys, negative, lengths=lengths),
         "unknown: ['f_x'], missing: ['f_d']": KeyedJaggedTensor(
