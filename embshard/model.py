@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -12,6 +15,19 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from embshard.lookup import SGD, FusedOptimizer
 from embshard.module import ShardedEmbeddingBagCollection, shard
 from embshard.plan import ShardingPlan
+
+# TorchRec's DistributedModelParallel wraps the dense part in DDP with these settings
+# (DefaultDataParallelWrapper, torchrec 1.8). static_graph lets a model hold
+# parameters that never get a gradient (TorchRec's TestSparseNN has one): DDP finds
+# them on the first step, where plain DDP fails on the second. forward_sync_buffers
+# is torch 2.13's name for TorchRec's broadcast_buffers=False: no buffer broadcast
+# before each forward (buffers are still synced once, at construction).
+DDP_DEFAULTS: Mapping[str, Any] = {
+    "static_graph": True,
+    "find_unused_parameters": False,
+    "forward_sync_buffers": False,
+    "gradient_as_bucket_view": True,
+}
 
 
 def embedding_bag_collections(model: nn.Module) -> dict[str, EmbeddingBagCollection]:
@@ -27,14 +43,38 @@ def shard_model(
     optimizer: FusedOptimizer = SGD(lr=0.01),
     seed: int = 0,
     device: torch.device | None = None,
-) -> DistributedDataParallel:
+    ddp_kwargs: Mapping[str, Any] | None = None,
+    data_parallel_wrapper: Callable[[nn.Module], nn.Module] | None = None,
+) -> nn.Module:
     """Shard every EmbeddingBagCollection of ``model`` by ``plan`` (one plan naming the
     tables of all of them) and wrap the model in DDP, which then holds only the dense
     parameters: the sharded tables are trained by their fused optimizer.
 
     Dense parameters on ``meta`` are materialized on ``device`` (default CPU) and
     reset; DDP then broadcasts rank 0's, so every rank starts from the same model.
+
+    The DDP is TorchRec's DistributedModelParallel's: ``DDP_DEFAULTS``
+    (``static_graph=True``, ``find_unused_parameters=False``, no buffer broadcast
+    before each forward, ``gradient_as_bucket_view=True``) updated by ``ddp_kwargs``.
+    A model whose set of used parameters changes from step to step needs
+    ``ddp_kwargs={"static_graph": False, "find_unused_parameters": True}``.
+
+    ``data_parallel_wrapper`` replaces that DDP, as DMP's argument of that name does:
+    a callable taking the sharded model (its sharded collections hold no parameters,
+    so it sees only the dense ones) and returning the module to train, which
+    ``shard_model`` returns. ``lambda m: m`` trains without a wrapper; without DDP's
+    broadcast, seed the dense initialization alike on every rank.
     """
+    if data_parallel_wrapper is not None and not callable(data_parallel_wrapper):
+        raise TypeError(
+            "data_parallel_wrapper must be a callable taking the model and returning the "
+            f"module to train, got {type(data_parallel_wrapper).__name__}"
+        )
+    if data_parallel_wrapper is not None and ddp_kwargs:
+        raise ValueError(
+            "ddp_kwargs configure the default DDP wrapper; with data_parallel_wrapper, "
+            "configure your own wrapper instead"
+        )
     collections = embedding_bag_collections(model)
     if not collections:
         raise ValueError(f"{type(model).__name__} holds no EmbeddingBagCollection to shard")
@@ -49,13 +89,23 @@ def shard_model(
         sub_plan = ShardingPlan({n: s for n, s in plan.tables.items() if n in own})
         _replace(model, path, shard(ebc, sub_plan, mesh=mesh, optimizer=optimizer, seed=seed))
     _materialize_dense(model, device or torch.device("cpu"))
-    return DistributedDataParallel(model)
+    if data_parallel_wrapper is not None:
+        return data_parallel_wrapper(model)
+    return DistributedDataParallel(model, **_ddp_settings(ddp_kwargs or {}))
 
 
 def sharded_collections(model: nn.Module) -> dict[str, ShardedEmbeddingBagCollection]:
     return {
         path: m for path, m in model.named_modules() if isinstance(m, ShardedEmbeddingBagCollection)
     }
+
+
+def _ddp_settings(ddp_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    settings = {**DDP_DEFAULTS, **ddp_kwargs}
+    if "broadcast_buffers" in ddp_kwargs and "forward_sync_buffers" not in ddp_kwargs:
+        # DDP ignores the older broadcast_buffers when forward_sync_buffers is given.
+        del settings["forward_sync_buffers"]
+    return settings
 
 
 def _replace(model: nn.Module, path: str, module: nn.Module) -> None:

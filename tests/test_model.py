@@ -1,4 +1,4 @@
-"""A whole sharded DLRM trains like the unsharded one."""
+"""Whole sharded models (DLRM, DLRM-DCN, TorchRec's TestSparseNN) train like the unsharded ones."""
 
 from __future__ import annotations
 
@@ -8,12 +8,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from oracle import Case, Table, global_batch, local_batches
-from torchrec import EmbeddingBagCollection
+from oracle import Case, Table, global_batch, local_batches, weight_gap
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
+from torchrec.distributed.test_utils import test_model as torchrec_test_model
 from torchrec.models.dlrm import DLRM, DLRM_DCN
 
 import embshard
 from embshard import ShardingPlan, column_wise, row_wise, table_wise
+from embshard.model import sharded_collections
 
 TABLES = (
     Table("a", 40, 8, ("f_a",)),
@@ -21,6 +25,7 @@ TABLES = (
     Table("c", 25, 8, ("f_c",), mean=True),
 )
 DENSE_IN = 5
+MIXED = ShardingPlan({"a": row_wise(), "b": row_wise(), "c": table_wise(0)})
 
 
 def build(kind: str, device: str | None = None) -> torch.nn.Module:
@@ -51,7 +56,7 @@ def train_dlrm(kind: str, steps: int, lr: float):
     dense_opt = torch.optim.SGD(model.parameters(), lr=lr)
     oracle_opt = torch.optim.SGD(oracle.parameters(), lr=lr)
     offsets = [sum(case.batch_sizes[:r]) for r in range(world + 1)]
-    curves, worst = [], 0.0
+    curves = []
     for step in range(steps):
         batches = local_batches(case, step)
         dense = dense_and_labels(step, case.batch_sizes)
@@ -70,15 +75,18 @@ def train_dlrm(kind: str, steps: int, lr: float):
         oracle_opt.step()
         oracle_opt.zero_grad()
         curves.append((float(loss), float(losses[rank])))
-    oracle_params = dict(oracle.named_parameters())
     dense_names = [n for n, _ in model.module.named_parameters()]
-    for name, param in model.module.named_parameters():
-        worst = max(worst, float((param - oracle_params[name]).abs().max()))
-    for path, sharded in embshard.model.sharded_collections(model.module).items():
-        for table, weight in sharded.weights.items():
-            expected = oracle.get_submodule(path).embedding_bags[table].weight
-            worst = max(worst, float((embshard.gather_table(weight) - expected).abs().max()))
-    return curves, worst, dense_names
+    return curves, model_gap(model.module, oracle), dense_names
+
+
+def model_gap(model: nn.Module, oracle: nn.Module) -> float:
+    """The largest difference between any dense parameter or gathered table and the oracle's."""
+    oracle_params = dict(oracle.named_parameters())
+    dense = [(p - oracle_params[n]).abs().max().item() for n, p in model.named_parameters()]
+    tables = [
+        weight_gap(s, oracle.get_submodule(path)) for path, s in sharded_collections(model).items()
+    ]
+    return max(dense + tables)
 
 
 @pytest.mark.parametrize("kind", ["dlrm", "dcn"])
@@ -91,10 +99,7 @@ def test_sharded_dlrm_trains_like_unsharded(world, kind):
 
 
 def meta_model_shards():
-    model = embshard.shard_model(
-        build("dcn", device="meta"),
-        ShardingPlan({"a": row_wise(), "b": row_wise(), "c": table_wise(0)}),
-    )
+    model = embshard.shard_model(build("dcn", device="meta"), MIXED)
     params = list(model.parameters())
     return all(not p.is_meta for p in params), len(params)
 
@@ -116,3 +121,176 @@ def test_shard_model_plan_errors_name_tables(world):
     for message in world(2).run(shard_model_with_bad_plan):
         assert "table 'b': no entry in the plan" in message
         assert "table 'zz': the plan names it but the model has no such table" in message
+
+
+# TorchRec's TestSparseNN as its model-parallel tests build it (test_model_parallel.py):
+# four tables, two more sharing features 0 and 1, two weighted tables in a second EBC.
+FLOATS, BATCH, TOL = 10, 4, 1e-5
+SHARED = ("feature_0", "feature_1")
+
+
+def sparsenn_tables(weighted: bool):
+    def bag(i: int, name: str, feature: str, unit: int) -> EmbeddingBagConfig:
+        return EmbeddingBagConfig(
+            num_embeddings=(i + 1) * 10,
+            embedding_dim=(i + 2) * unit,
+            name=name,
+            feature_names=[feature],
+        )
+
+    tables = [bag(i, f"table_{i}", f"feature_{i}", 8) for i in range(4)]
+    tables += [bag(i, f"table_{i + 4}", f"feature_{i}", 8) for i in range(2)]
+    weighted_tables = (
+        [bag(i, f"weighted_table_{i}", f"weighted_feature_{i}", 4) for i in range(2)]
+        if weighted
+        else []
+    )
+    groups = {
+        "group_0": [f"{f}@{t.name}" if f in SHARED else f for t in tables for f in t.feature_names]
+    }
+    return tables, weighted_tables, groups
+
+
+def sparsenn_plan(world: int, names: set[str]) -> ShardingPlan:
+    """Every sharding type, over the tables of both EBCs; column blocks FBGEMM can take."""
+    last = world - 1
+    specs = {
+        "table_0": table_wise(last),
+        "table_1": row_wise(),
+        "table_2": column_wise([last, 0]),
+        "table_3": table_wise(0),
+        "table_4": row_wise(),
+        "table_5": column_wise([0, last], [8, 16]),
+        "weighted_table_0": row_wise(),
+        "weighted_table_1": column_wise([last, 0], [4, 8]),
+    }
+    return ShardingPlan({n: s for n, s in specs.items() if n in names})
+
+
+def train_sparsenn(weighted: bool, ddp_kwargs, steps: int, lr: float):
+    """TestSparseNN sharded next to the unsharded one trained on the global batches.
+
+    With equal local batches the global mean loss is the mean of the ranks' losses, so
+    its gradients are the averaged ones that DDP and embshard's sparse backward apply.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tables, weighted_tables, groups = sparsenn_tables(weighted)
+    torch.manual_seed(0)
+    oracle = torchrec_test_model.TestSparseNN(
+        tables=tables,
+        weighted_tables=weighted_tables,
+        num_float_features=FLOATS,
+        embedding_groups=groups,
+    )
+    initial = copy.deepcopy(oracle)
+    plan = sparsenn_plan(world, {t.name for t in tables + weighted_tables})
+    model = embshard.shard_model(
+        copy.deepcopy(oracle), plan, optimizer=embshard.SGD(lr=lr), ddp_kwargs=ddp_kwargs
+    )
+    dense_opt = torch.optim.SGD(model.parameters(), lr=lr)
+    oracle_opt = torch.optim.SGD(oracle.parameters(), lr=lr)
+    curves, pred_gap = [], 0.0
+    for step in range(steps):
+        global_input, local_inputs = torchrec_test_model.ModelInput.generate(
+            batch_size=BATCH,
+            world_size=world,
+            num_float_features=FLOATS,
+            tables=tables,
+            weighted_tables=weighted_tables,
+            random_seed=step,
+        )
+        loss, pred = model(local_inputs[rank])
+        loss.backward()
+        dense_opt.step()
+        dense_opt.zero_grad()
+        oracle_loss, oracle_pred = oracle(global_input)
+        oracle_loss.backward()
+        oracle_opt.step()
+        oracle_opt.zero_grad()
+
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        curves.append((mean_loss.item() / world, oracle_loss.item()))
+        mine = oracle_pred[rank * BATCH : (rank + 1) * BATCH]
+        pred_gap = max(pred_gap, (pred - mine).abs().max().item())
+    trained = dict(oracle.named_parameters())
+    unmoved = sorted(
+        n for n, p in initial.named_parameters() if (p - trained[n]).abs().max() < 10 * TOL
+    )
+    return curves, pred_gap, model_gap(model.module, oracle), unmoved
+
+
+@pytest.mark.parametrize(
+    "size, weighted, ddp_kwargs",
+    [
+        (2, True, None),
+        (2, False, None),
+        (2, True, {"static_graph": False, "find_unused_parameters": True}),
+        (1, True, None),
+        (3, True, None),
+    ],
+)
+def test_sharded_sparsenn_trains_like_unsharded(world, size, weighted, ddp_kwargs):
+    for curves, pred_gap, gap, unmoved in world(size).run(
+        train_sparsenn, weighted, ddp_kwargs, 4, 0.5
+    ):
+        assert pred_gap < TOL and gap < TOL, (pred_gap, gap)
+        assert all(abs(ours - theirs) < TOL for ours, theirs in curves), curves
+        # Every table and dense layer moved well past the tolerance, but for the
+        # parameter that never gets a gradient (the one plain DDP fails on).
+        assert unmoved == ["dense.dummy_param"]
+
+
+# TorchRec's DefaultDataParallelWrapper: static graph, no unused-parameter search,
+# broadcast_buffers=False (forward_sync_buffers in torch 2.13), bucket-view grads.
+TORCHREC_DDP = {
+    "static_graph": True,
+    "find_unused_parameters": False,
+    "forward_sync_buffers": False,
+    "gradient_as_bucket_view": True,
+}
+
+
+def ddp_settings(ddp_kwargs):
+    model = embshard.shard_model(build("dlrm"), MIXED, ddp_kwargs=ddp_kwargs)
+    return {n: getattr(model, n) for n in TORCHREC_DDP}
+
+
+def test_ddp_settings_are_torchrecs_unless_overridden(world):
+    assert world(2).run(ddp_settings, None) == [TORCHREC_DDP] * 2
+    overridden = {"static_graph": False, "broadcast_buffers": True}
+    expected = {**TORCHREC_DDP, "static_graph": False, "forward_sync_buffers": True}
+    assert world(2).run(ddp_settings, overridden) == [expected] * 2
+
+
+def own_wrapper():
+    seen = []
+
+    def wrap(module: nn.Module) -> nn.Module:
+        seen.append(module)
+        return module
+
+    model = build("dlrm")
+    wrapped = embshard.shard_model(model, MIXED, data_parallel_wrapper=wrap)
+    ebcs = [m for m in model.modules() if isinstance(m, EmbeddingBagCollection)]
+    return seen == [model], wrapped is model, len(sharded_collections(model)), len(ebcs)
+
+
+def test_own_data_parallel_wrapper_gets_the_sharded_model(world):
+    for called, returned, sharded, unsharded in world(2).run(own_wrapper):
+        assert called and returned and (sharded, unsharded) == (1, 0)
+
+
+def test_data_parallel_arguments_checked_first():
+    # Raised before any collective: no process group needed.
+    with pytest.raises(TypeError, match="data_parallel_wrapper must be a callable"):
+        embshard.shard_model(
+            build("dlrm"), MIXED, data_parallel_wrapper=DefaultDataParallelWrapper()
+        )
+    with pytest.raises(ValueError, match="ddp_kwargs configure the default DDP wrapper"):
+        embshard.shard_model(
+            build("dlrm"),
+            MIXED,
+            ddp_kwargs={"static_graph": False},
+            data_parallel_wrapper=nn.Identity(),
+        )
