@@ -12,10 +12,11 @@ Inside, DCP's files hold one state dict:
 A DCP checkpoint of a plain state dict (an unsharded TorchRec model saved with
 ``dcp.save(model.state_dict())``) loads too: its keys are the model's own.
 
-Loading reads and checks the metadata first, loads everything into fresh staging
-tensors (each rank only its own shards, DCP resharding from whatever layout saved
-them), and writes the model only when all of it has arrived: a failed load changes
-nothing.
+Loading takes a checkpoint or a root of them (then its latest), reads and checks the
+metadata first (as ``nn.Module.load_state_dict``, ``strict`` also refuses what the
+model lacks), loads everything into fresh staging tensors (each rank only its own
+shards, DCP resharding from whatever layout saved them), and writes the model only
+when all of it has arrived: a failed load changes nothing.
 """
 
 from __future__ import annotations
@@ -355,9 +356,12 @@ def _rowwise_conversion(
     return staged, convert
 
 
-def _check(path: Path, metadata: Metadata, staging: dict[str, Any], unexpected: str | None) -> None:
+def _check(
+    path: Path, metadata: Metadata, staging: dict[str, Any], model_prefix: str | None
+) -> None:
     """Every tensor the model needs is in the checkpoint with its shape and dtype; and,
-    unless ``unexpected`` is None, no saved key starting with it is one the model lacks."""
+    unless ``model_prefix`` is None (not strict), every saved key starting with it (the
+    model's part of the checkpoint) is one the model has."""
     flat, _ = flatten_state_dict(staging)
     saved = metadata.state_dict_metadata
     problems = []
@@ -377,11 +381,11 @@ def _check(path: Path, metadata: Metadata, staging: dict[str, Any], unexpected: 
                 f"{what}: the checkpoint has {tuple(entry.size)} {entry.properties.dtype}, "
                 f"the model {tuple(value.shape)} {value.dtype}"
             )
-    if unexpected is not None:
+    if model_prefix is not None:
         problems += [
             f"{_name(key)}: in the checkpoint, not in the model (strict=False ignores it)"
             for key in sorted(saved)
-            if key.startswith(unexpected) and key not in flat
+            if key.startswith(model_prefix) and key not in flat
         ]
     if problems:
         raise CheckpointError(f"{path} does not match the model:\n  " + "\n  ".join(problems))

@@ -228,7 +228,9 @@ def _table_problems(
                 f"for a world of {plural(world_size, 'rank')}"
             )
         if sizes is not None and sum(sizes) != rows:
-            problems.append(f"row_wise sizes {list(sizes)} sum to {sum(sizes)}, not {rows} rows")
+            problems.append(
+                f"row_wise sizes {list(sizes)} sum to {sum(sizes)}, not {plural(rows, 'row')}"
+            )
         return problems
 
     problems = out_of_world(spec.ranks)

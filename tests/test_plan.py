@@ -152,15 +152,16 @@ def test_malformed_specs_fail_at_construction(spec, message):
 
 
 @pytest.mark.parametrize(
-    ("spec", "message"),
+    ("spec", "rows", "message"),
     [
-        (table_wise(1), "rank 1 is outside the world of 1 rank$"),
-        (row_wise([4, 6]), "row_wise gives 2 sizes for a world of 1 rank$"),
+        (table_wise(1), 10, "rank 1 is outside the world of 1 rank$"),
+        (row_wise([4, 6]), 10, "row_wise gives 2 sizes for a world of 1 rank$"),
+        (row_wise([2]), 1, r"row_wise sizes \[2\] sum to 2, not 1 row$"),
     ],
 )
-def test_counts_in_messages_are_pluralized(spec, message):
+def test_counts_in_messages_are_pluralized(spec, rows, message):
     with pytest.raises(PlanError, match=message):
-        ShardingPlan({"a": spec}).resolve([TABLES[0]], 1)
+        ShardingPlan({"a": spec}).resolve([config("a", rows, 16)], 1)
 
 
 MIXED = """
