@@ -17,7 +17,7 @@ from embshard.plan import (
     row_wise,
     table_wise,
 )
-from embshard.planner import PlanningError, TableConstraint, Topology, plan_tables
+from embshard.planner import PlanningError, PlanReport, TableConstraint, Topology, plan_tables
 from embshard.shards import LocalShardsWrapper, gather_table
 from embshard.torchrec_plan import from_torchrec_plan, to_torchrec_plan
 
@@ -29,6 +29,7 @@ __all__ = [
     "InputError",
     "LocalShardsWrapper",
     "PlanError",
+    "PlanReport",
     "PlanningError",
     "RowWise",
     "RowWiseAdagrad",

@@ -12,10 +12,11 @@ Inside, DCP's files hold one state dict:
 A DCP checkpoint of a plain state dict (an unsharded TorchRec model saved with
 ``dcp.save(model.state_dict())``) loads too: its keys are the model's own.
 
-Loading reads and checks the metadata first, loads everything into fresh staging
-tensors (each rank only its own shards, DCP resharding from whatever layout saved
-them), and writes the model only when all of it has arrived: a failed load changes
-nothing.
+Loading takes a checkpoint or a root of them (then its latest), reads and checks the
+metadata first (as ``nn.Module.load_state_dict``, ``strict`` also refuses what the
+model lacks), loads everything into fresh staging tensors (each rank only its own
+shards, DCP resharding from whatever layout saved them), and writes the model only
+when all of it has arrived: a failed load changes nothing.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from embshard.lookup import Adagrad, RowWiseAdagrad
 from embshard.module import ShardedEmbeddingBagCollection
+from embshard.plan import plural
 from embshard.shards import LocalShardsWrapper, column_blocks
 
 META = "embshard"
@@ -169,7 +171,7 @@ def read_metadata(path: str | Path) -> Metadata:
         file = path / relative
         have = file.stat().st_size if file.is_file() else None
         if have is None or have < size:
-            state = "is missing" if have is None else f"has {have} bytes, needs {size}"
+            state = "is missing" if have is None else f"has {plural(have, 'byte')}, needs {size}"
             raise CheckpointError(f"{path}: incomplete checkpoint: {relative} {state}")
     return metadata
 
@@ -191,18 +193,34 @@ def read_description(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: reading the checkpoint failed: {e}") from None
 
 
-def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
-    """Load ``path`` into ``model`` (and ``optimizer``), resharding as needed; returns
-    the saved step. Collective. Raises CheckpointError on every rank, changing
-    nothing, when the checkpoint is incomplete, unreadable or does not match."""
-    path = Path(path)
+def load(
+    path: str | Path | None,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    strict: bool = True,
+) -> int:
+    """Load a checkpoint into ``model`` (and ``optimizer``), resharding as needed;
+    returns the saved step. Collective.
+
+    ``path`` is a checkpoint or a root of them, then its latest complete one (as
+    ``embshard ckpt inspect`` reads it). As ``nn.Module.load_state_dict``: with
+    ``strict`` (the default) tables and dense tensors in the checkpoint that the model
+    lacks are an error; ``strict=False`` ignores them and loads the rest. Tables and
+    tensors the model has but the checkpoint lacks are an error either way: they would
+    silently keep whatever values they had.
+
+    Raises CheckpointError on every rank, changing nothing, when there is no
+    checkpoint (``path`` None, as ``latest`` returns for an empty root), or it is
+    incomplete, unreadable or does not match."""
+    path = resolve(path)
     metadata = read_metadata(path)
     if META not in metadata.state_dict_metadata:
-        return _load_model_state(path, metadata, model)
+        return _load_model_state(path, metadata, model, strict)
     saved = read_description(path)
     live = _state(model, optimizer)
     staging, commits = _staging(live, saved, model)
-    _check(path, metadata, staging)
+    _check(path, metadata, staging, "model." if strict else None)
     _read(path, staging)
     with torch.no_grad():
         _copy(staging["model"], live["model"])
@@ -220,12 +238,12 @@ def _read(path: Path, staging: dict[str, Any]) -> None:
         raise CheckpointError(f"{path}: reading the checkpoint failed: {e}") from None
 
 
-def _load_model_state(path: Path, metadata: Metadata, model: nn.Module) -> int:
+def _load_model_state(path: Path, metadata: Metadata, model: nn.Module, strict: bool) -> int:
     """A DCP checkpoint of a plain state dict (an unsharded TorchRec model's, say):
     its keys are the model's own. Returns step 0."""
     live = _unwrap(model).state_dict()
     staging = _empty_like(live)
-    _check(path, metadata, staging)
+    _check(path, metadata, staging, "" if strict else None)
     _read(path, staging)
     with torch.no_grad():
         _copy(staging, live)
@@ -338,8 +356,12 @@ def _rowwise_conversion(
     return staged, convert
 
 
-def _check(path: Path, metadata: Metadata, staging: dict[str, Any]) -> None:
-    """Every tensor the model needs is in the checkpoint with its shape and dtype."""
+def _check(
+    path: Path, metadata: Metadata, staging: dict[str, Any], model_prefix: str | None
+) -> None:
+    """Every tensor the model needs is in the checkpoint with its shape and dtype; and,
+    unless ``model_prefix`` is None (not strict), every saved key starting with it (the
+    model's part of the checkpoint) is one the model has."""
     flat, _ = flatten_state_dict(staging)
     saved = metadata.state_dict_metadata
     problems = []
@@ -359,6 +381,12 @@ def _check(path: Path, metadata: Metadata, staging: dict[str, Any]) -> None:
                 f"{what}: the checkpoint has {tuple(entry.size)} {entry.properties.dtype}, "
                 f"the model {tuple(value.shape)} {value.dtype}"
             )
+    if model_prefix is not None:
+        problems += [
+            f"{_name(key)}: in the checkpoint, not in the model (strict=False ignores it)"
+            for key in sorted(saved)
+            if key.startswith(model_prefix) and key not in flat
+        ]
     if problems:
         raise CheckpointError(f"{path} does not match the model:\n  " + "\n  ".join(problems))
 
@@ -371,14 +399,20 @@ def _name(key: str) -> str:
     return key
 
 
-def resolve(path: str | Path) -> Path:
-    """A checkpoint directory, or a root of them (then its latest)."""
+def resolve(path: str | Path | None) -> Path:
+    """A checkpoint directory, or a root of them (then its latest complete one)."""
+    if path is None:
+        raise CheckpointError(
+            "no checkpoint to load: the path is None, which latest(root) returns when "
+            "root holds no complete step_* checkpoint"
+        )
     path = Path(path)
     if (path / ".metadata").is_file():
         return path
     found = latest(path)
     if found is None:
-        raise CheckpointError(f"{path}: no checkpoint here (no .metadata, no complete step_*)")
+        why = "it does not exist" if not path.exists() else "no .metadata, no complete step_*"
+        raise CheckpointError(f"no checkpoint under {path} ({why}; latest() returns None)")
     return found
 
 

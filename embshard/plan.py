@@ -2,14 +2,15 @@
 
 A plan maps table names to specs (table-wise, row-wise, column-wise). Resolving it
 against the tables' ``EmbeddingBagConfig``s and a world size gives every table's
-concrete shards; every check that needs the table sizes happens there, and all
-problems are reported together, each naming its table.
+concrete shards. Every problem is reported at once, each naming its table: a plan
+read from YAML with the tables (and world size) at hand lists its malformed entries
+and its misfits in one PlanError.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
@@ -116,21 +117,40 @@ def even_row_sizes(num_embeddings: int, world_size: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+def plural(count: int, noun: str) -> str:
+    """``1 rank``, ``2 ranks``: counts in messages."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def raise_problems(heading: str, problems: Sequence[str]) -> None:
     if problems:
         raise PlanError(f"{heading}:\n  " + "\n  ".join(problems))
+
+
+def _parse_entries(
+    entries: Mapping[str, T], parse: Callable[[T], TableSpec]
+) -> tuple[dict[str, TableSpec], list[str]]:
+    """The entries that parse into well-formed specs, and every problem of the others,
+    each naming its table."""
+    specs, problems = {}, []
+    for name, entry in entries.items():
+        try:
+            spec = parse(entry)
+        except PlanError as e:
+            problems.append(f"table {name!r}: {e}")
+            continue
+        own = _spec_problems(spec)
+        problems += [f"table {name!r}: {p}" for p in own]
+        if not own:
+            specs[name] = spec
+    return specs, problems
 
 
 def plan_from_entries(
     entries: Mapping[str, T], parse: Callable[[T], TableSpec], heading: str
 ) -> ShardingPlan:
     """A plan of ``parse(entry)`` per table; every table's PlanError is reported together."""
-    specs, problems = {}, []
-    for name, entry in entries.items():
-        try:
-            specs[name] = parse(entry)
-        except PlanError as e:
-            problems.append(f"table {name!r}: {e}")
+    specs, problems = _parse_entries(entries, parse)
     raise_problems(heading, problems)
     return ShardingPlan(specs)
 
@@ -158,7 +178,8 @@ def _spec_problems(spec: Any) -> list[str]:
         if spec.widths is not None:
             if len(spec.widths) != len(spec.ranks):
                 problems.append(
-                    f"column_wise gives {len(spec.widths)} widths for {len(spec.ranks)} ranks"
+                    f"column_wise gives {plural(len(spec.widths), 'width')} "
+                    f"for {plural(len(spec.ranks), 'rank')}"
                 )
             if not all(_is_int(w) and w > 0 for w in spec.widths):
                 problems.append(
@@ -168,14 +189,25 @@ def _spec_problems(spec: Any) -> list[str]:
     return [f"expected table_wise(...), row_wise(...) or column_wise(...), got {spec!r}"]
 
 
-def _resolve_table(
-    config: EmbeddingBagConfig, spec: TableSpec, world_size: int
-) -> tuple[tuple[TableShard, ...], list[str]]:
+def _column_widths(dim: int, spec: ColumnWise) -> tuple[int, ...] | None:
+    """The column blocks' widths; None when equal widths do not split ``dim``."""
+    if spec.widths is not None:
+        return spec.widths
+    if dim % len(spec.ranks):
+        return None
+    return (dim // len(spec.ranks),) * len(spec.ranks)
+
+
+def _table_problems(
+    config: EmbeddingBagConfig, spec: TableSpec, world_size: int | None
+) -> list[str]:
+    """What keeps a well-formed spec from sharding its table; checks that need the world
+    size are left out when it is None."""
     rows, dim = config.num_embeddings, config.embedding_dim
 
     def out_of_world(ranks: Sequence[int]) -> list[str]:
-        bad = sorted({r for r in ranks if r >= world_size})
-        return [f"rank {r} is outside the world of {world_size} ranks" for r in bad]
+        bad = sorted({r for r in ranks if world_size is not None and r >= world_size})
+        return [f"rank {r} is outside the world of {plural(world_size, 'rank')}" for r in bad]
 
     def fbgemm_dim(width: int, what: str) -> list[str]:
         if width % FBGEMM_DIM_MULTIPLE:
@@ -185,37 +217,76 @@ def _resolve_table(
         return []
 
     if isinstance(spec, TableWise):
-        problems = out_of_world([spec.rank]) + fbgemm_dim(dim, "embedding_dim")
-        return (TableShard(spec.rank, 0, rows, 0, dim),), problems
+        return out_of_world([spec.rank]) + fbgemm_dim(dim, "embedding_dim")
 
     if isinstance(spec, RowWise):
         problems = fbgemm_dim(dim, "embedding_dim")
-        sizes = spec.sizes if spec.sizes is not None else even_row_sizes(rows, world_size)
-        if len(sizes) != world_size:
-            problems.append(f"row_wise gives {len(sizes)} sizes for a world of {world_size} ranks")
-        if sum(sizes) != rows:
-            problems.append(f"row_wise sizes {list(sizes)} sum to {sum(sizes)}, not {rows} rows")
-        offsets = list(accumulate(sizes, initial=0))
-        shards = tuple(TableShard(r, offsets[r], n, 0, dim) for r, n in enumerate(sizes))
-        return shards, problems
+        sizes = spec.sizes
+        if sizes is not None and world_size is not None and len(sizes) != world_size:
+            problems.append(
+                f"row_wise gives {plural(len(sizes), 'size')} "
+                f"for a world of {plural(world_size, 'rank')}"
+            )
+        if sizes is not None and sum(sizes) != rows:
+            problems.append(
+                f"row_wise sizes {list(sizes)} sum to {sum(sizes)}, not {plural(rows, 'row')}"
+            )
+        return problems
 
     problems = out_of_world(spec.ranks)
-    if spec.widths is not None:
-        widths = spec.widths
-        if sum(widths) != dim:
-            problems.append(f"column_wise widths {list(widths)} sum to {sum(widths)}, not {dim}")
-    elif dim % len(spec.ranks):
+    widths = _column_widths(dim, spec)
+    if widths is None:
         problems.append(f"embedding_dim {dim} does not split into {len(spec.ranks)} equal widths")
-        widths = ()
-    else:
-        widths = (dim // len(spec.ranks),) * len(spec.ranks)
-    for width in sorted(set(widths)):
+    elif sum(widths) != dim:
+        problems.append(f"column_wise widths {list(widths)} sum to {sum(widths)}, not {dim}")
+    for width in sorted(set(widths or ())):
         problems += fbgemm_dim(width, "column block width")
+    return problems
+
+
+def _table_shards(
+    config: EmbeddingBagConfig, spec: TableSpec, world_size: int
+) -> tuple[TableShard, ...]:
+    """The shards of a spec that fits its table (``_table_problems`` found nothing)."""
+    rows, dim = config.num_embeddings, config.embedding_dim
+    if isinstance(spec, TableWise):
+        return (TableShard(spec.rank, 0, rows, 0, dim),)
+    if isinstance(spec, RowWise):
+        sizes = spec.sizes if spec.sizes is not None else even_row_sizes(rows, world_size)
+        offsets = list(accumulate(sizes, initial=0))
+        return tuple(TableShard(r, offsets[r], n, 0, dim) for r, n in enumerate(sizes))
+    widths = _column_widths(dim, spec)
     offsets = list(accumulate(widths, initial=0))
-    shards = tuple(
+    return tuple(
         TableShard(r, 0, rows, offsets[i], w) for i, (r, w) in enumerate(zip(spec.ranks, widths))
     )
-    return shards, problems
+
+
+def _check_world_size(world_size: Any) -> None:
+    if not _is_int(world_size) or world_size < 1:
+        raise PlanError(f"world size must be a positive int, got {world_size!r}")
+
+
+def _fit_problems(
+    specs: Mapping[str, TableSpec],
+    named: Collection[str],
+    tables: Sequence[EmbeddingBagConfig],
+    world_size: int | None,
+) -> list[str]:
+    """Tables missing from the plan, plan entries (``named``, well-formed or not) for
+    tables the model lacks, and what keeps each spec from sharding its table."""
+    names = [t.name for t in tables]
+    problems = [f"table {n!r}: no entry in the plan" for n in names if n not in named]
+    problems += [
+        f"table {n!r}: the plan names it but the model has no such table (tables: {names})"
+        for n in named
+        if n not in names
+    ]
+    for config in tables:
+        if config.name in specs:
+            found = _table_problems(config, specs[config.name], world_size)
+            problems += [f"table {config.name!r}: {p}" for p in found]
+    return problems
 
 
 @dataclass(frozen=True)
@@ -237,27 +308,19 @@ class ShardingPlan:
         self, tables: Sequence[EmbeddingBagConfig], world_size: int
     ) -> dict[str, ShardedTable]:
         """Every table's shards on a world of ``world_size`` ranks, in the tables' order."""
-        if not _is_int(world_size) or world_size < 1:
-            raise PlanError(f"world size must be a positive int, got {world_size!r}")
-        names = [t.name for t in tables]
-        problems = [f"table {n!r}: no entry in the plan" for n in names if n not in self.tables]
-        problems += [
-            f"table {n!r}: the plan names it but the model has no such table (tables: {names})"
-            for n in self.tables
-            if n not in names
-        ]
-        resolved = {}
-        for config in tables:
-            if config.name not in self.tables:
-                continue
-            spec = self.tables[config.name]
-            shards, table_problems = _resolve_table(config, spec, world_size)
-            problems += [f"table {config.name!r}: {p}" for p in table_problems]
-            resolved[config.name] = ShardedTable(
-                config.name, config.num_embeddings, config.embedding_dim, spec, shards
-            )
+        _check_world_size(world_size)
+        problems = _fit_problems(self.tables, self.tables, tables, world_size)
         raise_problems("sharding plan does not fit the model", problems)
-        return resolved
+        return {
+            t.name: ShardedTable(
+                t.name,
+                t.num_embeddings,
+                t.embedding_dim,
+                self.tables[t.name],
+                _table_shards(t, self.tables[t.name], world_size),
+            )
+            for t in tables
+        }
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(
@@ -267,25 +330,56 @@ class ShardingPlan:
         )
 
     @classmethod
-    def from_yaml(cls, text: str) -> ShardingPlan:
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise PlanError(f"sharding plan is not valid YAML: {e}") from None
+    def from_dict(
+        cls,
+        data: Any,
+        tables: Sequence[EmbeddingBagConfig] | None = None,
+        world_size: int | None = None,
+    ) -> ShardingPlan:
+        """A plan from its YAML form, ``{"tables": {name: {"type": ..., ...}}}``. Given
+        the model's ``tables`` (and ``world_size``), it is checked against them too:
+        every problem of every table, malformed entries and misfits alike, comes in one
+        PlanError (without ``world_size``, the checks that need it wait for ``resolve``)."""
         if (
             not isinstance(data, dict)
             or set(data) != {"tables"}
             or not isinstance(data["tables"], dict)
         ):
             raise PlanError("a sharding plan file is a mapping with one key, 'tables'")
-        return plan_from_entries(data["tables"], _spec_from_dict, "invalid sharding plan")
+        if world_size is not None:
+            _check_world_size(world_size)
+        specs, problems = _parse_entries(data["tables"], _spec_from_dict)
+        if tables is not None:
+            problems += _fit_problems(specs, data["tables"], tables, world_size)
+        raise_problems("invalid sharding plan", problems)
+        return cls(specs)
+
+    @classmethod
+    def from_yaml(
+        cls,
+        text: str,
+        tables: Sequence[EmbeddingBagConfig] | None = None,
+        world_size: int | None = None,
+    ) -> ShardingPlan:
+        """A plan from YAML text; ``tables`` and ``world_size`` as in ``from_dict``."""
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise PlanError(f"sharding plan is not valid YAML: {e}") from None
+        return cls.from_dict(data, tables, world_size)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_yaml())
 
     @classmethod
-    def load(cls, path: str | Path) -> ShardingPlan:
-        return cls.from_yaml(Path(path).read_text())
+    def load(
+        cls,
+        path: str | Path,
+        tables: Sequence[EmbeddingBagConfig] | None = None,
+        world_size: int | None = None,
+    ) -> ShardingPlan:
+        """A plan from a YAML file; ``tables`` and ``world_size`` as in ``from_dict``."""
+        return cls.from_yaml(Path(path).read_text(), tables, world_size)
 
 
 _SPEC_FIELDS = {"table_wise": {"rank"}, "row_wise": {"sizes"}, "column_wise": {"ranks", "widths"}}

@@ -12,7 +12,9 @@ Every rank also pays the same base: four collectives' latency and its own batch'
 ids and pooled rows; it is reported, not balanced. Memory is weights plus the fused
 optimizer's state.
 
-``plan_tables`` splits a table when it is too costly or too big for one rank
+``plan_tables`` takes TorchRec's ``EmbeddingBagConfig``s with each feature's mean
+pooling beside them (or embshard's config ``TableConfig``s, which carry their own).
+It splits a table when it is too costly or too big for one rank
 (column-wise or row-wise, whichever costs less in all, into as few pieces as needed),
 then places pieces biggest first on the least-loaded rank with room (LPT).
 """
@@ -25,6 +27,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
 from embshard.config import TableConfig, TrainConfig
 from embshard.plan import (
     ColumnWise,
@@ -34,6 +38,7 @@ from embshard.plan import (
     TableShard,
     TableWise,
     column_wise,
+    plural,
     row_wise,
     table_wise,
 )
@@ -124,6 +129,56 @@ class TableConstraint:
     column_blocks: int | None = None
 
 
+@dataclass(frozen=True)
+class PlannedTable:
+    """What the cost model needs of a table: its shape, and per sample its bags (one
+    per feature) and ids (the features' mean pooling, summed)."""
+
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    bags_per_sample: int
+    ids_per_sample: float
+
+
+def _as_config(table: EmbeddingBagConfig | TableConfig) -> EmbeddingBagConfig:
+    return table.embedding_bag_config() if isinstance(table, TableConfig) else table
+
+
+def planned_tables(
+    tables: Sequence[EmbeddingBagConfig | TableConfig],
+    mean_pooling: Mapping[str, float] | None = None,
+) -> list[PlannedTable]:
+    """The tables as the cost model sees them. ``mean_pooling`` gives the mean ids per
+    bag by feature or by table name (a feature's own entry wins); 1.0 where it says
+    nothing, or a ``TableConfig``'s own ``mean_pooling``."""
+    pooling = dict(mean_pooling or {})
+    configs = [
+        (_as_config(t), t.mean_pooling if isinstance(t, TableConfig) else 1.0) for t in tables
+    ]
+    known = {c.name for c, _ in configs} | {f for c, _ in configs for f in c.feature_names}
+    unknown = sorted(set(pooling) - known)
+    if unknown:
+        raise PlanningError(f"mean_pooling names no table or feature of the model: {unknown}")
+    bad = {k: v for k, v in pooling.items() if not isinstance(v, int | float) or v < 0}
+    if bad:
+        raise PlanningError(f"mean_pooling must be non-negative numbers, got {bad}")
+    planned = []
+    for config, default in configs:
+        own = pooling.get(config.name, default)
+        ids = sum(pooling.get(f, own) for f in config.feature_names)
+        planned.append(
+            PlannedTable(
+                config.name,
+                config.num_embeddings,
+                config.embedding_dim,
+                len(config.feature_names),
+                float(ids),
+            )
+        )
+    return planned
+
+
 _ID_BYTES = 8  # ids and bag lengths travel as int64
 _PASSES = 3  # forward read; backward read and write
 
@@ -134,17 +189,17 @@ class CostModel:
     batch_size: int  # per rank
     optimizer: str = "rowwise_adagrad"
 
-    def ids(self, table: TableConfig) -> float:
-        return self.topology.world_size * self.batch_size * table.mean_pooling * len(table.features)
+    def ids(self, table: PlannedTable) -> float:
+        return self.topology.world_size * self.batch_size * table.ids_per_sample
 
-    def bags(self, table: TableConfig) -> float:
-        return self.topology.world_size * self.batch_size * len(table.features)
+    def bags(self, table: PlannedTable) -> float:
+        return self.topology.world_size * self.batch_size * table.bags_per_sample
 
     def memory(self, rows: int, cols: int) -> int:
         state = {"rowwise_adagrad": rows, "adagrad": rows * cols}.get(self.optimizer, 0)
         return 4 * (rows * cols + state)
 
-    def shard_cost(self, table: TableConfig, kind: str, rows: int, cols: int) -> float:
+    def shard_cost(self, table: PlannedTable, kind: str, rows: int, cols: int) -> float:
         """Seconds per step the owner of a (rows x cols) shard of ``table`` spends."""
         share = rows / table.num_embeddings if kind == "row_wise" else 1.0
         ids, bags = self.ids(table) * share, self.bags(table)
@@ -152,7 +207,7 @@ class CostModel:
         moved = (ids + bags) * _ID_BYTES + 2 * bags * cols * 4
         return lookup + moved * self.topology.seconds_per_byte()
 
-    def base_cost(self, tables: Sequence[TableConfig]) -> float:
+    def base_cost(self, tables: Sequence[PlannedTable]) -> float:
         """What every rank pays alike: 4 collectives' latency, its own ids and rows."""
         world = self.topology.world_size
         ids = sum(self.ids(t) + self.bags(t) for t in tables) / world * _ID_BYTES
@@ -213,7 +268,7 @@ class PlanReport:
                 f"{load.rank:>5} {format_bytes(load.memory):>10} {1e3 * load.cost:>9.3f}  {shards}"
             )
         if len(self.ranks) > max_ranks:
-            lines.append(f"  ... {len(self.ranks) - max_ranks} more ranks")
+            lines.append(f"  ... {plural(len(self.ranks) - max_ranks, 'more rank')}")
         lines.append(
             f"slowest rank {1e3 * self.slowest:.3f} ms"
             f" + base {1e3 * self.base_cost:.3f} ms per step; "
@@ -236,7 +291,7 @@ class _Piece:
 
 
 def _split_counts(
-    table: TableConfig, kind: str, world: int, constraint: TableConstraint
+    table: PlannedTable, kind: str, world: int, constraint: TableConstraint
 ) -> list[int]:
     """Piece counts worth trying: 2, 3, 4, 6, 8, 12, ... up to the ranks allowed."""
     limit = len(constraint.ranks) if constraint.ranks else world
@@ -251,7 +306,7 @@ def _split_counts(
     return sorted(k for k in counts if 2 <= k <= min(limit, table.num_embeddings))
 
 
-def _shapes(table: TableConfig, kind: str, blocks: int) -> list[tuple[int, int]]:
+def _shapes(table: PlannedTable, kind: str, blocks: int) -> list[tuple[int, int]]:
     if kind == "column_wise":
         return [(table.num_embeddings, table.embedding_dim // blocks)] * blocks
     if kind == "row_wise":
@@ -264,7 +319,7 @@ def _shapes(table: TableConfig, kind: str, blocks: int) -> list[tuple[int, int]]
 class _Option:
     """One way to shard a table, priced by its biggest piece (pieces differ by a row)."""
 
-    table: TableConfig
+    table: PlannedTable
     kind: str
     blocks: int
     piece_cost: float
@@ -297,7 +352,7 @@ class _Choice:
     reason: str
 
 
-def _options(table: TableConfig, model: CostModel, constraint: TableConstraint) -> list[_Option]:
+def _options(table: PlannedTable, model: CostModel, constraint: TableConstraint) -> list[_Option]:
     """Every allowed sharding of the table, fewest pieces first, cheapest in all first."""
     allowed = constraint.types or ("table_wise", "row_wise", "column_wise")
     if constraint.column_blocks:
@@ -337,11 +392,13 @@ def _first_choice(options: list[_Option], target: float, model: CostModel, name:
             why = (
                 "fits one rank's share of cost and memory"
                 if option.kind == "table_wise"
-                else f"too costly or big for one rank: {option.blocks} pieces"
+                else f"too costly or big for one rank: {plural(option.blocks, 'piece')}"
             )
             return _Choice(option.kind, option.pieces(model), why)
     last = options[-1]
-    return _Choice(last.kind, last.pieces(model), f"as split as allowed: {last.blocks} pieces")
+    return _Choice(
+        last.kind, last.pieces(model), f"as split as allowed: {plural(last.blocks, 'piece')}"
+    )
 
 
 def _place_all(
@@ -397,20 +454,27 @@ def _lower_bound(choices: Mapping[str, _Choice], world: int) -> float:
 
 
 def plan_tables(
-    tables: Sequence[TableConfig],
+    tables: Sequence[EmbeddingBagConfig | TableConfig],
     topology: Topology,
     batch_size: int,
     constraints: Mapping[str, TableConstraint] | None = None,
     optimizer: str = "rowwise_adagrad",
     max_rounds: int = 64,
+    *,
+    mean_pooling: Mapping[str, float] | None = None,
 ) -> tuple[ShardingPlan, PlanReport]:
     """A plan that fits every rank's memory and keeps the slowest rank's estimated
     step cost near the lower bound, with a report of per-rank memory and cost.
+
+    ``tables`` are TorchRec's ``EmbeddingBagConfig``s, ``batch_size`` is per rank, and
+    ``mean_pooling`` the mean ids per bag by feature or table (default 1.0; see
+    ``planned_tables``); ``constraints`` limit tables by name.
 
     Round by round, while the slowest rank is more than 2 % above the lower bound, the
     costliest table that can be split further on each rank above that is split, and
     the pieces are placed again; the best placement seen wins.
     """
+    tables = planned_tables(tables, mean_pooling)
     constraints = dict(constraints or {})
     unknown = set(constraints) - {t.name for t in tables}
     if unknown:
@@ -420,8 +484,9 @@ def plan_tables(
     needed = sum(model.memory(t.num_embeddings, t.embedding_dim) for t in tables)
     if needed > world * memory:
         raise PlanningError(
-            f"the tables need {format_bytes(needed)} but {world} ranks of "
-            f"{format_bytes(memory)} hold {format_bytes(world * memory)}: "
+            f"the tables need {format_bytes(needed)} but {plural(world, 'rank')} of "
+            f"{format_bytes(memory)} {'holds' if world == 1 else 'hold'} "
+            f"{format_bytes(world * memory)}: "
             f"{format_bytes(needed - world * memory)} missing"
         )
     whole = sum(
@@ -477,7 +542,7 @@ def _split_one(
     for name in names:
         more = [o for o in options[name] if o.blocks > len(choices[name].pieces)]
         if more:
-            why = f"split to balance the ranks: {more[0].blocks} pieces"
+            why = f"split to balance the ranks: {plural(more[0].blocks, 'piece')}"
             return name, _Choice(more[0].kind, more[0].pieces(model), why)
     return None
 
@@ -497,19 +562,21 @@ def _spec(kind: str, placed: list[tuple[int, _Piece]], world: int):
 
 def plan_loads(
     plan: ShardingPlan,
-    tables: Sequence[TableConfig],
+    tables: Sequence[EmbeddingBagConfig | TableConfig],
     topology: Topology,
     batch_size: int,
     optimizer: str = "rowwise_adagrad",
+    *,
+    mean_pooling: Mapping[str, float] | None = None,
 ) -> list[RankLoad]:
     """Per-rank memory and estimated cost of any plan, by the same cost model."""
     model = CostModel(topology, batch_size, optimizer)
     resolved: dict[str, ShardedTable] = plan.resolve(
-        [t.embedding_bag_config() for t in tables], topology.world_size
+        [_as_config(t) for t in tables], topology.world_size
     )
     loads = [RankLoad(r) for r in range(topology.world_size)]
     kinds = {TableWise: "table_wise", RowWise: "row_wise", ColumnWise: "column_wise"}
-    for table in tables:
+    for table in planned_tables(tables, mean_pooling):
         sharded = resolved[table.name]
         for shard in sharded.shards:
             if not (shard.rows and shard.cols):

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from click.testing import CliRunner
 from oracle import Case, Table, global_batch, local_batches
+from torch import nn
 from torchrec import EmbeddingBagCollection
 
 import embshard
@@ -218,6 +219,117 @@ def test_damaged_checkpoint_fails_on_every_rank_and_changes_nothing(world, tmp_p
         assert unchanged
 
 
+def load_nothing(paths: list[str | None]) -> list[tuple[str | None, bool]]:
+    sharded = build(dist.get_world_size(), embshard.RowWiseAdagrad(lr=0.1), seed=9)
+    before, results = full(sharded), []
+    for path in paths:
+        try:
+            ckpt.load(path, sharded)
+            results.append((None, False))
+        except ckpt.CheckpointError as e:
+            after = full(sharded)
+            results.append((str(e), all(torch.equal(before[k], after[k]) for k in before)))
+    return results
+
+
+def test_no_checkpoint_yet_fails_clearly_on_every_rank_and_changes_nothing(world, tmp_path):
+    empty = tmp_path / "empty"
+    (empty / ".step_00000001.tmp").mkdir(parents=True)  # a save cut off midway
+    assert ckpt.latest(empty) is None
+    paths = [None, str(empty), str(tmp_path / "absent")]
+    for results in world(2).run(load_nothing, paths):
+        (none, none_unchanged), (root, root_unchanged), (absent, absent_unchanged) = results
+        assert none == (
+            "no checkpoint to load: the path is None, which latest(root) returns when root "
+            "holds no complete step_* checkpoint"
+        )
+        assert root == (
+            f"no checkpoint under {empty} (no .metadata, no complete step_*; latest() returns None)"
+        )
+        assert absent == (
+            f"no checkpoint under {tmp_path / 'absent'} (it does not exist; latest() returns None)"
+        )
+        assert none_unchanged and root_unchanged and absent_unchanged
+
+
+def save_two_steps(root: str, optimizer) -> list[dict]:
+    sharded = build(dist.get_world_size(), optimizer)
+    saved = []
+    for step in (1, 2):
+        train_steps(sharded, 1, seed=step)
+        ckpt.save(root, sharded, step=step)
+        saved.append(full(sharded))
+    return saved
+
+
+def load_root(root: str, optimizer) -> tuple[int, dict]:
+    sharded = build(dist.get_world_size(), optimizer, seed=9)
+    return ckpt.load(root, sharded), full(sharded)
+
+
+def test_load_of_a_root_loads_its_latest_checkpoint(world, tmp_path):
+    optimizer = embshard.Adagrad(lr=0.1)
+    first, second = world(2).run(save_two_steps, str(tmp_path), optimizer)[0]
+    assert ckpt.describe(tmp_path)["step"] == 2
+    for step, loaded in world(3).run(load_root, str(tmp_path), optimizer):
+        assert step == 2
+        for key, value in second.items():
+            assert torch.equal(loaded[key], value), key
+        assert not torch.equal(loaded["weight.a"], first["weight.a"])
+
+
+class WithHead(nn.Module):
+    """A sharded EBC (``self.ebc``) and, optionally, a dense head."""
+
+    def __init__(self, ebc: nn.Module, head: bool) -> None:
+        super().__init__()
+        self.ebc = ebc
+        if head:
+            self.head = nn.Linear(3, 2)
+
+
+def save_with_head(root: str) -> dict:
+    model = WithHead(build(dist.get_world_size(), embshard.RowWiseAdagrad(lr=0.1)), head=True)
+    train_steps(model.ebc, 2)
+    ckpt.save(root, model, step=3)
+    return full(model.ebc)
+
+
+def load_without_c(root: str, strict: bool):
+    """Into a model lacking the checkpoint's table 'c' and dense head."""
+    tables = [t for t in TABLES if t.name != "c"]
+    plan = {n: s for n, s in PLANS[dist.get_world_size()].items() if n != "c"}
+    ebc = EmbeddingBagCollection(tables=[t.config() for t in tables], device="meta")
+    sharded = embshard.shard(
+        ebc, ShardingPlan(plan), optimizer=embshard.RowWiseAdagrad(lr=0.1), seed=9
+    )
+    model = WithHead(sharded, head=False)
+    before = full(sharded)
+    try:
+        step = ckpt.load(root, model, strict=strict)
+    except ckpt.CheckpointError as e:
+        after = full(sharded)
+        return str(e), all(torch.equal(before[k], after[k]) for k in before)
+    return step, full(sharded)
+
+
+def test_strict_load_refuses_what_the_model_lacks_and_non_strict_ignores_it(world, tmp_path):
+    saved = world(2).run(save_with_head, str(tmp_path))[0]
+    for error, unchanged in world(2).run(load_without_c, str(tmp_path), True):
+        assert error.splitlines()[1:] == [
+            "  table 'c' (model.ebc.embedding_bags.c.weight): in the checkpoint, not in the "
+            "model (strict=False ignores it)",
+            "  model.head.bias: in the checkpoint, not in the model (strict=False ignores it)",
+            "  model.head.weight: in the checkpoint, not in the model (strict=False ignores it)",
+        ]
+        assert unchanged
+    for step, loaded in world(2).run(load_without_c, str(tmp_path), False):
+        assert step == 3
+        assert sorted(loaded) == sorted(k for k in saved if not k.endswith(".c"))
+        for key, value in loaded.items():
+            assert torch.equal(value, saved[key]), key
+
+
 def save_steps(root: str, steps: list[int], keep: int) -> None:
     sharded = build(dist.get_world_size(), embshard.SGD(lr=0.1))
     for step in steps:
@@ -231,10 +343,14 @@ def test_keeps_the_last_k(world, tmp_path):
     assert ckpt.latest(tmp_path).name == "step_00000005"
 
 
-def load_unsharded_dcp(path: str, reference: dict) -> bool:
+def load_unsharded_dcp(path: str, reference: dict, strict: bool = True) -> bool | str:
+    """True when the load gives the reference's tables at step 0; the error if it fails."""
     sharded = build(dist.get_world_size(), embshard.SGD(lr=0.1), seed=9)
-    assert ckpt.load(path, sharded) == 0
-    return all(
+    try:
+        step = ckpt.load(path, sharded, strict=strict)
+    except ckpt.CheckpointError as e:
+        return str(e)
+    return step == 0 and all(
         torch.equal(embshard.gather_table(w), reference[n]) for n, w in sharded.weights.items()
     )
 
@@ -245,7 +361,14 @@ def test_torchrec_state_dicts_load_and_exports_load_into_torchrec(world, tmp_pat
     ebc = EmbeddingBagCollection(tables=[t.config() for t in TABLES])
     reference = {n: b.weight.detach().clone() for n, b in ebc.embedding_bags.items()}
     dcp.save(ebc.state_dict(), checkpoint_id=str(tmp_path / "plain"), no_dist=True)
-    assert all(world(3).run(load_unsharded_dcp, str(tmp_path / "plain"), reference))
+    plain = world(3).run(load_unsharded_dcp, str(tmp_path / "plain"), reference)
+    assert plain == [True] * 3
+    extra = ebc.state_dict() | {"extra": torch.ones(2)}
+    dcp.save(extra, checkpoint_id=str(tmp_path / "extra"), no_dist=True)
+    for error in world(3).run(load_unsharded_dcp, str(tmp_path / "extra"), reference):
+        assert "\n  extra: in the checkpoint, not in the model (strict=False ignores it)" in error
+    lenient = world(3).run(load_unsharded_dcp, str(tmp_path / "extra"), reference, False)
+    assert lenient == [True] * 3
 
     world(2).run(save_trained, str(tmp_path / "sharded"), embshard.SGD(lr=0.1))
     saved = world(2).run(load_into, str(tmp_path / "sharded"), embshard.SGD(lr=0.1))[0][1]

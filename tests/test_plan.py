@@ -141,7 +141,7 @@ def test_validation_reports_missing_and_unknown_tables_together():
         (table_wise(-1), "rank must be a non-negative int"),
         (row_wise([2, -1]), "row_wise sizes must be non-negative ints"),
         (column_wise([]), "column_wise needs at least one rank"),
-        (column_wise([0, 1], [8]), "column_wise gives 1 widths for 2 ranks"),
+        (column_wise([0, 1], [8]), "column_wise gives 1 width for 2 ranks"),
         (column_wise([0], [0]), "column_wise widths must be positive ints"),
         ("row_wise", "expected table_wise"),
     ],
@@ -151,9 +151,70 @@ def test_malformed_specs_fail_at_construction(spec, message):
         ShardingPlan({"t": spec})
 
 
+@pytest.mark.parametrize(
+    ("spec", "rows", "message"),
+    [
+        (table_wise(1), 10, "rank 1 is outside the world of 1 rank$"),
+        (row_wise([4, 6]), 10, "row_wise gives 2 sizes for a world of 1 rank$"),
+        (row_wise([2]), 1, r"row_wise sizes \[2\] sum to 2, not 1 row$"),
+    ],
+)
+def test_counts_in_messages_are_pluralized(spec, rows, message):
+    with pytest.raises(PlanError, match=message):
+        ShardingPlan({"a": spec}).resolve([config("a", rows, 16)], 1)
+
+
+MIXED = """
+tables:
+  a: {type: column_wise}
+  b: {type: row_wise, sizes: [3, 3]}
+  c: {type: table_wise, rank: 5}
+  zzz: {type: diagonal}
+  y: {type: table_wise, rank: 0}
+"""
+
+
+def test_yaml_plan_checked_against_the_model_lists_every_problem_at_once():
+    with pytest.raises(PlanError) as err:
+        ShardingPlan.from_yaml(MIXED, TABLES, 4)
+    lines = str(err.value).splitlines()
+    assert lines[0] == "invalid sharding plan:"
+    assert sorted(lines[1:]) == sorted(
+        [
+            "  table 'a': column_wise needs ranks",
+            "  table 'b': row_wise gives 2 sizes for a world of 4 ranks",
+            "  table 'b': row_wise sizes [3, 3] sum to 6, not 5 rows",
+            "  table 'c': rank 5 is outside the world of 4 ranks",
+            "  table 'zzz': expected a mapping with type one of "
+            "['table_wise', 'row_wise', 'column_wise'], got {'type': 'diagonal'}",
+            "  table 'zzz': the plan names it but the model has no such table "
+            "(tables: ['a', 'b', 'c'])",
+            "  table 'y': the plan names it but the model has no such table "
+            "(tables: ['a', 'b', 'c'])",
+        ]
+    )
+
+
+def test_yaml_plan_without_a_world_size_leaves_world_checks_to_resolve(tmp_path):
+    (tmp_path / "plan.yaml").write_text(MIXED)
+    with pytest.raises(PlanError) as err:
+        ShardingPlan.load(tmp_path / "plan.yaml", TABLES)
+    text = str(err.value)
+    assert "table 'b': row_wise sizes [3, 3] sum to 6, not 5 rows" in text
+    assert "table 'a': column_wise needs ranks" in text and "table 'y': the plan names" in text
+    assert "world" not in text
+    fitting = "tables: {a: {type: table_wise, rank: 5}, b: {type: row_wise}, c: {type: row_wise}}"
+    plan = ShardingPlan.from_yaml(fitting, TABLES)
+    with pytest.raises(PlanError, match="table 'a': rank 5 is outside the world of 2 ranks"):
+        plan.resolve(TABLES, 2)
+    assert ShardingPlan.from_yaml(fitting, TABLES, 6) == plan
+
+
 def test_world_size_must_be_positive():
     with pytest.raises(PlanError, match="world size must be a positive int"):
         ShardingPlan({"a": table_wise(0)}).resolve([TABLES[0]], 0)
+    with pytest.raises(PlanError, match="world size must be a positive int"):
+        ShardingPlan.from_yaml("tables: {a: {type: table_wise, rank: 0}}", TABLES[:1], 0)
 
 
 specs = st.one_of(

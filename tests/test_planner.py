@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
+from torchrec import EmbeddingBagConfig
 
+import embshard
 from embshard import ShardingPlan
 from embshard.cli import main as cli
 from embshard.config import TableConfig
@@ -23,6 +25,7 @@ from embshard.planner import (
     parse_bytes,
     plan_loads,
     plan_tables,
+    planned_tables,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +63,7 @@ def balance(plan: ShardingPlan, tables, topology: Topology, batch: int) -> float
     kinds = {TableWise: "table_wise", RowWise: "row_wise", ColumnWise: "column_wise"}
     costliest = max(
         model.shard_cost(t, kinds[type(resolved[t.name].spec)], s.rows, s.cols)
-        for t in tables
+        for t in planned_tables(tables)
         for s in resolved[t.name].shards
         if s.rows and s.cols
     )
@@ -128,6 +131,61 @@ def test_not_fitting_says_how_much_is_missing_and_where():
         r"the freest \(rank \d\) has 512\.0 MiB free, 472\.2 MiB missing",
     ):
         plan_tables(tables[:1], Topology.cpu(2, memory_per_rank=GiB // 2), 64, whole_only)
+
+
+def test_counts_in_messages_are_pluralized():
+    with pytest.raises(PlanningError, match=r"but 1 rank of 1\.0 GiB holds 1\.0 GiB"):
+        plan_tables(
+            [TableConfig("t", 5_000_000, 64, ["f"])], Topology.cpu(1, memory_per_rank=GiB), 8
+        )
+    tables = [TableConfig("big", 1000, 64, ["f"], mean_pooling=50), TableConfig("s", 10, 64, ["g"])]
+    whole_only = {"big": TableConstraint(types=("table_wise",))}
+    _, report = plan_tables(tables, Topology.cpu(2), 64, whole_only)
+    assert {t.table: t.reason for t in report.tables}["big"] == "as split as allowed: 1 piece"
+    assert report.to_text(max_ranks=1).splitlines()[2] == "  ... 1 more rank"
+
+
+def ebc(name: str, rows: int, dim: int, features: list[str]) -> EmbeddingBagConfig:
+    return EmbeddingBagConfig(
+        name=name, num_embeddings=rows, embedding_dim=dim, feature_names=features
+    )
+
+
+def test_plan_tables_takes_torchrec_configs_with_pooling_beside_them():
+    tables = [ebc("u", 1000, 16, ["u1", "u2"]), ebc("v", 100, 8, ["v1"])]
+    pooling = {"u": 3.0, "u2": 5.0}  # by table, and by feature (which wins)
+    plan, report = embshard.plan_tables(tables, embshard.Topology.cpu(1), 64, mean_pooling=pooling)
+    assert plan == ShardingPlan({"u": TableWise(0), "v": TableWise(0)})
+    # One rank moves nothing: its cost is the lookup, ids x dim x 4 bytes x 3 passes
+    # over the gather bandwidth, with u's ids per sample 3 + 5 and v's 1 (the default).
+    lookup_bandwidth = embshard.Topology.cpu(1).lookup_bandwidth
+    expected = 64 * ((3 + 5) * 16 + 1 * 8) * 4 * 3 / lookup_bandwidth
+    assert report.ranks[0].cost == pytest.approx(expected, rel=1e-12)
+
+
+def test_torchrec_configs_plan_as_the_equivalent_training_configs():
+    configs = power_law_tables(200, seed=3)
+    tables = [ebc(t.name, t.num_embeddings, t.embedding_dim, t.features) for t in configs]
+    pooling = {t.name: t.mean_pooling for t in configs}
+    constraints = {"t0": TableConstraint(types=("row_wise",)), "t1": TableConstraint(ranks=(3,))}
+    topology = Topology.gpu(16)
+    ours = plan_tables(tables, topology, 512, constraints, mean_pooling=pooling)
+    theirs = plan_tables(configs, topology, 512, constraints)
+    assert ours[0] == theirs[0] and ours[1].ranks == theirs[1].ranks
+    loads = plan_loads(ours[0], tables, topology, 512, mean_pooling=pooling)
+    assert loads == plan_loads(ours[0], configs, topology, 512)
+
+
+@pytest.mark.parametrize(
+    ("pooling", "message"),
+    [
+        ({"nope": 2.0}, r"mean_pooling names no table or feature of the model: \['nope'\]"),
+        ({"u1": -1.0}, "mean_pooling must be non-negative numbers"),
+    ],
+)
+def test_bad_mean_pooling(pooling, message):
+    with pytest.raises(PlanningError, match=message):
+        plan_tables([ebc("u", 10, 8, ["u1"])], Topology.cpu(1), 8, mean_pooling=pooling)
 
 
 def test_parse_bytes():
