@@ -36,8 +36,8 @@ from embshard.config import ConfigError, OptimizerConfig, TrainConfig, load_conf
 from embshard.data import Batch, CriteoData, Feed, SyntheticData
 from embshard.lookup import SGD, Adagrad, FusedOptimizer, RowWiseAdagrad
 from embshard.model import shard_model
-from embshard.plan import ShardingPlan, local_shards
-from embshard.planner import plan_config, shard_name
+from embshard.plan import ShardingPlan
+from embshard.planner import format_bytes, plan_config, plan_loads, topology_for
 
 _stop_requested = False
 
@@ -88,14 +88,15 @@ def build_data(config: TrainConfig, rank: int, world: int) -> SyntheticData | Cr
 
 
 def describe_plan(plan: ShardingPlan, config: TrainConfig, world: int) -> str:
-    """The plan, and what each rank holds."""
-    tables = plan.resolve(config.embedding_bag_configs(), world)
-    lines = [plan.to_yaml().rstrip(), "per rank:"]
-    for rank in range(world):
-        shards = local_shards(tables, rank)
-        mib = sum(s.rows * s.cols for _, s in shards) * 4 / 2**20
-        held = ", ".join(shard_name(n, s) for n, s in shards)
-        lines.append(f"  rank {rank}: {mib:.1f} MiB  {held or '-'}")
+    """The plan, and what each rank holds, in the memory ``embshard plan`` reports."""
+    optimizer = config.sparse_optimizer.type
+    loads = plan_loads(
+        plan, config.tables, topology_for(config, world), config.batch_size, optimizer
+    )
+    lines = [plan.to_yaml().rstrip(), f"per rank (table weights + {optimizer} state):"]
+    for load in loads:
+        held = ", ".join(load.shards) or "-"
+        lines.append(f"  rank {load.rank}: {format_bytes(load.memory)}  {held}")
     return "\n".join(lines)
 
 

@@ -27,7 +27,8 @@ from embshard import checkpoint as ckpt
 from embshard import train as train_module
 from embshard.config import load_config
 from embshard.data import CriteoData
-from embshard.train import local_loss, train
+from embshard.planner import plan_config
+from embshard.train import describe_plan, local_loss, train
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -102,7 +103,8 @@ def test_cli_trains_and_reports(tmp_path):
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(data))
     run = run_cli("train", "tiny.yaml", "--nproc", "2", cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "embshard: dlrm on 2 ranks, plan:" in run.stdout and "per rank:" in run.stdout
+    assert "embshard: dlrm on 2 ranks, plan:" in run.stdout
+    assert "per rank (table weights + rowwise_adagrad state):" in run.stdout
     assert "step 0: eval AUC" in run.stdout and "step 30: eval AUC" in run.stdout
     assert '"steps": 30' in run.stdout
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3 + 3
@@ -309,3 +311,14 @@ def test_empty_and_partial_batches_train_like_the_global_batch(world):
     sizes = [(5, 2, 0), (0, 3, 4), (1, 0, 6)]
     for gaps in world(3).run(train_uneven_batches, sizes, 0.5):
         assert len(gaps) > 2 and all(gap < 1e-5 for gap in gaps), gaps  # NaN fails too
+
+
+def test_start_up_memory_is_what_the_planner_counts():
+    config = load_config(ROOT / "configs" / "small.yaml")
+    plan, report = plan_config(config, 2)
+    lines = describe_plan(plan, config, 2).splitlines()
+    assert "per rank (table weights + rowwise_adagrad state):" in lines
+    # Rank 0 holds item (50,000 rows) and city (5,000) of 16 columns, each row with
+    # one row-wise Adagrad accumulator: 4 bytes x 55,000 x 17 = 3.57 MiB.
+    assert report.ranks[0].memory == 4 * 55_000 * 17
+    assert "  rank 0: 3.6 MiB  item[0:+50000, 0:+16], city[0:+5000, 0:+16]" in lines
