@@ -1,12 +1,15 @@
 """Training batches: a deterministic synthetic generator and a Criteo TSV reader.
 
 Each rank makes or reads only its own part. Both give ``Batch``es of dense features,
-a KeyedJaggedTensor of sparse ids in the model's feature order, and labels.
+a KeyedJaggedTensor of sparse ids in the model's feature order, and labels, in
+passes (epochs) over the data; a ``Feed`` keeps the passes of all ranks in step when
+their parts hold different numbers of samples.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -27,6 +30,14 @@ class Batch:
     @property
     def size(self) -> int:
         return len(self.labels)
+
+
+def empty_batch(features: Sequence[str], dense_in: int) -> Batch:
+    """A batch of no samples, every feature present: what a rank whose data is used
+    up feeds the sharded forward, which is collective and needs every rank."""
+    no_ids = torch.zeros(0, dtype=torch.long)
+    sparse = KeyedJaggedTensor(keys=list(features), values=no_ids, lengths=no_ids)
+    return Batch(torch.zeros(0, dense_in), sparse, torch.zeros(0))
 
 
 class CriteoFormatError(ValueError):
@@ -55,6 +66,8 @@ class SyntheticData:
     are drawn from a fixed hidden logistic model of the dense features and the ids,
     so a model can learn them.
     """
+
+    epochs = 1  # one pass that never ends
 
     def __init__(
         self, tables: Sequence[TableConfig], dense_in: int, batch_size: int, seed: int, rank: int
@@ -93,12 +106,15 @@ class SyntheticData:
         )
         return Batch(dense, sparse, labels)
 
-    def train_batches(self, start: int = 0) -> Iterator[Batch]:
-        """The batches of steps ``start``, ``start + 1``, ..."""
-        step = start
-        while True:
-            yield self.batch(step)
-            step += 1
+    def epoch_batches(self, skip: int = 0) -> Iterator[Batch]:
+        """The batches of steps ``skip``, ``skip + 1``, ..."""
+        return map(self.batch, itertools.count(skip))
+
+    def batches_per_epoch(self) -> int | None:
+        return None
+
+    def empty_batch(self) -> Batch:
+        return empty_batch(list(self.rows), self.dense_in)
 
     def eval_batches(self, count: int) -> list[Batch]:
         return [self.batch(i, "eval") for i in range(count)]
@@ -115,10 +131,12 @@ class CriteoData:
     """The Criteo Kaggle TSV format: label, 13 integer and 26 hex categorical columns.
 
     Rank ``r`` of ``w`` reads the lines that start in bytes [size*r/w, size*(r+1)/w)
-    of each file. Dense values become log(1 + max(x, 0)), empty ones 0; a categorical
-    value is its hex number modulo the rows of the feature's table, an empty one an
-    empty bag. A malformed line raises CriteoFormatError naming file and line, or is
-    skipped with ``skip_bad_lines``.
+    of each file, so ranks may get different numbers of lines (or none); a pass ends
+    with a partial batch where the rank's part does not divide into whole ones. Dense
+    values become log(1 + max(x, 0)), empty ones 0; a categorical value is its hex
+    number modulo the rows of the feature's table, an empty one an empty bag. A
+    malformed line raises CriteoFormatError naming file and line, or is skipped with
+    ``skip_bad_lines``. ``epochs`` passes over the training file, None: no end.
     """
 
     def __init__(
@@ -130,8 +148,12 @@ class CriteoData:
         rank: int,
         world: int,
         skip_bad_lines: bool = False,
+        epochs: int | None = None,
     ) -> None:
-        self.path, self.eval_path = path, eval_path
+        for file in (path, eval_path):
+            if file is not None and Path(file).stat().st_size == 0:
+                raise CriteoFormatError(f"{file}: the file is empty")
+        self.path, self.eval_path, self.epochs = path, eval_path, epochs
         self.rows = feature_rows(tables)
         self.columns = [1 + CRITEO_DENSE + int(f.removeprefix("cat_")) for f in self.rows]
         self.batch_size, self.rank, self.world = batch_size, rank, world
@@ -173,22 +195,18 @@ class CriteoData:
         rows = self.rows.values()
         return float(fields[0]), dense, [None if i is None else i % r for i, r in zip(ids, rows)]
 
-    def _batches(self, path: str, repeat: bool) -> Iterator[Batch]:
-        records: list[tuple] = []
-        while True:
-            found = False
-            for line_no, text in self._lines(path):
-                found = True
-                record = self._parse(path, line_no, text)
-                if record is not None:
-                    records.append(record)
-                if len(records) == self.batch_size:
-                    yield self._collate(records)
-                    records = []
-            if not found:
-                raise CriteoFormatError(f"{path}: rank {self.rank} of {self.world} has no lines")
-            if not repeat:
-                return
+    def _records(self, path: str) -> Iterator[tuple]:
+        for line_no, text in self._lines(path):
+            record = self._parse(path, line_no, text)
+            if record is not None:
+                yield record
+
+    def _batches(self, path: str, skip: int = 0) -> Iterator[Batch]:
+        """One pass over this rank's part of ``path`` from its ``skip``-th batch; the
+        last batch holds what is left, so no sample is dropped."""
+        records = itertools.islice(self._records(path), skip * self.batch_size, None)
+        while chunk := list(itertools.islice(records, self.batch_size)):
+            yield self._collate(chunk)
 
     def _collate(self, records: list[tuple]) -> Batch:
         labels = torch.tensor([r[0] for r in records])
@@ -205,19 +223,60 @@ class CriteoData:
         )
         return Batch(dense, sparse, labels)
 
-    def train_batches(self, start: int = 0) -> Iterator[Batch]:
-        """The batches of steps ``start``, ``start + 1``, ...: the file's, cycled."""
-        batches = self._batches(self.path, repeat=True)
-        for _ in range(start):
-            next(batches)
-        return batches
+    def epoch_batches(self, skip: int = 0) -> Iterator[Batch]:
+        """One pass over this rank's part of the training file, from batch ``skip``."""
+        return self._batches(self.path, skip)
+
+    def batches_per_epoch(self) -> int:
+        """This rank's batches in one pass (reads its part once)."""
+        return math.ceil(sum(1 for _ in self._records(self.path)) / self.batch_size)
+
+    def empty_batch(self) -> Batch:
+        return empty_batch(list(self.rows), CRITEO_DENSE)
 
     def eval_batches(self, count: int) -> list[Batch]:
+        """Up to ``count`` batches of this rank's part of the held-out file."""
         if self.eval_path is None:
             return []
-        batches = []
-        for batch in self._batches(self.eval_path, repeat=False):
-            batches.append(batch)
-            if len(batches) == count:
-                break
-        return batches
+        return list(itertools.islice(self._batches(self.eval_path), count))
+
+
+class Feed:
+    """One rank's training batches, pass by pass, in step with the other ranks.
+
+    In a pass each rank takes its own batches, then empty ones once its part is used
+    up, until every rank's is: the training loop learns that from the sizes of the
+    batches every rank holds next (``pending``, summed in its per-step all-reduce) and
+    only then starts the next pass everywhere. So every sample is trained once a pass
+    however unevenly the data splits over the ranks, and no rank leaves the
+    collectives early.
+    """
+
+    def __init__(self, source: SyntheticData | CriteoData, epoch: int = 0, skip: int = 0) -> None:
+        self.source = source
+        self.epoch = epoch - 1  # the pass under way; next_epoch() starts ``epoch``
+        self._skip = skip  # batches of that pass already trained (when resuming)
+        self._batches: Iterator[Batch] = iter(())
+        self._next: Batch | None = None
+
+    @property
+    def pending(self) -> int:
+        """Samples in the batch this rank takes next: 0 once its part of the pass is done."""
+        return 0 if self._next is None else self._next.size
+
+    def next_epoch(self) -> bool:
+        """Start the next pass; False when the source has no passes left."""
+        self.epoch += 1
+        if self.source.epochs is not None and self.epoch >= self.source.epochs:
+            self._next = None
+            return False
+        self._batches = self.source.epoch_batches(self._skip)
+        self._skip = 0
+        self._next = next(self._batches, None)
+        return True
+
+    def take(self) -> Batch:
+        """This rank's next batch, or an empty one once its part of the pass is done."""
+        batch = self._next if self._next is not None else self.source.empty_batch()
+        self._next = next(self._batches, None)
+        return batch

@@ -5,8 +5,10 @@
 Each step: every rank takes its own batch, the sharded model pools and predicts,
 BCE loss on the local batch, backward (the fused optimizer updates the tables, DDP
 averages the dense gradients), dense optimizer step, then one small all-reduce of
-(loss, samples, stop) that feeds the progress bar and lets a SIGTERM on any rank
-stop every rank at the same step.
+(loss, samples, stop, next batch's samples) that feeds the progress bar, lets a
+SIGTERM on any rank stop every rank at the same step, and tells every rank when the
+ranks' parts of the data are all used up. A rank whose part runs out first keeps
+stepping with empty batches until then: the sharded forward is collective.
 """
 
 from __future__ import annotations
@@ -31,11 +33,11 @@ from tqdm import tqdm
 
 from embshard import checkpoint
 from embshard.config import ConfigError, OptimizerConfig, TrainConfig, load_config
-from embshard.data import Batch, CriteoData, SyntheticData
+from embshard.data import Batch, CriteoData, Feed, SyntheticData
 from embshard.lookup import SGD, Adagrad, FusedOptimizer, RowWiseAdagrad
 from embshard.model import shard_model
-from embshard.plan import ShardingPlan, local_shards
-from embshard.planner import plan_config, shard_name
+from embshard.plan import ShardingPlan
+from embshard.planner import format_bytes, plan_config, plan_loads, topology_for
 
 _stop_requested = False
 
@@ -86,24 +88,27 @@ def build_data(config: TrainConfig, rank: int, world: int) -> SyntheticData | Cr
 
 
 def describe_plan(plan: ShardingPlan, config: TrainConfig, world: int) -> str:
-    """The plan, and what each rank holds."""
-    tables = plan.resolve(config.embedding_bag_configs(), world)
-    lines = [plan.to_yaml().rstrip(), "per rank:"]
-    for rank in range(world):
-        shards = local_shards(tables, rank)
-        mib = sum(s.rows * s.cols for _, s in shards) * 4 / 2**20
-        held = ", ".join(shard_name(n, s) for n, s in shards)
-        lines.append(f"  rank {rank}: {mib:.1f} MiB  {held or '-'}")
+    """The plan, and what each rank holds, in the memory ``embshard plan`` reports."""
+    optimizer = config.sparse_optimizer.type
+    loads = plan_loads(
+        plan, config.tables, topology_for(config, world), config.batch_size, optimizer
+    )
+    lines = [plan.to_yaml().rstrip(), f"per rank (table weights + {optimizer} state):"]
+    for load in loads:
+        held = ", ".join(load.shards) or "-"
+        lines.append(f"  rank {load.rank}: {format_bytes(load.memory)}  {held}")
     return "\n".join(lines)
 
 
-def evaluate(model: nn.Module, batches: list[Batch]) -> tuple[float, float]:
-    """AUC and mean loss over every rank's held-out batches (collective)."""
+def evaluate(model: nn.Module, batches: list[Batch], empty: Batch) -> tuple[float, float]:
+    """AUC and mean loss over every rank's held-out batches (collective). Ranks may
+    hold different numbers: those done step with ``empty`` until every rank is."""
     count = torch.tensor([len(batches)])
-    dist.all_reduce(count, op=dist.ReduceOp.MIN)  # forward is collective: same count
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)  # forward is collective: same count
     preds, labels = [], []
     with torch.no_grad():
-        for batch in batches[: int(count)]:
+        for i in range(int(count)):
+            batch = batches[i] if i < len(batches) else empty
             preds.append(model(batch.dense, batch.sparse).squeeze(1))
             labels.append(batch.labels)
     mine = (torch.cat(preds), torch.cat(labels)) if preds else (torch.zeros(0), torch.zeros(0))
@@ -115,6 +120,50 @@ def evaluate(model: nn.Module, batches: list[Batch]) -> tuple[float, float]:
         return float("nan"), float("nan")
     loss = F.binary_cross_entropy_with_logits(logits, targets)
     return float(binary_auroc(torch.sigmoid(logits), targets.long())), float(loss)
+
+
+def local_loss(logits: torch.Tensor, labels: torch.Tensor, global_samples: int) -> torch.Tensor:
+    """This rank's BCE summed over its samples, times world / ``global_samples``.
+
+    DDP averages the dense gradients over the ranks, and embshard divides the tables'
+    gradients by the world size, so both come out as the gradients of the mean BCE
+    over the global batch's real samples, whatever each rank holds: a rank with no
+    samples adds zero (a mean over its own samples would be NaN), one with a partial
+    batch its share. The all-reduced sum of these over the ranks, divided by the world
+    size, is that mean.
+    """
+    summed = F.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
+    return summed * (dist.get_world_size() / global_samples)
+
+
+def _open_feed(data: SyntheticData | CriteoData, start: int) -> tuple[Feed, int]:
+    """The feed at step ``start``, and the global batch size of its first step.
+
+    Resuming places ``start`` in its pass by the longest rank's batches per pass (one
+    all-reduce, at start-up only).
+    """
+    epoch, skip = 0, start
+    per_epoch = data.batches_per_epoch() if start else None
+    if per_epoch is not None:
+        longest = torch.tensor([per_epoch])
+        dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+        epoch, skip = divmod(start, max(int(longest), 1))
+    feed = Feed(data, epoch, skip)
+    return feed, _next_epoch(feed)
+
+
+def _next_epoch(feed: Feed) -> int:
+    """Start the next pass on every rank (collective); its first step's global batch
+    size, 0 when no pass is left."""
+    if not feed.next_epoch():
+        return 0
+    samples = torch.tensor([feed.pending])
+    dist.all_reduce(samples)
+    if not int(samples):
+        raise ValueError(
+            "no rank has a training sample: every line was skipped or the data is empty"
+        )
+    return int(samples)
 
 
 class Metrics:
@@ -175,55 +224,67 @@ def _train(config: TrainConfig, resume: bool) -> dict:
         if rank == 0:
             print(f"embshard: resumed from {found} at step {start}", flush=True)
     data = build_data(config, rank, world)
+    empty = data.empty_batch()
     eval_batches = data.eval_batches(config.eval.batches) if config.eval.every else []
     metrics = Metrics(config.logging.metrics, rank)
     quiet = rank != 0 or not config.logging.progress
     progress = tqdm(total=config.steps, initial=start, disable=quiet, file=sys.stdout)
-    summary: dict = {"steps": start}
+
+    def say(line: str) -> None:  # tqdm.write prints even where the bar is disabled
+        if rank == 0:
+            progress.write(line)
+
+    summary: dict = {"steps": start, "samples": 0}
     if config.eval.every and start == 0:
-        auc, eval_loss = evaluate(model, eval_batches)
+        auc, eval_loss = evaluate(model, eval_batches, empty)
         metrics.write({"step": 0, "eval_auc": auc, "eval_loss": eval_loss})
-        progress.write(f"step 0: eval AUC {auc:.4f}, eval loss {eval_loss:.4f}")
+        say(f"step 0: eval AUC {auc:.4f}, eval loss {eval_loss:.4f}")
+    feed, upcoming = _open_feed(data, start)
     began = last = time.perf_counter()
-    samples_since = 0
-    for step, batch in zip(range(start, config.steps), data.train_batches(start)):
+    samples_since, step = 0, start
+    while step < config.steps and upcoming:
+        batch = feed.take()
         logits = model(batch.dense, batch.sparse).squeeze(1)
-        loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+        loss = local_loss(logits, batch.labels, upcoming)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
 
-        stats = torch.tensor([loss.item() * batch.size, batch.size, float(_stop_requested)])
+        stats = torch.tensor([loss.item(), batch.size, float(_stop_requested), feed.pending])
         dist.all_reduce(stats)
-        global_loss, samples, stop = float(stats[0] / stats[1]), int(stats[1]), bool(stats[2])
+        global_loss, samples = float(stats[0]) / world, int(stats[1])
+        stop, upcoming = bool(stats[2]), int(stats[3])
+        step += 1
+        ended = False
+        if not (upcoming or stop or step == config.steps):
+            upcoming = _next_epoch(feed)  # every rank's part of this pass is done
+            ended = not upcoming
+        done = step == config.steps or ended
         samples_since += samples
-        summary.update(steps=step + 1, loss=global_loss)
+        summary.update(steps=step, samples=summary["samples"] + samples, loss=global_loss)
         now = time.perf_counter()
-        if (step + 1) % config.logging.every == 0 or step + 1 == config.steps:
+        if step % config.logging.every == 0 or done:
             rate = samples_since / (now - last)
             metrics.write(
-                {
-                    "step": step + 1,
-                    "loss": global_loss,
-                    "samples_per_s": rate,
-                    "elapsed_s": now - began,
-                }
+                {"step": step, "loss": global_loss, "samples_per_s": rate, "elapsed_s": now - began}
             )
             progress.set_postfix(loss=f"{global_loss:.4f}", samples_s=f"{rate:,.0f}")
             last, samples_since = now, 0
         progress.update(1)
-        if config.eval.every and ((step + 1) % config.eval.every == 0 or step + 1 == config.steps):
-            auc, eval_loss = evaluate(model, eval_batches)
-            metrics.write({"step": step + 1, "eval_auc": auc, "eval_loss": eval_loss})
-            progress.write(f"step {step + 1}: eval AUC {auc:.4f}, eval loss {eval_loss:.4f}")
+        if config.eval.every and (step % config.eval.every == 0 or done):
+            auc, eval_loss = evaluate(model, eval_batches, empty)
+            metrics.write({"step": step, "eval_auc": auc, "eval_loss": eval_loss})
+            say(f"step {step}: eval AUC {auc:.4f}, eval loss {eval_loss:.4f}")
             summary.update(eval_auc=auc, eval_loss=eval_loss)
-        done = step + 1 == config.steps
-        if saves.dir and (stop or done or (saves.every and (step + 1) % saves.every == 0)):
-            checkpoint.save(saves.dir, model, optimizer, step=step + 1, keep=saves.keep)
+        if saves.dir and (stop or done or (saves.every and step % saves.every == 0)):
+            checkpoint.save(saves.dir, model, optimizer, step=step, keep=saves.keep)
         if stop:
-            progress.write(f"stopping at step {step + 1}: a rank received SIGTERM")
+            say(f"stopping at step {step}: a rank received SIGTERM")
             summary["stopped"] = True
             break
+        if ended:
+            say(f"the training data ran out at step {step}: every pass is done")
+            summary["data_ended"] = True
     progress.close()
     metrics.close()
     return summary

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import sys
@@ -10,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from embshard.config import TableConfig
-from embshard.data import CriteoData, CriteoFormatError, SyntheticData
+from embshard.config import CRITEO_DENSE, TableConfig
+from embshard.data import CriteoData, CriteoFormatError, Feed, SyntheticData
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from make_criteo_sample import sample_lines
@@ -61,7 +62,7 @@ CRITEO_TABLES = [
 def test_criteo_parsing(tmp_path):
     fields = ["1", "5", "", "-4", *["0"] * 10, "ff", "", "", "10", *[""] * 21, "abc"]
     path = write_lines(tmp_path / "one.tsv", ["\t".join(fields)])
-    (batch,) = CriteoData(str(path), None, CRITEO_TABLES, 1, 0, 1)._batches(str(path), repeat=False)
+    (batch,) = CriteoData(str(path), None, CRITEO_TABLES, 1, 0, 1)._batches(str(path))
     assert batch.labels.tolist() == [1.0]
     assert batch.dense[0, :3].tolist() == pytest.approx([math.log1p(5), 0.0, 0.0])
     assert batch.sparse.keys() == ["cat_0", "cat_25", "cat_3"]
@@ -102,7 +103,115 @@ def test_malformed_line_names_file_and_line(tmp_path, bad, reason):
     with pytest.raises(
         CriteoFormatError, match="bad.tsv:4: malformed Criteo line: " + re.escape(reason)
     ):
-        list(reader._batches(str(path), repeat=False))
+        list(reader._batches(str(path)))
     skipping = CriteoData(str(path), None, CRITEO_TABLES, 2, 0, 1, skip_bad_lines=True)
-    batches = list(skipping._batches(str(path), repeat=False))
-    assert sum(b.size for b in batches) == 4 and skipping.skipped == 1
+    batches = list(skipping._batches(str(path)))
+    assert [b.size for b in batches] == [2, 2, 1] and skipping.skipped == 1
+
+
+def uneven_lines(lines: int, middle: int, seed: int) -> list[str]:
+    """``lines`` sample lines, ``middle`` long ones, ``lines`` more: split three ways
+    by bytes, the middle rank gets few lines. The long lines hold the same values,
+    zeros padded into their integer columns (an empty one reads 0 too)."""
+    sample = sample_lines(2 * lines + middle, seed)
+    pad = sum(len(line) + 1 for line in sample[:lines]) // middle // CRITEO_DENSE
+    padded = []
+    for line in sample[lines : lines + middle]:
+        fields = line.split("\t")
+        fields[1 : 1 + CRITEO_DENSE] = [x.zfill(len(x) + pad) for x in fields[1 : 1 + CRITEO_DENSE]]
+        padded.append("\t".join(fields))
+    return sample[:lines] + padded + sample[lines + middle :]
+
+
+def lines_per_rank(lines: list[str], world: int) -> list[int]:
+    """The documented split: rank r reads the lines that start in its w-th of the bytes."""
+    size = sum(len(line) + 1 for line in lines)
+    starts = list(itertools.accumulate([len(line) + 1 for line in lines[:-1]], initial=0))
+    return [
+        sum(size * r // world <= s < size * (r + 1) // world for s in starts) for r in range(world)
+    ]
+
+
+def batch_sizes(lines: int, batch: int, steps: int) -> list[int]:
+    """A rank's batch sizes over ``steps`` steps of one pass: full, partial, then empty."""
+    return [min(batch, max(0, lines - batch * i)) for i in range(steps)]
+
+
+def test_uneven_lines_give_the_middle_rank_few(tmp_path):
+    lines = uneven_lines(40, 3, seed=4)
+    counts = lines_per_rank(lines, 3)
+    assert sum(counts) == 83 and counts[1] <= 4 and min(counts[0], counts[2]) >= 38
+    path = write_lines(tmp_path / "u.tsv", lines)
+    padded = CriteoData(str(path), None, CRITEO_TABLES, 100, 1, 3)
+    plain = write_lines(tmp_path / "p.tsv", sample_lines(83, seed=4))
+    (expected,) = CriteoData(str(plain), None, CRITEO_TABLES, 100, 0, 1)._batches(str(plain))
+    (batch,) = padded._batches(str(path))
+    first = counts[0]
+    assert torch.equal(batch.dense, expected.dense[first : first + counts[1]])
+
+
+def read_passes(feeds: list[Feed]) -> list[list[int]]:
+    """Every rank's batch sizes, step by step, driving the feeds as the training loop
+    does: the sum of ``pending`` over ranks is its all-reduce; a pass ends when it is 0.
+    """
+    steps: list[list[int]] = []
+    more = [feed.next_epoch() for feed in feeds]
+    while all(more) and sum(feed.pending for feed in feeds):
+        batches = [feed.take() for feed in feeds]
+        steps.append([b.size for b in batches])
+        for batch in batches:
+            assert batch.sparse.keys() == ["cat_0", "cat_25", "cat_3"]
+            assert batch.dense.shape == (batch.size, 13)
+            assert batch.sparse.lengths().numel() == 3 * batch.size
+        if not sum(feed.pending for feed in feeds):
+            more = [feed.next_epoch() for feed in feeds]
+    assert not any(more), "the feeds disagree about the passes left"
+    return steps
+
+
+def test_feeds_keep_uneven_ranks_in_step_pass_by_pass(tmp_path):
+    lines = uneven_lines(40, 3, seed=4)
+    path = write_lines(tmp_path / "u.tsv", lines)
+    counts = lines_per_rank(lines, 3)
+    readers = [CriteoData(str(path), None, CRITEO_TABLES, 16, r, 3, epochs=2) for r in range(3)]
+    steps = read_passes([Feed(reader) for reader in readers])
+    per_pass = math.ceil(max(counts) / 16)
+    one_pass = [list(s) for s in zip(*[batch_sizes(n, 16, per_pass) for n in counts])]
+    assert steps == one_pass * 2
+    assert steps[0][1] == counts[1] and steps[1][1] == 0  # a partial batch, then empty ones
+    assert sum(map(sum, steps)) == 2 * len(lines)
+    assert [r.batches_per_epoch() for r in readers] == [math.ceil(n / 16) for n in counts]
+    # Resuming at step per_pass + 1: pass 1, its second step.
+    resumed = read_passes([Feed(reader, epoch=1, skip=1) for reader in readers])
+    assert resumed == one_pass[1:]
+
+
+def test_a_rank_with_no_lines_feeds_empty_batches(tmp_path):
+    path = write_lines(tmp_path / "two.tsv", sample_lines(2, seed=0))
+    readers = [CriteoData(str(path), None, CRITEO_TABLES, 4, r, 3, epochs=1) for r in range(3)]
+    assert sum(r.batches_per_epoch() for r in readers) == 2
+    steps = read_passes([Feed(reader) for reader in readers])
+    assert len(steps) == 1 and sorted(steps[0]) == [0, 1, 1]
+
+
+def test_criteo_eval_keeps_the_last_partial_batch(tmp_path):
+    path = write_lines(tmp_path / "e.tsv", sample_lines(10, seed=2))
+    reader = CriteoData(str(tmp_path / "e.tsv"), str(path), CRITEO_TABLES, 4, 0, 1)
+    assert [b.size for b in reader.eval_batches(5)] == [4, 4, 2]
+    assert [b.size for b in reader.eval_batches(2)] == [4, 4]
+
+
+def test_empty_file_is_an_error(tmp_path):
+    (tmp_path / "empty.tsv").write_text("")
+    with pytest.raises(CriteoFormatError, match=r"empty\.tsv: the file is empty"):
+        CriteoData(str(tmp_path / "empty.tsv"), None, CRITEO_TABLES, 4, 0, 1)
+
+
+def test_synthetic_feed_resumes_at_its_step():
+    data = SyntheticData(TABLES, 5, 8, 0, rank=0)
+    feed = Feed(data, skip=5)
+    assert feed.next_epoch()
+    assert torch.equal(feed.take().dense, data.batch(5).dense)
+    assert torch.equal(feed.take().dense, data.batch(6).dense)
+    empty = data.empty_batch()
+    assert empty.size == 0 and empty.sparse.keys() == ["user_id", "item_id", "last_item"]

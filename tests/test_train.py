@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 import os
 import signal
 import subprocess
@@ -13,11 +15,20 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 import yaml
+from oracle import Case, Table, global_batch, local_batches
+from test_data import lines_per_rank, uneven_lines
+from torchrec import EmbeddingBagCollection
+from torchrec.models.dlrm import DLRM
 
+import embshard
 from embshard import checkpoint as ckpt
+from embshard import train as train_module
 from embshard.config import load_config
-from embshard.train import train
+from embshard.data import CriteoData
+from embshard.planner import plan_config
+from embshard.train import describe_plan, local_loss, train
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -92,7 +103,8 @@ def test_cli_trains_and_reports(tmp_path):
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(data))
     run = run_cli("train", "tiny.yaml", "--nproc", "2", cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "embshard: dlrm on 2 ranks, plan:" in run.stdout and "per rank:" in run.stdout
+    assert "embshard: dlrm on 2 ranks, plan:" in run.stdout
+    assert "per rank (table weights + rowwise_adagrad state):" in run.stdout
     assert "step 0: eval AUC" in run.stdout and "step 30: eval AUC" in run.stdout
     assert '"steps": 30' in run.stdout
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3 + 3
@@ -176,3 +188,137 @@ def test_killed_rank_restarts_from_the_last_checkpoint(tmp_path):
     assert cli.returncode == 0, output[-3000:]
     assert "embshard: resumed from" in output
     assert ckpt.latest(saves).name == "step_00000300"
+
+
+def uneven_config(tmp: Path, steps: int, lines: list[str], eval_lines: list[str]) -> Path:
+    """Criteo training and held-out files, batch 32, the planner's plan for any world."""
+    data = yaml.safe_load((ROOT / "configs" / "criteo_sample.yaml").read_text())
+    del data["plan"]
+    (tmp / "train.tsv").write_text("\n".join(lines) + "\n")
+    (tmp / "eval.tsv").write_text("\n".join(eval_lines) + "\n")
+    data["data"].update(path=str(tmp / "train.tsv"), eval_path=str(tmp / "eval.tsv"))
+    data.update(steps=steps, batch_size=32)
+    data["eval"] = {"every": 1000, "batches": 100}
+    data["logging"] = {"metrics": str(tmp / "metrics.jsonl"), "every": 1000, "progress": False}
+    path = tmp / "uneven.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def train_passes(path: str, epochs: int) -> dict:
+    """train() on ``epochs`` passes over the Criteo file.
+
+    TODO(config): pass ``data: {epochs: N}`` once DataConfig has the key; until then
+    the reader is built here.
+    """
+    config = load_config(path)
+    build = train_module.build_data
+
+    def reader(config, rank, world):
+        d = config.data
+        tables, batch = config.tables, config.batch_size
+        return CriteoData(d.path, d.eval_path, tables, batch, rank, world, epochs=epochs)
+
+    train_module.build_data = reader
+    try:
+        return train(config)
+    finally:
+        train_module.build_data = build
+
+
+def step_0_eval(tmp: Path) -> dict:
+    (record,) = [json.loads(x) for x in (tmp / "metrics.jsonl").read_text().splitlines()[:1]]
+    assert record["step"] == 0
+    return record
+
+
+def test_uneven_data_ends_together_after_every_pass(world, tmp_path):
+    lines, eval_lines = uneven_lines(100, 4, seed=0), uneven_lines(60, 3, seed=1)
+    counts = lines_per_rank(lines, 3)
+    assert counts[1] <= 5 and min(counts[0], counts[2]) >= 95  # rank 1's part is short
+    assert min(lines_per_rank(eval_lines, 3)) <= 4
+    three, even = tmp_path / "three", tmp_path / "two"
+    three.mkdir(), even.mkdir()
+    config = uneven_config(three, 1000, lines, eval_lines)
+    summaries = world(3).run(train_passes, str(config), 2, timeout=120)
+    assert summaries[0] == summaries[1] == summaries[2]
+    summary = summaries[0]
+    assert summary["data_ended"] and summary["samples"] == 2 * len(lines)
+    assert summary["steps"] == 2 * math.ceil(max(counts) / 32)
+    assert math.isfinite(summary["loss"]) and math.isfinite(summary["eval_loss"])
+    # The same samples split in two: the same count; the same model before training
+    # (whatever the world size), so the same held-out AUC and loss over every line.
+    halves = lines_per_rank(lines, 2)
+    two = world(2).run(train_passes, str(uneven_config(even, 1000, lines, eval_lines)), 2)
+    assert two[0]["samples"] == summary["samples"]
+    assert two[0]["steps"] == 2 * math.ceil(max(halves) / 32)
+    expected, got = step_0_eval(even), step_0_eval(three)
+    assert abs(got["eval_auc"] - expected["eval_auc"]) < 1e-6
+    assert abs(got["eval_loss"] - expected["eval_loss"]) < 1e-5
+
+
+def test_uneven_passes_cycle_in_step_until_the_steps_are_done(world, tmp_path):
+    lines = uneven_lines(100, 4, seed=0)
+    counts = lines_per_rank(lines, 3)
+    per_pass = math.ceil(max(counts) / 32)
+    config = uneven_config(tmp_path, 2 * per_pass + 1, lines, sample_lines(50, seed=1))
+    summaries = world(3).run(train_from, str(config), timeout=120)
+    assert summaries[0] == summaries[1] == summaries[2]
+    assert "data_ended" not in summaries[0] and summaries[0]["steps"] == 2 * per_pass + 1
+    first_step = sum(min(32, n) for n in counts)
+    assert summaries[0]["samples"] == 2 * len(lines) + first_step
+
+
+TABLES = (Table("a", 40, 8, ("f_a",)), Table("b", 30, 8, ("f_b1", "f_b2"), mean=True))
+
+
+def train_uneven_batches(sizes: list[tuple[int, ...]], lr: float) -> list[float]:
+    """SGD steps with local_loss on uneven batches (empty ones included), next to the
+    unsharded model on the global batch with the mean BCE over its samples; the
+    largest difference of each weight (dense and tables) at the end."""
+    rank = dist.get_rank()
+    plan = embshard.ShardingPlan({"a": embshard.row_wise(), "b": embshard.column_wise([2, 0])})
+    torch.manual_seed(0)
+    oracle = DLRM(EmbeddingBagCollection(tables=[t.config() for t in TABLES]), 5, [8, 8], [8, 1])
+    model = embshard.shard_model(copy.deepcopy(oracle), plan, optimizer=embshard.SGD(lr=lr))
+    dense_opt = torch.optim.SGD(model.parameters(), lr=lr)
+    oracle_opt = torch.optim.SGD(oracle.parameters(), lr=lr)
+    for step, batch_sizes in enumerate(sizes):
+        batches = local_batches(Case(TABLES, plan, batch_sizes, seed=step), step)
+        generator = torch.Generator().manual_seed(step)
+        dense = torch.randn(sum(batch_sizes), 5, generator=generator)
+        labels = torch.randint(0, 2, (sum(batch_sizes),), generator=generator).float()
+        mine = slice(sum(batch_sizes[:rank]), sum(batch_sizes[: rank + 1]))
+        logits = model(dense[mine], batches[rank]).squeeze(1)
+        local_loss(logits, labels[mine], sum(batch_sizes)).backward()
+        dense_opt.step()
+        dense_opt.zero_grad()
+        all_logits = oracle(dense, global_batch(batches)).squeeze(1)
+        F.binary_cross_entropy_with_logits(all_logits, labels).backward()
+        oracle_opt.step()
+        oracle_opt.zero_grad()
+    oracle_params = dict(oracle.named_parameters())
+    gaps = [float((p - oracle_params[n]).abs().max()) for n, p in model.module.named_parameters()]
+    for path, sharded in embshard.model.sharded_collections(model.module).items():
+        for table, weight in sharded.weights.items():
+            expected = oracle.get_submodule(path).embedding_bags[table].weight
+            gaps.append(float((embshard.gather_table(weight) - expected).abs().max()))
+    return gaps
+
+
+def test_empty_and_partial_batches_train_like_the_global_batch(world):
+    # Rank 2, then rank 0, has no samples; the oracle is the mean over the real ones.
+    sizes = [(5, 2, 0), (0, 3, 4), (1, 0, 6)]
+    for gaps in world(3).run(train_uneven_batches, sizes, 0.5):
+        assert len(gaps) > 2 and all(gap < 1e-5 for gap in gaps), gaps  # NaN fails too
+
+
+def test_start_up_memory_is_what_the_planner_counts():
+    config = load_config(ROOT / "configs" / "small.yaml")
+    plan, report = plan_config(config, 2)
+    lines = describe_plan(plan, config, 2).splitlines()
+    assert "per rank (table weights + rowwise_adagrad state):" in lines
+    # Rank 0 holds item (50,000 rows) and city (5,000) of 16 columns, each row with
+    # one row-wise Adagrad accumulator: 4 bytes x 55,000 x 17 = 3.57 MiB.
+    assert report.ranks[0].memory == 4 * 55_000 * 17
+    assert "  rank 0: 3.6 MiB  item[0:+50000, 0:+16], city[0:+5000, 0:+16]" in lines
