@@ -1,24 +1,42 @@
-"""The README's example is the file it names, runs under torchrun, and prints what it shows."""
+"""The README and docs/ show what the code does.
+
+Every fenced Python block on a page is a file in examples/, every example runs under
+torchrun and prints what its page shows, the README's example agrees with an
+unsharded TorchRec oracle, the `embshard plan` transcripts are the command's output,
+and the files, links, make targets and CLI options the pages name exist.
+"""
 
 from __future__ import annotations
 
 import ast
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+from click.testing import CliRunner
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 
 import embshard
+from embshard import checkpoint
+from embshard.cli import main as cli
+from embshard.init import init_shard
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
-EXAMPLE = ROOT / "examples" / "shard_tables.py"
-TRAINING = ROOT / "examples" / "train_ebc.py"
+PAGES = {
+    p.relative_to(ROOT): p.read_text() for p in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
+}
+README = PAGES[Path("README.md")]
+API = PAGES[Path("docs/api.md")]
+EXAMPLES = ROOT / "examples"
+# Each example and the page that shows it.
+SHOWN_ON = {"quickstart.py": README, "shard_tables.py": API, "train_ebc.py": API}
 
 
-def run_example(path: Path, log_dir: Path) -> list[str]:
+def run_example(name: str, log_dir: Path) -> list[str]:
     """Rank outputs of the example on 2 ranks; each rank's stdout goes to its own file,
     so lines cannot interleave."""
     launch = [
@@ -31,7 +49,7 @@ def run_example(path: Path, log_dir: Path) -> list[str]:
         str(log_dir),
     ]
     run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", *launch, str(path)],
+        [sys.executable, "-m", "torch.distributed.run", *launch, str(EXAMPLES / name)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -43,19 +61,99 @@ def run_example(path: Path, log_dir: Path) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("example", [EXAMPLE, TRAINING], ids=lambda p: p.name)
-def test_readme_shows_the_example_files(example):
-    assert f"```python\n{example.read_text()}```" in README
+def shown_rank_lines(page: str) -> list[str]:
+    return re.findall(r"^    (rank \d .*)$", page, flags=re.M)
 
 
-def test_example_output_matches_readme(tmp_path):
-    printed = sorted(ln for ln in run_example(EXAMPLE, tmp_path) if ln.startswith("rank "))
-    shown = re.findall(r"^    (rank .*)$", README, flags=re.M)
-    assert printed == shown
+@pytest.fixture(scope="module")
+def quickstart(tmp_path_factory) -> tuple[list[str], Path]:
+    log_dir = tmp_path_factory.mktemp("quickstart")
+    return run_example("quickstart.py", log_dir), log_dir
+
+
+@pytest.mark.parametrize("page", sorted(PAGES), ids=str)
+def test_every_python_block_is_an_example_file(page):
+    files = {p.read_text() for p in EXAMPLES.glob("*.py")}
+    for block in re.findall(r"```python\n(.*?)```", PAGES[page], flags=re.S):
+        assert block in files, f"{page}: a Python block that is no file in examples/"
+
+
+def test_every_example_is_shown_and_run():
+    assert {p.name for p in EXAMPLES.glob("*.py")} == set(SHOWN_ON)
+    for name, page in SHOWN_ON.items():
+        assert f"```python\n{(EXAMPLES / name).read_text()}```" in page
+
+
+def test_quickstart_output_matches_readme(quickstart):
+    lines, _ = quickstart
+    assert sorted(ln for ln in lines if ln.startswith("rank ")) == shown_rank_lines(README)
+
+
+def _quickstart_oracle() -> tuple[EmbeddingBagCollection, KeyedJaggedTensor]:
+    """The unsharded module with the example's starting weights, and the global batch
+    (rank 0's samples, then rank 1's)."""
+    tables = [
+        EmbeddingBagConfig(
+            name="user", num_embeddings=1000, embedding_dim=16, feature_names=["uid"]
+        ),
+        EmbeddingBagConfig(
+            name="item", num_embeddings=5000, embedding_dim=32, feature_names=["iid"]
+        ),
+    ]
+    ebc = EmbeddingBagCollection(tables=tables)
+    with torch.no_grad():
+        for config in tables:
+            init_shard(ebc.embedding_bags[config.name].weight, config, 0, 0, seed=0)
+    batch = KeyedJaggedTensor(
+        keys=["uid", "iid"],
+        values=torch.tensor([0, 7, 1, 7, 4000, 12, 13, 4001, 12, 13]),
+        lengths=torch.tensor([1, 1, 1, 1, 1, 2, 1, 2]),
+    )
+    return ebc, batch
+
+
+def _rank_losses(ebc: EmbeddingBagCollection, batch: KeyedJaggedTensor) -> list[torch.Tensor]:
+    pooled = ebc(batch).values()
+    return [pooled[2 * r : 2 * r + 2].pow(2).sum() for r in range(2)]
+
+
+def test_quickstart_against_unsharded_oracle(quickstart):
+    """Forward, the fused SGD step on the global batch (loss averaged over ranks), the
+    saved tables and the load under another plan, all against plain TorchRec."""
+    lines, log_dir = quickstart
+    printed = {
+        (int(m[1]), "reloaded" in ln): float(m[2])
+        for ln in lines
+        if (m := re.match(r"rank (\d) .*loss ([0-9.]+)$", ln))
+    }
+    ebc, batch = _quickstart_oracle()
+    losses = _rank_losses(ebc, batch)
+    (sum(losses) / 2).backward()
+    before = [float(x.detach()) for x in losses]
+    with torch.no_grad():
+        for bag in ebc.embedding_bags.values():
+            bag.weight -= 0.5 * bag.weight.grad
+        after = [float(x) for x in _rank_losses(ebc, batch)]
+    for r in range(2):
+        assert printed[(r, False)] == pytest.approx(before[r], abs=2e-6)
+        assert printed[(r, True)] == pytest.approx(after[r], abs=2e-6)
+    assert after[0] < before[0] / 2  # the step is large enough to tell the two apart
+
+    checkpoint.export(log_dir / "runs" / "quickstart", log_dir / "saved.pt")
+    saved = torch.load(log_dir / "saved.pt")
+    for name, bag in ebc.embedding_bags.items():
+        torch.testing.assert_close(saved[f"embedding_bags.{name}.weight"], bag.weight.detach())
+
+
+def test_shard_tables_output_matches_docs(tmp_path):
+    printed = sorted(
+        ln for ln in run_example("shard_tables.py", tmp_path) if ln.startswith("rank ")
+    )
+    assert printed == shown_rank_lines(API)
 
 
 def test_training_example_learns(tmp_path):
-    steps = [ln for ln in run_example(TRAINING, tmp_path) if ln.startswith("step ")]
+    steps = [ln for ln in run_example("train_ebc.py", tmp_path) if ln.startswith("step ")]
     assert len(steps) == 5
     losses = [ast.literal_eval(ln.split("loss per rank ")[1]) for ln in steps]
     assert all(late < early for early, late in zip(losses[0], losses[-1]))
@@ -71,3 +169,82 @@ def test_config_plan_is_the_examples_plan():
             "ad": embshard.column_wise([1, 0], [16, 48]),
         }
     )
+    (shown,) = re.findall(r"```yaml\n(.*?)```", PAGES[Path("docs/planning.md")], flags=re.S)
+    assert embshard.ShardingPlan.from_yaml(shown) == plan
+
+
+def transcripts(page: str) -> list[tuple[str, list[str]]]:
+    """Each `$ embshard plan ...` shown on a page, with the lines shown under it."""
+    found = []
+    for m in re.finditer(r"^    \$ (embshard plan .*)\n((?:    .*\n)*)", page, flags=re.M):
+        found.append((m[1], [ln[4:] for ln in m[2].splitlines()]))
+    return found
+
+
+@pytest.mark.parametrize(
+    "command, shown",
+    [t for page in PAGES.values() for t in transcripts(page)],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_plan_transcripts_are_the_commands_output(command, shown):
+    """The shown lines appear in the output, in order (a page may leave lines out)."""
+    result = CliRunner().invoke(cli, shlex.split(command)[1:])
+    assert result.exit_code == 0, result.output
+    output = iter(result.output.splitlines())
+    for line in shown:
+        assert any(line == out for out in output), f"not in the output, or out of order: {line!r}"
+
+
+def test_plan_transcripts_are_found():
+    assert len([t for page in PAGES.values() for t in transcripts(page)]) == 2
+
+
+def _slug(heading: str) -> str:
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("page", sorted(PAGES), ids=str)
+def test_links_and_named_files_exist(page):
+    text = PAGES[page]
+    for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]+))?\)", text):
+        if target.startswith("http"):
+            continue
+        path = (ROOT / page).parent / target if target else ROOT / page
+        assert path.exists(), f"{page}: link to missing {target}"
+        if anchor:
+            headings = re.findall(r"^#+ (.*)$", path.read_text(), flags=re.M)
+            assert anchor in {_slug(h) for h in headings}, (
+                f"{page}: no heading #{anchor} in {target}"
+            )
+    for named in re.findall(
+        r"\b((?:configs|examples|tools|docs|tests|embshard)/[\w./]+\.\w+)", text
+    ):
+        assert (ROOT / named).exists(), f"{page} names {named}, which does not exist"
+
+
+def test_readme_make_targets_do_what_it_says():
+    makefile = (ROOT / "Makefile").read_text()
+    recipes = dict(re.findall(r"^(\w+): install\n\t(.*)$", makefile, flags=re.M))
+    assert "make demo" in README and "make test" in README
+    assert recipes["demo"] == "$(VENV)/bin/embshard train configs/small.yaml --nproc 2"
+    assert ".venv/bin/embshard train configs/small.yaml --nproc 2" in README
+    assert recipes["test"] == "$(VENV)/bin/python -m pytest -q"
+
+
+def synopsis(page: str) -> list[tuple[list[str], set[str]]]:
+    """Each `embshard SUB ...` usage line on a page: its subcommand and the options it shows."""
+    found = []
+    for line in re.findall(r"^    (embshard [a-z].*)$", page, flags=re.M):
+        words = line.split("#")[0].split()[1:]
+        sub = [w for w in words[:2] if re.fullmatch(r"[a-z]+", w)]
+        found.append((sub, set(re.findall(r"--[a-z][a-z-]*", line.split("#")[0]))))
+    return found
+
+
+@pytest.mark.parametrize("page", sorted(PAGES), ids=str)
+def test_cli_synopses_name_real_options(page):
+    for sub, options in synopsis(PAGES[page]):
+        result = CliRunner().invoke(cli, [*sub, "--help"])
+        assert result.exit_code == 0, f"embshard {' '.join(sub)}: {result.output}"
+        for option in options:
+            assert option in result.output, f"{page}: embshard {' '.join(sub)} has no {option}"
