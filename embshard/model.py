@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from embshard.lookup import SGD, FusedOptimizer
-from embshard.module import ShardedEmbeddingBagCollection, shard
+from embshard.module import ShardedEmbeddingBagCollection, shard, world_mesh
 from embshard.plan import ShardingPlan
 
 # TorchRec's DistributedModelParallel wraps the dense part in DDP with these settings
@@ -42,7 +42,7 @@ def shard_model(
     mesh: DeviceMesh | None = None,
     optimizer: FusedOptimizer = SGD(lr=0.01),
     seed: int = 0,
-    device: torch.device | None = None,
+    device: torch.device | str | None = None,
     ddp_kwargs: Mapping[str, Any] | None = None,
     data_parallel_wrapper: Callable[[nn.Module], nn.Module] | None = None,
 ) -> nn.Module:
@@ -50,8 +50,12 @@ def shard_model(
     tables of all of them) and wrap the model in DDP, which then holds only the dense
     parameters: the sharded tables are trained by their fused optimizer.
 
-    Dense parameters on ``meta`` are materialized on ``device`` (default CPU) and
-    reset; DDP then broadcasts rank 0's, so every rank starts from the same model.
+    ``device`` is where everything goes: the tables (FBGEMM's TBE in device memory on
+    CUDA), the routing and collectives, and the dense parameters, which are moved
+    there, or materialized and reset when they are on ``meta``; DDP then broadcasts
+    rank 0's, so every rank starts from the same model. By default it is ``mesh``'s
+    device type, else CUDA when the default group runs NCCL, else CPU. On CUDA it
+    must be the current device (``torch.cuda.set_device``), as NCCL needs.
 
     The DDP is TorchRec's DistributedModelParallel's: ``DDP_DEFAULTS``
     (``static_graph=True``, ``find_unused_parameters=False``, no buffer broadcast
@@ -84,14 +88,35 @@ def shard_model(
     if repeated:
         raise ValueError(f"table names {repeated} appear in more than one EmbeddingBagCollection")
     plan.resolve(configs, dist.get_world_size())  # one error naming every problem
+    device = _device(device, mesh)
+    mesh = world_mesh(device.type) if mesh is None else mesh
+    if mesh.device_type != device.type:
+        raise ValueError(f"device {device} does not match the mesh's {mesh.device_type!r}")
     for path, ebc in collections.items():
         own = {c.name for c in ebc.embedding_bag_configs()}
         sub_plan = ShardingPlan({n: s for n, s in plan.tables.items() if n in own})
         _replace(model, path, shard(ebc, sub_plan, mesh=mesh, optimizer=optimizer, seed=seed))
-    _materialize_dense(model, device or torch.device("cpu"))
+    _place_dense(model, device)
     if data_parallel_wrapper is not None:
         return data_parallel_wrapper(model)
-    return DistributedDataParallel(model, **_ddp_settings(ddp_kwargs or {}))
+    device_ids = {"device_ids": [device]} if device.type == "cuda" else {}
+    return DistributedDataParallel(model, **device_ids, **_ddp_settings(ddp_kwargs or {}))
+
+
+def _device(device: torch.device | str | None, mesh: DeviceMesh | None) -> torch.device:
+    """The device a sharded model lives on; on CUDA, the current one (NCCL's)."""
+    if device is None:
+        device = mesh.device_type if mesh is not None else world_mesh().device_type
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device
+    current = torch.device("cuda", torch.cuda.current_device())
+    if device.index is not None and device != current:
+        raise ValueError(
+            f"device {device} is not the current CUDA device ({current}): call "
+            "torch.cuda.set_device(local_rank) before sharding, as NCCL needs"
+        )
+    return current
 
 
 def sharded_collections(model: nn.Module) -> dict[str, ShardedEmbeddingBagCollection]:
@@ -117,8 +142,11 @@ def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent_path), name, module)
 
 
-def _materialize_dense(model: nn.Module, device: torch.device) -> None:
+def _place_dense(model: nn.Module, device: torch.device) -> None:
+    """Dense parameters and buffers onto ``device``: moved, or, from ``meta``,
+    materialized and reset. The sharded collections hold none of their own."""
     if not any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        model.to(device)
         return
     model.to_empty(device=device)
     with torch.no_grad():

@@ -76,10 +76,12 @@ def _submesh(mesh: DeviceMesh, ranks: tuple[int, ...]) -> DeviceMesh:
     return DeviceMesh(mesh.device_type, mesh.mesh[list(ranks)], _init_backend=False)
 
 
-def _world_mesh() -> DeviceMesh:
-    """A mesh over the world, without process groups of its own (see _submesh): CUDA
-    when the default group runs NCCL, else CPU."""
-    device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+def world_mesh(device_type: str | None = None) -> DeviceMesh:
+    """A 1-D mesh over the whole world, without process groups of its own (see
+    _submesh). ``device_type`` defaults to CUDA when the default group runs NCCL, else
+    CPU."""
+    if device_type is None:
+        device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
     return DeviceMesh(device_type, torch.arange(dist.get_world_size()), _init_backend=False)
 
 
@@ -356,7 +358,7 @@ def shard(
     if not dist.is_initialized():
         raise RuntimeError("shard() needs torch.distributed initialized (init_process_group)")
     if mesh is None:
-        mesh = _world_mesh()
+        mesh = world_mesh()
     weights = {name: bag.weight for name, bag in module.embedding_bags.items()}
     on_meta = any(w.is_meta for w in weights.values())
     return ShardedEmbeddingBagCollection(
