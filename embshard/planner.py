@@ -537,7 +537,7 @@ def _split_one(
     """The costliest table on ``rank`` split into the next number of pieces it allows."""
     names = sorted(
         {s.split("[")[0] for s in rank.shards},
-        key=lambda n: -max(p.cost for p in choices[n].pieces),
+        key=lambda n: (-max(p.cost for p in choices[n].pieces), n),  # ties: by name
     )
     for name in names:
         more = [o for o in options[name] if o.blocks > len(choices[name].pieces)]

@@ -196,7 +196,7 @@ def test_plan_transcripts_are_the_commands_output(command, shown):
 
 
 def test_plan_transcripts_are_found():
-    assert len([t for page in PAGES.values() for t in transcripts(page)]) == 2
+    assert len([t for page in PAGES.values() for t in transcripts(page)]) == 3
 
 
 def _slug(heading: str) -> str:
