@@ -58,13 +58,13 @@ def exchange_counts(
     )
 
 
-def raise_input_error(problem: str | None, group: dist.ProcessGroup | None) -> None:
-    """Every rank raises the same InputError, naming what each bad rank found. A
+def gather_input_error(problem: str | None, group: dist.ProcessGroup | None) -> InputError:
+    """The same InputError on every rank, naming what each bad rank found. A
     collective: called by every rank once the counts say some batch is bad."""
     problems: list[str | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(problems, problem, group=group)
     found = [f"rank {r}: {p}" for r, p in enumerate(problems) if p is not None]
-    raise InputError("bad input batch:\n  " + "\n  ".join(found))
+    return InputError("bad input batch:\n  " + "\n  ".join(found))
 
 
 def _to_bits(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -229,10 +229,13 @@ class InputDistribution:
         send_sizes: list[int],
         recv_sizes: list[int],
         group: dist.ProcessGroup | None,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, dist.Work]:
+        """Start the payload's all-to-all; the buffer it fills, and the work to wait on."""
         received = self.scratch.take("ids", (sum(recv_sizes),), payload)
-        dist.all_to_all_single(received, payload, recv_sizes, send_sizes, group=group)
-        return received
+        work = dist.all_to_all_single(
+            received, payload, recv_sizes, send_sizes, group=group, async_op=True
+        )
+        return received, work
 
     def unpack(
         self, received: torch.Tensor, recv_sizes: list[int], batch_sizes: list[int]

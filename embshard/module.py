@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -24,16 +25,17 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from embshard.dist import (
+    Counts,
     InputDistribution,
     OutputLayout,
     PooledAllToAll,
     Routed,
     Scratch,
     exchange_counts,
-    raise_input_error,
+    gather_input_error,
 )
 from embshard.init import init_shard
-from embshard.inputs import LocalBatch, check_batch, describe_problem
+from embshard.inputs import InputError, LocalBatch, check_batch, describe_problem
 from embshard.lookup import SGD, FusedOptimizer
 from embshard.plan import ShardedTable, ShardingPlan
 from embshard.routes import build_routes
@@ -83,6 +85,19 @@ def world_mesh(device_type: str | None = None) -> DeviceMesh:
     if device_type is None:
         device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
     return DeviceMesh(device_type, torch.arange(dist.get_world_size()), _init_backend=False)
+
+
+@dataclass
+class InputInFlight:
+    """A batch after its input distribution started: what the counts exchange said, the
+    requester's bag lengths (MEAN pooling), and the ids all-to-all on its way. Or the
+    InputError its batch (or another rank's) raised, to raise when it is used."""
+
+    counts: Counts | None = None
+    lengths: torch.Tensor | None = None
+    received: torch.Tensor | None = None
+    work: dist.Work | None = None
+    error: InputError | None = None
 
 
 def _check_mesh(mesh: DeviceMesh) -> None:
@@ -153,6 +168,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         mean_feature = self._routes.mean_feature_by_column()
         self._mean_feature = None if mean_feature is None else mean_feature.to(self._device)
         self._anchor = torch.zeros(0, device=self._device, requires_grad=True)
+        self._prefetched: list[tuple[KeyedJaggedTensor, InputInFlight]] = []
         feature_table_map = [s.tbe_table for s in self._routes.slots[self._rank]]
         self._storage = allocate_storage(
             self._tables, self._rank, optimizer, self._device, feature_table_map
@@ -174,7 +190,21 @@ class ShardedEmbeddingBagCollection(nn.Module):
         Collective: every rank of the mesh must call it, each with its own batch (batch
         sizes may differ, and may be zero). A bad batch on any rank raises the same
         InputError on every rank. One host sync: reading back the counts exchange.
+        A batch given to ``prefetch`` before (the same object) skips its input
+        distribution here.
         """
+        in_flight = self._take_prefetched(features) or self.input_dist(features)
+        return self.output_dist(self.lookup(in_flight), in_flight)
+
+    def prefetch(self, features: KeyedJaggedTensor) -> None:
+        """Start ``features``' input distribution now (collective), so that its
+        forward, later, begins with the lookup: what a training pipeline overlaps
+        with the step before. Errors surface at that forward, on every rank."""
+        self._prefetched.append((features, self.input_dist(features)))
+
+    def input_dist(self, features: KeyedJaggedTensor) -> InputInFlight:
+        """Stage 1 (collective): check the batch, route its ids to their owners,
+        exchange counts (the one host sync), and start the ids all-to-all."""
         batch, routed, problem = self._route(features)
         counts = exchange_counts(
             self._input_dist.send_sizes(routed),
@@ -186,25 +216,56 @@ class ShardedEmbeddingBagCollection(nn.Module):
             self._group,
         )
         if counts.failed:
-            raise_input_error(self._problem(features, batch, problem), self._group)
-
+            problem = self._problem(features, batch, problem)
+            return InputInFlight(error=gather_input_error(problem, self._group))
         payload = self._input_dist.pack(routed, counts.sent_ids)
-        received = self._input_dist.exchange(
+        received, work = self._input_dist.exchange(
             payload, counts.send_sizes, counts.recv_sizes, self._group
         )
-        indices, offsets, weights = self._input_dist.unpack(
-            received, counts.recv_sizes, counts.batch_sizes
-        )
+        return InputInFlight(counts, batch.lengths, received, work)
 
-        pooled = self._lookup(indices, offsets, weights, sum(counts.batch_sizes))
+    def lookup(self, in_flight: InputInFlight) -> torch.Tensor:
+        """Stage 2: wait for the ids, and pool every local shard's rows for the global
+        batch in one TBE call."""
+        if in_flight.error is not None:
+            raise in_flight.error
+        in_flight.work.wait()
+        counts = in_flight.counts
+        indices, offsets, weights = self._input_dist.unpack(
+            in_flight.received, counts.recv_sizes, counts.batch_sizes
+        )
+        in_flight.received = None  # its buffer may serve the next batch
+        if self._storage.tbe is None:
+            return torch.zeros(sum(counts.batch_sizes), 0, device=self._device)
+        return self._storage.tbe(indices, offsets, per_sample_weights=weights)
+
+    def output_dist(self, pooled: torch.Tensor, in_flight: InputInFlight) -> KeyedTensor:
+        """Stage 3 (collective): the pooled rows home to their requesters, in their
+        output columns, as the unsharded module's KeyedTensor."""
         gathered = PooledAllToAll.apply(
-            self._anchor, pooled, counts.batch_sizes, self._output_layout
+            self._anchor, pooled, in_flight.counts.batch_sizes, self._output_layout
         )
         return KeyedTensor(
             keys=self._keys,
             length_per_key=self._dims,
-            values=self._mean_pool(gathered, batch.lengths),
+            values=self._mean_pool(gathered, in_flight.lengths),
         )
+
+    def is_prefetched(self, features: KeyedJaggedTensor) -> bool:
+        """Whether ``features`` (this object) was prefetched and not yet used."""
+        return any(prefetched is features for prefetched, _ in self._prefetched)
+
+    def _take_prefetched(self, features: KeyedJaggedTensor) -> InputInFlight | None:
+        """The prefetched input of this very batch object, if any; prefetched batches
+        before it were skipped and are dropped."""
+        for i, (prefetched, in_flight) in enumerate(self._prefetched):
+            if prefetched is features:
+                for _, skipped in self._prefetched[:i]:
+                    if skipped.work is not None:
+                        skipped.work.wait()  # nothing may still write into a freed buffer
+                del self._prefetched[: i + 1]
+                return in_flight
+        return None
 
     def _route(self, features: KeyedJaggedTensor) -> tuple[LocalBatch | None, Routed, str | None]:
         """The checked batch, routed to its owners, or what is wrong with it (and an
@@ -229,18 +290,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
         except Exception as e:
             return f"checking the batch failed: {e!r}"
 
-    def _lookup(
-        self,
-        indices: torch.Tensor,
-        offsets: torch.Tensor,
-        weights: torch.Tensor | None,
-        global_batch: int,
-    ) -> torch.Tensor:
-        """SUM-pooled rows of every slot for the global batch: one TBE call."""
-        if self._storage.tbe is None:
-            return torch.zeros(global_batch, 0, device=self._device)
-        return self._storage.tbe(indices, offsets, per_sample_weights=weights)
-
     def _mean_pool(self, out: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """MEAN-pooled features divided by the requester's own bag lengths."""
         if self._mean_feature is None:
@@ -261,6 +310,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
             else:
                 source = weights[name][s.row_offset : s.row_offset + s.rows]
                 view.copy_(source[:, s.col_offset : s.col_offset + s.cols])
+
+    @property
+    def feature_names(self) -> set[str]:
+        """The keys its input KeyedJaggedTensor holds."""
+        return set(self._routes.features)
 
     @property
     def plan(self) -> ShardingPlan:

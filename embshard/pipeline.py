@@ -1,0 +1,114 @@
+"""A training pipeline: batch i+1's input distribution runs before batch i's step.
+
+As TorchRec's ``TrainPipelineSparseDist``: the checks, routing, counts exchange and
+the ids all-to-all of the next batch are started before the current batch's forward
+and backward, so the all-to-all travels while the step computes. The results are
+those of the plain loop, bit for bit: the input distribution reads ids, not weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from embshard.module import ShardedEmbeddingBagCollection
+
+
+def prefetch(model: nn.Module, batch: Any) -> list[tuple[str, KeyedJaggedTensor]]:
+    """Start the input distribution of ``batch`` for every sharded collection of
+    ``model`` (a collective: every rank calls it with its own batch).
+
+    Each collection takes the KeyedJaggedTensor of ``batch`` (found in dataclass
+    fields, tuples, lists and dict values) whose keys are its features; the model's
+    forward must then hand it that very object. Returns what was started: (module
+    path, features).
+    """
+    found = _jagged_tensors(batch)
+    started = []
+    for path, module in model.named_modules():
+        if not isinstance(module, ShardedEmbeddingBagCollection):
+            continue
+        features = next((f for f in found if set(f.keys()) == module.feature_names), None)
+        if features is not None:
+            module.prefetch(features)
+            started.append((path, features))
+    return started
+
+
+def _jagged_tensors(batch: Any) -> list[KeyedJaggedTensor]:
+    if isinstance(batch, KeyedJaggedTensor):
+        return [batch]
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        parts = [getattr(batch, f.name) for f in dataclasses.fields(batch)]
+    elif isinstance(batch, (tuple, list)):
+        parts = list(batch)
+    elif isinstance(batch, dict):
+        parts = list(batch.values())
+    else:
+        return []
+    return [kjt for part in parts for kjt in _jagged_tensors(part)]
+
+
+class TrainPipeline:
+    """Trains ``model`` on ``batches`` with ``optimizer``, one batch ahead.
+
+    ``model(batch)`` returns ``(loss, output)``, as TorchRec's pipelines expect;
+    ``progress()`` runs one step (forward, backward, ``optimizer.step()``) and returns
+    its output, raising StopIteration when the batches are done. Every rank must have
+    as many batches: each step is collective. An InputError of the next batch is
+    raised by the step that uses it, on every rank.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterable):
+        self._model = model
+        self._optimizer = optimizer
+        self._batches = iter(batches)
+        self._next: tuple[Any, list] | None = None
+        self._started = False
+
+    def progress(self) -> Any:
+        if not self._started:
+            self._started = True
+            self._next = self._fetch()
+        if self._next is None:
+            raise StopIteration
+        (batch, prefetched), self._next = self._next, self._fetch()
+        self._optimizer.zero_grad()
+        loss, output = self._model(batch)
+        _check_consumed(self._model, prefetched)
+        loss.backward()
+        self._optimizer.step()
+        return output
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            try:
+                yield self.progress()
+            except StopIteration:
+                return
+
+    def _fetch(self) -> tuple[Any, list] | None:
+        """The next batch with its input distribution started, or None at the end."""
+        batch = next(self._batches, None)
+        if batch is None:
+            return None
+        return batch, prefetch(self._model, batch)
+
+
+def _check_consumed(model: nn.Module, prefetched: list[tuple[str, KeyedJaggedTensor]]) -> None:
+    """The forward must have used what was prefetched for it: a model that hands its
+    collections other objects (a transformed KeyedJaggedTensor) cannot be pipelined."""
+    for path, features in prefetched:
+        module = model.get_submodule(path)
+        if module.is_prefetched(features):
+            raise ValueError(
+                f"TrainPipeline: {path or 'the model'} was not given the batch's "
+                f"KeyedJaggedTensor (keys {features.keys()}) in its forward, so its input "
+                "distribution could not be done ahead; hand the collection the batch's "
+                "own KeyedJaggedTensor, or train without the pipeline"
+            )
