@@ -2,7 +2,9 @@
 
     torchrun --nproc-per-node 2 -m embshard.train --config configs/small.yaml
 
-Each step: every rank takes its own batch, the sharded model pools and predicts,
+Each step, pipelined as TorchRec's TrainPipelineSparseDist: the next batch is taken
+and its input distribution started (``embshard.pipeline.prefetch``), then the
+current one's: every rank takes its own batch, the sharded model pools and predicts,
 BCE loss on the local batch, backward (the fused optimizer updates the tables, DDP
 averages the dense gradients), dense optimizer step, then one small all-reduce of
 (loss, samples, stop, next batch's samples) that feeds the progress bar, lets a
@@ -36,6 +38,7 @@ from embshard.config import ConfigError, OptimizerConfig, TrainConfig, load_conf
 from embshard.data import Batch, CriteoData, Feed, SyntheticData
 from embshard.lookup import SGD, Adagrad, FusedOptimizer, RowWiseAdagrad
 from embshard.model import shard_model
+from embshard.pipeline import prefetch
 from embshard.plan import ShardingPlan
 from embshard.planner import format_bytes, plan_config, plan_loads, topology_for
 
@@ -152,6 +155,13 @@ def _open_feed(data: SyntheticData | CriteoData, start: int) -> tuple[Feed, int]
     return feed, _next_epoch(feed)
 
 
+def _take_ahead(model: nn.Module, feed: Feed) -> Batch:
+    """The feed's next batch, its input distribution started (collective)."""
+    batch = feed.take()
+    prefetch(model, batch)
+    return batch
+
+
 def _next_epoch(feed: Feed) -> int:
     """Start the next pass on every rank (collective); its first step's global batch
     size, 0 when no pass is left."""
@@ -242,24 +252,31 @@ def _train(config: TrainConfig, resume: bool) -> dict:
     feed, upcoming = _open_feed(data, start)
     began = last = time.perf_counter()
     samples_since, step = 0, start
-    while step < config.steps and upcoming:
-        batch = feed.take()
+    batch = _take_ahead(model, feed) if step < config.steps and upcoming else None
+    while batch is not None:
+        # Pipelined: the next batch's input distribution starts before this step.
+        following = _take_ahead(model, feed) if step + 1 < config.steps else None
         logits = model(batch.dense, batch.sparse).squeeze(1)
         loss = local_loss(logits, batch.labels, upcoming)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
 
-        stats = torch.tensor([loss.item(), batch.size, float(_stop_requested), feed.pending])
+        ahead = following.size if following is not None else 0
+        stats = torch.tensor([loss.item(), batch.size, float(_stop_requested), ahead])
         dist.all_reduce(stats)
         global_loss, samples = float(stats[0]) / world, int(stats[1])
         stop, upcoming = bool(stats[2]), int(stats[3])
         step += 1
         ended = False
         if not (upcoming or stop or step == config.steps):
-            upcoming = _next_epoch(feed)  # every rank's part of this pass is done
+            # Every rank's part of this pass is done: the batch taken ahead is empty
+            # everywhere; the next pass's first batch replaces it.
+            upcoming = _next_epoch(feed)
             ended = not upcoming
+            following = _take_ahead(model, feed) if upcoming else None
         done = step == config.steps or ended
+        batch = None if stop or done else following
         samples_since += samples
         summary.update(steps=step, samples=summary["samples"] + samples, loss=global_loss)
         now = time.perf_counter()
