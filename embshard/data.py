@@ -68,6 +68,7 @@ class SyntheticData:
     """
 
     epochs = 1  # one pass that never ends
+    skipped = 0  # lines skipped: none, the data is generated
 
     def __init__(
         self, tables: Sequence[TableConfig], dense_in: int, batch_size: int, seed: int, rank: int

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torchmetrics.functional.classification import binary_auroc
 from torchrec.models.dlrm import DLRM, DLRM_DCN
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -36,6 +37,7 @@ from tqdm import tqdm
 from embshard import checkpoint
 from embshard.config import ConfigError, OptimizerConfig, TrainConfig, load_config
 from embshard.data import Batch, CriteoData, Feed, SyntheticData
+from embshard.inputs import InputError
 from embshard.lookup import SGD, Adagrad, FusedOptimizer, RowWiseAdagrad
 from embshard.model import shard_model
 from embshard.pipeline import prefetch
@@ -155,11 +157,49 @@ def _open_feed(data: SyntheticData | CriteoData, start: int) -> tuple[Feed, int]
     return feed, _next_epoch(feed)
 
 
-def _take_ahead(model: nn.Module, feed: Feed) -> Batch:
-    """The feed's next batch, its input distribution started (collective)."""
-    batch = feed.take()
+class TrainingError(RuntimeError):
+    """Training stopped on a failure. ``agreed``: every rank raises it, with the same
+    message (a bad batch or data line on any rank); else it is this rank's own (a
+    collective that failed because another rank is stuck or gone)."""
+
+    def __init__(self, message: str, agreed: bool = True) -> None:
+        super().__init__(message)
+        self.agreed = agreed
+
+
+def agree(problem: str | None, where: str) -> None:
+    """Raise the same TrainingError on every rank if any rank has a problem, naming
+    each (collective: one all_gather_object, only when the ranks know to call it)."""
+    problems: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    found = [p for p in problems if p is not None]
+    if found:
+        raise TrainingError(f"{where}: " + "; ".join(found))
+
+
+def _take_ahead(model: nn.Module, feed: Feed) -> tuple[Batch, str | None]:
+    """The feed's next batch, its input distribution started (collective). A batch
+    that cannot be read (a malformed line) is replaced by an empty one and its problem
+    returned: the rank must still join the collectives, and the loop's all-reduce
+    tells every rank to stop at the same step."""
+    try:
+        batch, problem = feed.take(), None
+    except Exception as e:
+        batch, problem = feed.source.empty_batch(), f"rank {dist.get_rank()}: {e}"
     prefetch(model, batch)
-    return batch
+    return batch, problem
+
+
+def _rank_failures(error: CheckpointException) -> str:
+    """What failed on which rank, without DCP's tracebacks."""
+    return "; ".join(
+        f"rank {rank}: {_first_line(exc)}" for rank, (exc, _) in sorted(error.failures.items())
+    )
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
 def _next_epoch(feed: Feed) -> int:
@@ -233,9 +273,13 @@ def _train(config: TrainConfig, resume: bool) -> dict:
         start = checkpoint.load(found, model, optimizer)
         if rank == 0:
             print(f"embshard: resumed from {found} at step {start}", flush=True)
-    data = build_data(config, rank, world)
+    try:  # a rank that cannot read its data must not leave the others waiting
+        data, problem = build_data(config, rank, world), None
+        eval_batches = data.eval_batches(config.eval.batches) if config.eval.every else []
+    except Exception as e:
+        problem = f"rank {rank}: {e}"
+    agree(problem, "reading the data")
     empty = data.empty_batch()
-    eval_batches = data.eval_batches(config.eval.batches) if config.eval.every else []
     metrics = Metrics(config.logging.metrics, rank)
     quiet = rank != 0 or not config.logging.progress
     progress = tqdm(total=config.steps, initial=start, disable=quiet, file=sys.stdout)
@@ -245,65 +289,100 @@ def _train(config: TrainConfig, resume: bool) -> dict:
             progress.write(line)
 
     summary: dict = {"steps": start, "samples": 0}
-    if config.eval.every and start == 0:
-        auc, eval_loss = evaluate(model, eval_batches, empty)
-        metrics.write({"step": 0, "eval_auc": auc, "eval_loss": eval_loss})
-        say(f"step 0: eval AUC {auc:.4f}, eval loss {eval_loss:.4f}")
-    feed, upcoming = _open_feed(data, start)
-    began = last = time.perf_counter()
-    samples_since, step = 0, start
-    batch = _take_ahead(model, feed) if step < config.steps and upcoming else None
-    while batch is not None:
-        # Pipelined: the next batch's input distribution starts before this step.
-        following = _take_ahead(model, feed) if step + 1 < config.steps else None
-        logits = model(batch.dense, batch.sparse).squeeze(1)
-        loss = local_loss(logits, batch.labels, upcoming)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-        ahead = following.size if following is not None else 0
-        stats = torch.tensor([loss.item(), batch.size, float(_stop_requested), ahead])
-        dist.all_reduce(stats)
-        global_loss, samples = float(stats[0]) / world, int(stats[1])
-        stop, upcoming = bool(stats[2]), int(stats[3])
-        step += 1
-        ended = False
-        if not (upcoming or stop or step == config.steps):
-            # Every rank's part of this pass is done: the batch taken ahead is empty
-            # everywhere; the next pass's first batch replaces it.
-            upcoming = _next_epoch(feed)
-            ended = not upcoming
-            following = _take_ahead(model, feed) if upcoming else None
-        done = step == config.steps or ended
-        batch = None if stop or done else following
-        samples_since += samples
-        summary.update(steps=step, samples=summary["samples"] + samples, loss=global_loss)
-        now = time.perf_counter()
-        if step % config.logging.every == 0 or done:
-            rate = samples_since / (now - last)
-            metrics.write(
-                {"step": step, "loss": global_loss, "samples_per_s": rate, "elapsed_s": now - began}
-            )
-            progress.set_postfix(loss=f"{global_loss:.4f}", samples_s=f"{rate:,.0f}")
-            last, samples_since = now, 0
-        progress.update(1)
-        if config.eval.every and (step % config.eval.every == 0 or done):
+    phase = f"step {start}: evaluation"
+    try:
+        if config.eval.every and start == 0:
             auc, eval_loss = evaluate(model, eval_batches, empty)
-            metrics.write({"step": step, "eval_auc": auc, "eval_loss": eval_loss})
-            say(f"step {step}: eval AUC {auc:.4f}, eval loss {eval_loss:.4f}")
-            summary.update(eval_auc=auc, eval_loss=eval_loss)
-        if saves.dir and (stop or done or (saves.every and step % saves.every == 0)):
-            checkpoint.save(saves.dir, model, optimizer, step=step, keep=saves.keep)
-        if stop:
-            say(f"stopping at step {step}: a rank received SIGTERM")
-            summary["stopped"] = True
-            break
-        if ended:
-            say(f"the training data ran out at step {step}: every pass is done")
-            summary["data_ended"] = True
-    progress.close()
-    metrics.close()
+            metrics.write({"step": 0, "eval_auc": auc, "eval_loss": eval_loss})
+            say(f"step 0: eval AUC {auc:.4f}, eval loss {eval_loss:.4f}")
+        phase = f"step {start}: opening the training data"
+        feed, upcoming = _open_feed(data, start)
+        began = last = time.perf_counter()
+        samples_since, step = 0, start
+        batch, problem = (None, None)
+        if step < config.steps and upcoming:
+            batch, problem = _take_ahead(model, feed)
+        while batch is not None:
+            phase = f"step {step + 1}: taking the next batch and distributing its ids"
+            following, found = (None, None)
+            if step + 1 < config.steps:  # pipelined: the next batch's ids travel first
+                following, found = _take_ahead(model, feed)
+            problem = problem or found
+            phase = f"step {step + 1}: forward (ids and pooled all-to-alls)"
+            logits = model(batch.dense, batch.sparse).squeeze(1)
+            loss = local_loss(logits, batch.labels, upcoming)
+            phase = f"step {step + 1}: backward (gradient all-to-all, DDP all-reduce)"
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+            phase = f"step {step + 1}: the per-step all-reduce"
+            ahead = following.size if following is not None else 0
+            flags = [float(_stop_requested), ahead, float(problem is not None), data.skipped]
+            stats = torch.tensor([loss.item(), batch.size, *flags])
+            dist.all_reduce(stats)
+            global_loss, samples = float(stats[0]) / world, int(stats[1])
+            stop, upcoming = bool(stats[2]), int(stats[3])
+            step += 1
+            if stats[4]:
+                agree(problem, f"stopped after step {step}")
+            ended = False
+            if not (upcoming or stop or step == config.steps):
+                # Every rank's part of this pass is done: the batch taken ahead is empty
+                # everywhere; the next pass's first batch replaces it.
+                phase = f"step {step}: starting the next pass"
+                upcoming = _next_epoch(feed)
+                ended = not upcoming
+                if upcoming:
+                    following, problem = _take_ahead(model, feed)
+            done = step == config.steps or ended
+            batch = None if stop or done else following
+            samples_since += samples
+            summary.update(steps=step, samples=summary["samples"] + samples, loss=global_loss)
+            if stats[5]:
+                summary["skipped_lines"] = int(stats[5])
+            now = time.perf_counter()
+            if step % config.logging.every == 0 or done:
+                rate = samples_since / (now - last)
+                elapsed = now - began
+                metrics.write(
+                    {"step": step, "loss": global_loss, "samples_per_s": rate, "elapsed_s": elapsed}
+                )
+                progress.set_postfix(loss=f"{global_loss:.4f}", samples_s=f"{rate:,.0f}")
+                last, samples_since = now, 0
+            progress.update(1)
+            if config.eval.every and (step % config.eval.every == 0 or done):
+                phase = f"step {step}: evaluation"
+                auc, eval_loss = evaluate(model, eval_batches, empty)
+                metrics.write({"step": step, "eval_auc": auc, "eval_loss": eval_loss})
+                say(f"step {step}: eval AUC {auc:.4f}, eval loss {eval_loss:.4f}")
+                summary.update(eval_auc=auc, eval_loss=eval_loss)
+            if saves.dir and (stop or done or (saves.every and step % saves.every == 0)):
+                phase = f"step {step}: saving a checkpoint"
+                try:
+                    checkpoint.save(saves.dir, model, optimizer, step=step, keep=saves.keep)
+                except CheckpointException as e:  # DCP raises it on every rank
+                    raise TrainingError(f"{phase} failed: {_rank_failures(e)}") from None
+            if stop:
+                say(f"stopping at step {step}: a rank received SIGTERM")
+                summary["stopped"] = True
+                break
+            if ended:
+                say(f"the training data ran out at step {step}: every pass is done")
+                summary["data_ended"] = True
+    except InputError as e:  # raised by every rank in the same forward
+        raise TrainingError(f"{phase}: {e}") from None
+    except TrainingError:
+        raise
+    except RuntimeError as e:  # a collective failed: a rank is stuck or gone
+        raise TrainingError(
+            f"rank {rank}, {phase}: {_first_line(e)} (a collective failed: another rank may "
+            f"be stuck or gone; timeout_s is {config.timeout_s})",
+            agreed=False,
+        ) from e
+    finally:
+        progress.close()
+        metrics.close()
     return summary
 
 
@@ -340,6 +419,10 @@ def main(argv: list[str] | None = None) -> int:
         summary = train(config, resume=args.resume)
         if dist.get_rank() == 0:
             print(f"embshard: done {json.dumps(summary)}", flush=True)
+    except TrainingError as e:
+        if dist.get_rank() == 0 or not e.agreed:  # an agreed message, printed once
+            print(f"embshard: {e}", file=sys.stderr, flush=True)
+        return 1
     finally:
         dist.destroy_process_group()
     return 0
