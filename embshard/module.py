@@ -2,10 +2,12 @@
 
 Each rank allocates only its own shards, in one FBGEMM TBE, and exposes every table
 as a DTensor over views of the TBE's weights. ``forward`` is one training step's
-data path, top to bottom: check the local batch, exchange counts, exchange ids,
-look up, send the pooled rows home, assemble the KeyedTensor. ``state_dict()`` has
-the unsharded module's keys (``embedding_bags.<table>.weight``), so TorchRec state
-dicts load into it.
+data path, in three stages read top to bottom: ``input_dist`` (check the local
+batch, route its ids, exchange counts, start the ids all-to-all), ``lookup`` (one
+TBE call) and ``output_dist`` (send the pooled rows home, assemble the KeyedTensor).
+``prefetch`` runs the first stage ahead, for a pipeline. ``state_dict()`` has the
+unsharded module's keys (``embedding_bags.<table>.weight``), so TorchRec state dicts
+load into it.
 """
 
 from __future__ import annotations
