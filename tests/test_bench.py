@@ -22,3 +22,4 @@ def test_bench_smoke(tmp_path):
         assert figures["p10_ms"] <= figures["median_ms"] <= figures["p90_ms"]
         assert figures["bytes_sent_per_rank"] > 0 and figures["samples_per_s"] > 0
     assert record["bare_tbe_ms"] > 0 and record["throughput_ratio"] > 0
+    assert record["pipelined_median_ms"] > 0 and record["pipeline_gain"] > 0
