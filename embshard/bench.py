@@ -238,16 +238,18 @@ def bare_tbe_time(ours, batch, repeats: int) -> tuple[float, float]:
     from embshard.lookup import SGD, build_tbe
 
     captured = {}
-    original = ours._lookup
+    storage = ours._storage
+    original = storage.tbe
 
-    def capture(indices, offsets, weights, global_batch):
+    def capture(indices, offsets, per_sample_weights=None):
         captured.update(indices=indices.clone(), offsets=offsets.clone())
-        return original(indices, offsets, weights, global_batch)
+        return original(indices, offsets, per_sample_weights=per_sample_weights)
 
-    ours._lookup = capture
-    pooled(ours, batch).sum().backward()
-    ours._lookup = original
-    if ours._storage.tbe is None:
+    if original is not None:
+        storage.tbe = capture
+    pooled(ours, batch).sum().backward()  # collective: every rank, TBE or not
+    storage.tbe = original
+    if original is None:
         return 0.0, 0.0
     shards = ours._storage.shards
     tbe = build_tbe([(s.rows, s.cols) for _, s in shards], SGD(0.01), torch.device("cpu"),
