@@ -1,0 +1,58 @@
+"""The command line's edges: quick help, bad output paths and bad YAML reported in one
+line before any work, and plan pictures that fit any world size and scale."""
+
+from __future__ import annotations
+
+import string
+from itertools import groupby
+
+import pytest
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+from embshard.plan import ShardingPlan, row_wise
+from embshard.planner import RankLoad
+from embshard.show import draw_table, plot_loads
+
+
+def bar(sizes: list[int], width: int) -> str:
+    """The text bar of a row-wise table split into ``sizes`` rows per rank."""
+    config = EmbeddingBagConfig(
+        name="t", num_embeddings=sum(sizes), embedding_dim=4, feature_names=["f"]
+    )
+    table = ShardingPlan({"t": row_wise(sizes)}).resolve([config], len(sizes))["t"]
+    line = draw_table(table, width)[1]
+    return line[line.index("|") + 1 : -1]
+
+
+def test_bars_scale_to_256_ranks():
+    symbols = string.digits + string.ascii_lowercase + string.ascii_uppercase
+    sizes = [1, 3] * 128  # 256 ranks; at width 1024 each row is two characters
+    runs = [(s, len(list(run))) for s, run in groupby(bar(sizes, 1024))]
+    assert runs == [(symbols[r % 62], 2 * size) for r, size in enumerate(sizes)]
+
+    # Fewer characters than ranks: rank 0 holds half the rows, so half the bar.
+    drawn = bar([255, *[1] * 255], 60)
+    assert len(drawn) == 60 and "#" not in drawn
+    assert drawn[:30] == "0" * 30 and drawn[30] != "0"
+
+
+@pytest.mark.parametrize(
+    ("memory", "unit", "scale"),
+    [
+        (512, "B", 1),
+        (3 * 2**10, "KiB", 2**10),
+        (5 * 2**20, "MiB", 2**20),
+        (7 * 2**30, "GiB", 2**30),
+    ],
+)
+def test_png_memory_axis_takes_the_plans_unit(tmp_path, monkeypatch, memory, unit, scale):
+    import matplotlib.pyplot as plt
+
+    monkeypatch.setattr(plt, "close", lambda figure: None)
+    loads = [RankLoad(0, memory // 2, 1e-3), RankLoad(1, memory, 2e-3)]
+    plot_loads(loads, tmp_path / "loads.png", "title")
+    figure = plt.gcf()
+    axes = figure.axes[0]
+    assert axes.get_ylabel() == f"memory ({unit})"
+    assert [p.get_height() for p in axes.patches] == [memory // 2 / scale, memory / scale]
+    plt.close(figure)
