@@ -170,17 +170,24 @@ def plan(
 def show(plan_file: str, config: str, world_size: int | None, png: str | None, width: int) -> None:
     """Draw how PLAN_FILE lays out each table of CONFIG: which rank holds which rows
     and columns (a symbol per rank: 0-9, a-z, A-Z)."""
+    import yaml
+
+    from embshard.config import read_yaml
     from embshard.plan import PlanError, ShardingPlan
     from embshard.planner import plan_loads, topology_for
     from embshard.show import draw_plan, plot_loads, summary
 
     try:
         model = load_config(config)
-        sharding = ShardingPlan.load(plan_file)
+        data = read_yaml(plan_file, "plan")  # names the file and line of a syntax error
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    try:
+        sharding = ShardingPlan.from_yaml(yaml.safe_dump(data))
         world = world_size or _implied_world_size(sharding)
         tables = sharding.resolve(model.embedding_bag_configs(), world)
-    except (ConfigError, PlanError) as e:
-        raise click.ClickException(str(e)) from None
+    except PlanError as e:
+        raise click.ClickException(f"{plan_file}: {e}") from None
     click.echo(draw_plan(tables, width))
     loads = plan_loads(
         sharding,

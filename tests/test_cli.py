@@ -5,13 +5,52 @@ from __future__ import annotations
 
 import string
 from itertools import groupby
+from pathlib import Path
 
 import pytest
+import yaml
+from click.testing import CliRunner
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
+from embshard.cli import main as cli
 from embshard.plan import ShardingPlan, row_wise
 from embshard.planner import RankLoad
 from embshard.show import draw_table, plot_loads
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ROOT / "configs" / "small.yaml"
+
+
+def plan_file(tmp_path: Path) -> Path:
+    """All of small.yaml's tables on rank 0, a table a line."""
+    path = tmp_path / "plan.yaml"
+    names = [t["name"] for t in yaml.safe_load(SMALL.read_text())["tables"]]
+    path.write_text("tables:\n" + "".join(f"  {n}: {{type: table_wise, rank: 0}}\n" for n in names))
+    return path
+
+
+def broken_yaml(path: Path, text: str, line: int) -> Path:
+    """``text`` with an unclosed flow mapping at ``line`` (1-based)."""
+    lines = text.splitlines()
+    lines[line - 1] = lines[line - 1].replace("}", "")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_yaml_syntax_errors_name_the_file_and_line(tmp_path):
+    text = SMALL.read_text()
+    line = 1 + text.splitlines().index(next(s for s in text.splitlines() if "name: user" in s))
+    config = broken_yaml(tmp_path / "config.yaml", text, line)
+    result = CliRunner().invoke(cli, ["plan", str(config), "-w", "2"])
+    assert result.exit_code == 1
+    assert result.output.startswith(f"Error: {config}:{line + 1}:"), result.output
+    assert "invalid YAML" in result.output and "<unicode string>" not in result.output
+
+    plan = broken_yaml(tmp_path / "bad_plan.yaml", plan_file(tmp_path).read_text(), 2)
+    result = CliRunner().invoke(cli, ["show", str(plan), "--config", str(SMALL)])
+    assert result.exit_code == 1
+    assert result.output.startswith(f"Error: {plan}:3:"), result.output
+    assert "<unicode string>" not in result.output
 
 
 def bar(sizes: list[int], width: int) -> str:
