@@ -27,12 +27,11 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
+# torch is imported inside the functions, so that `embshard bench --help` is quick.
+if TYPE_CHECKING:
+    import torch
 
 CRITEO_KAGGLE_ROWS = [
     1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
@@ -80,6 +79,7 @@ def make_plan(name: str, configs, world: int):
 
 
 def make_inputs(workload: str, rank: int, steps: int):
+    import torch
     from torchrec import KeyedJaggedTensor
 
     spec = WORKLOADS[workload]
@@ -99,6 +99,7 @@ def make_inputs(workload: str, rank: int, steps: int):
 
 
 def build_torchrec(configs, plan, world: int):
+    import torch
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
     from torchrec import EmbeddingBagCollection
@@ -136,6 +137,8 @@ def build_torchrec(configs, plan, world: int):
 
 def copy_weights(ours, theirs) -> None:
     """TorchRec's local shards take embshard's values, matched by global offsets."""
+    import torch
+
     state = theirs.state_dict()
     for name, weight in ours.weights.items():
         local = weight.to_local()
@@ -164,6 +167,8 @@ def pooled(model, batch) -> torch.Tensor:
 
 def difference(ours, theirs, batch) -> float:
     """Largest difference of the two outputs, key by key (TorchRec orders keys its own way)."""
+    import torch
+
     with torch.no_grad():
         mine, other = pooled_keyed(ours, batch).to_dict(), pooled_keyed(theirs, batch).to_dict()
     return max((mine[k] - other[k]).abs().max().item() for k in mine)
@@ -187,6 +192,9 @@ class CollectiveBytes:
         self.originals: dict[str, Callable] = {}
 
     def __enter__(self) -> CollectiveBytes:
+        import torch
+        import torch.distributed as dist
+
         for name in self.NAMES:
             original = getattr(dist, name)
             self.originals[name] = original
@@ -205,12 +213,16 @@ class CollectiveBytes:
         return self
 
     def __exit__(self, *exc) -> None:
+        import torch.distributed as dist
+
         for name, original in self.originals.items():
             setattr(dist, name, original)
 
 
 def per_step_comm(model, batch) -> tuple[int, int]:
     """(backend collectives, bytes sent by this rank) of one training step."""
+    from torch.profiler import ProfilerActivity, profile
+
     with CollectiveBytes() as counter, profile(activities=[ProfilerActivity.CPU]) as prof:
         pooled(model, batch).sum().backward()
     return sum(e.name.startswith("gloo:") for e in prof.events()), counter.bytes
@@ -220,6 +232,8 @@ def bare_tbe_time(ours, batch, repeats: int) -> tuple[float, float]:
     """The rank's own lookups, backward and update in a fresh TBE with the same
     weights, on the indices its TBE received for ``batch``; and the forward's achieved
     gather bandwidth."""
+    import torch
+
     from embshard.lookup import SGD, build_tbe
 
     captured = {}
@@ -259,6 +273,9 @@ def bare_tbe_time(ours, batch, repeats: int) -> tuple[float, float]:
 
 def slowest(values: list[float]) -> list[float]:
     """Per step, the largest value over ranks."""
+    import torch
+    import torch.distributed as dist
+
     tensor = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor.tolist()
@@ -270,6 +287,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def bench_case(workload: str, plan_name: str, steps: int, warmup: int) -> dict:
+    import torch.distributed as dist
+
     import embshard
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -323,6 +342,9 @@ def bench_case(workload: str, plan_name: str, steps: int, warmup: int) -> dict:
 
 
 def worker(rank: int, world: int, store: str, args: argparse.Namespace, results) -> None:
+    import torch
+    import torch.distributed as dist
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))  # fmt: skip
@@ -346,6 +368,9 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, results)
 
 def gather_bandwidth(rows: int = 1 << 22, dim: int = 64, ids: int = 8 * 1024 * 20) -> float:
     """Bytes/s of summing random rows of a 1 GiB table (bigger than the caches), one thread."""
+    import torch
+    import torch.nn.functional as F
+
     torch.set_num_threads(1)
     table = torch.randn(rows, dim)
     index = torch.randint(0, rows, (ids,))
@@ -413,6 +438,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", default="bench.json", help="results file")
     parser.add_argument("--png", default=None, help="plot of samples/s per plan")
     args = parser.parse_args(argv)
+
+    import torch.multiprocessing as mp
+
     limit = gather_bandwidth()
     print(f"machine: random-row gather bandwidth {limit / 1e9:.2f} GB/s (one thread)", flush=True)
     records = []

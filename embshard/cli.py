@@ -1,12 +1,14 @@
-"""The ``embshard`` command line."""
+"""The ``embshard`` command line.
+
+Commands import torch, TorchRec and matplotlib only when they run, so that ``--help``
+is quick.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import click
-
-from embshard.config import ConfigError, load_config
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -32,6 +34,8 @@ def train(config: str, nproc: int, resume: bool, max_restarts: int) -> None:
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
+
+    from embshard.config import ConfigError, load_config
 
     try:
         load_config(config)  # fail here, before any process starts
@@ -138,6 +142,7 @@ def plan(
 
     import yaml
 
+    from embshard.config import ConfigError, load_config
     from embshard.planner import PlanningError, plan_config
 
     try:
@@ -169,10 +174,10 @@ def plan(
 @click.option("--width", default=60, show_default=True, help="Characters per bar.")
 def show(plan_file: str, config: str, world_size: int | None, png: str | None, width: int) -> None:
     """Draw how PLAN_FILE lays out each table of CONFIG: which rank holds which rows
-    and columns (a symbol per rank: 0-9, a-z, A-Z)."""
+    and columns (a symbol per rank: 0-9, a-z, A-Z, repeating past 62 ranks)."""
     import yaml
 
-    from embshard.config import read_yaml
+    from embshard.config import ConfigError, load_config, read_yaml
     from embshard.plan import PlanError, ShardingPlan
     from embshard.planner import plan_loads, topology_for
     from embshard.show import draw_plan, plot_loads, summary

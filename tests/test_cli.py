@@ -4,6 +4,8 @@ line before any work, and plan pictures that fit any world size and scale."""
 from __future__ import annotations
 
 import string
+import subprocess
+import sys
 from itertools import groupby
 from pathlib import Path
 
@@ -19,6 +21,24 @@ from embshard.show import draw_table, plot_loads
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ROOT / "configs" / "small.yaml"
+HEAVY = ("torch", "torchrec", "fbgemm_gpu", "matplotlib")
+
+
+def test_help_imports_no_heavy_library():
+    commands = [[], ["plan"], ["show"], ["train"], ["bench"], ["ckpt"], ["ckpt", "export"]]
+    script = (
+        "import sys\n"
+        "from click.testing import CliRunner\n"
+        "from embshard.cli import main\n"
+        f"for command in {commands!r}:\n"
+        "    result = CliRunner().invoke(main, [*command, '--help'])\n"
+        "    assert result.exit_code == 0 and 'usage' in result.output.lower(), result.output\n"
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]"
 
 
 def plan_file(tmp_path: Path) -> Path:
