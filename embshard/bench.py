@@ -1,7 +1,7 @@
 """Benchmark embshard against TorchRec's DistributedModelParallel, side by side.
 
-    .venv/bin/python tools/bench.py --world-sizes 2 4 --workloads a b c --json bench.json
-    .venv/bin/embshard bench --world-sizes 2 --workloads a      (the same)
+    embshard bench --world-sizes 2 4 --workloads a b c --json bench.json
+    (or .venv/bin/python tools/bench.py with the same options)
 
 For each world size it starts W gloo processes (one thread each). For every workload
 and plan, both libraries get the same tables, the same weights (TorchRec's local shards
@@ -424,19 +424,58 @@ def plot(records: list[dict], path: str) -> None:
     figure.savefig(path, dpi=100)
 
 
-def main(argv: list[str] | None = None) -> None:
+def _output(*suffixes: str) -> Callable[[str], str]:
+    """An argparse type: a file to write, checked before the benchmark starts."""
+    from embshard.cli import output_problem
+
+    def check(path: str) -> str:
+        problem = output_problem(path, suffixes)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return path
+
+    return check
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    """Run the benchmark; ``prog`` names the command in the usage (default: the script)."""
+    from embshard.cli import PLOT_SUFFIXES
+
     parser = argparse.ArgumentParser(
-        prog="embshard bench",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
-    parser.add_argument("--plans", nargs="+", default=PLANS, choices=PLANS)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--json", default="bench.json", help="results file")
-    parser.add_argument("--png", default=None, help="plot of samples/s per plan")
+    parser.add_argument(
+        "--world-sizes",
+        type=int,
+        nargs="+",
+        default=[2, 4],
+        help="ranks of each run (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--workloads",
+        nargs="+",
+        default=list(WORKLOADS),
+        choices=list(WORKLOADS),
+        help="a: 8 tables of 100k x 64, ~20 ids a bag; b: 64 of 10k x 32, ~5 ids; "
+        "c: Criteo Kaggle's 26 (rows up to 1M) x 64, 1 id (default: all)",
+    )
+    parser.add_argument(
+        "--plans",
+        nargs="+",
+        default=PLANS,
+        choices=PLANS,
+        help="every table sharded one way, or mixed: the three in turn (default: all)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=20, help="timed training steps (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=5, help="untimed steps before them (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--json", type=_output(), default="bench.json", help="results file (default: %(default)s)"
+    )
+    parser.add_argument("--png", type=_output(*PLOT_SUFFIXES), help="plot of samples/s per plan")
     args = parser.parse_args(argv)
 
     import torch.multiprocessing as mp

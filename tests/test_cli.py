@@ -41,12 +41,57 @@ def test_help_imports_no_heavy_library():
     assert out.stdout.strip() == "[]"
 
 
+def test_bench_help_names_the_command():
+    result = CliRunner().invoke(cli, ["bench", "--help"], prog_name="embshard")
+    assert result.exit_code == 0
+    assert result.output.startswith("usage: embshard bench ")
+    script = subprocess.run(
+        [sys.executable, "tools/bench.py", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert script.stdout.startswith("usage: tools/bench.py ")
+
+
 def plan_file(tmp_path: Path) -> Path:
     """All of small.yaml's tables on rank 0, a table a line."""
     path = tmp_path / "plan.yaml"
     names = [t["name"] for t in yaml.safe_load(SMALL.read_text())["tables"]]
     path.write_text("tables:\n" + "".join(f"  {n}: {{type: table_wise, rank: 0}}\n" for n in names))
     return path
+
+
+@pytest.mark.parametrize(
+    ("command", "out", "message"),
+    [
+        (lambda t: ["plan", str(SMALL), "-w", "2", "--out"], "no/plan.yaml", "does not exist"),
+        (
+            lambda t: ["show", str(plan_file(t)), "--config", str(SMALL), "--png"],
+            "no/x.png",
+            "does not exist",
+        ),
+        (
+            lambda t: ["show", str(plan_file(t)), "--config", str(SMALL), "--png"],
+            "x.txt",
+            "cannot write .txt files; supported: .png",
+        ),
+        # Any directory will do: OUT is checked while the arguments are read.
+        (lambda t: ["ckpt", "export", str(t)], "no/x.pt", "does not exist"),
+        (lambda t: ["bench", "--json"], "no/b.json", "does not exist"),
+        (lambda t: ["bench", "--png"], "b.txt", "cannot write .txt files; supported: .png"),
+    ],
+    ids=["plan", "show-dir", "show-format", "ckpt-export", "bench-dir", "bench-format"],
+)
+def test_unwritable_outputs_fail_before_the_work(tmp_path, command, out, message):
+    path = tmp_path / out
+    result = CliRunner().invoke(cli, [*command(tmp_path), str(path)])
+    assert result.exit_code != 0 and isinstance(result.exception, SystemExit), result.output
+    error = result.output.strip().splitlines()[-1]
+    assert str(path) in error and message in error
+    assert "Traceback" not in result.output and "most memory" not in result.output
+    assert not path.exists()
 
 
 def broken_yaml(path: Path, text: str, line: int) -> Path:
