@@ -1,53 +1,60 @@
-"""embshard: shard the embedding tables of TorchRec models across torch.distributed ranks."""
+"""embshard: shard the embedding tables of TorchRec models across torch.distributed ranks.
 
-from embshard.inputs import InputError
-from embshard.lookup import SGD, Adagrad, FusedOptimizer, RowWiseAdagrad
-from embshard.model import shard_model
-from embshard.module import ShardedEmbeddingBagCollection, shard
-from embshard.plan import (
-    ColumnWise,
-    PlanError,
-    RowWise,
-    ShardedTable,
-    ShardingPlan,
-    TableShard,
-    TableSpec,
-    TableWise,
-    column_wise,
-    row_wise,
-    table_wise,
-)
-from embshard.planner import PlanningError, PlanReport, TableConstraint, Topology, plan_tables
-from embshard.shards import LocalShardsWrapper, gather_table
-from embshard.torchrec_plan import from_torchrec_plan, to_torchrec_plan
+The public names load on first use (PEP 562), so that the ``embshard`` command and its
+``--help`` start without importing torch and TorchRec.
+"""
 
-__all__ = [
-    "SGD",
-    "Adagrad",
-    "ColumnWise",
-    "FusedOptimizer",
-    "InputError",
-    "LocalShardsWrapper",
-    "PlanError",
-    "PlanReport",
-    "PlanningError",
-    "RowWise",
-    "RowWiseAdagrad",
-    "ShardedEmbeddingBagCollection",
-    "ShardedTable",
-    "ShardingPlan",
-    "TableConstraint",
-    "TableShard",
-    "TableSpec",
-    "TableWise",
-    "Topology",
-    "column_wise",
-    "from_torchrec_plan",
-    "gather_table",
-    "plan_tables",
-    "row_wise",
-    "shard",
-    "shard_model",
-    "table_wise",
-    "to_torchrec_plan",
-]
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import Any
+
+_MODULES = {
+    "embshard.inputs": ["InputError"],
+    "embshard.lookup": ["SGD", "Adagrad", "FusedOptimizer", "RowWiseAdagrad"],
+    "embshard.model": ["shard_model"],
+    "embshard.module": ["ShardedEmbeddingBagCollection", "shard"],
+    "embshard.plan": [
+        "ColumnWise",
+        "PlanError",
+        "RowWise",
+        "ShardedTable",
+        "ShardingPlan",
+        "TableShard",
+        "TableSpec",
+        "TableWise",
+        "column_wise",
+        "row_wise",
+        "table_wise",
+    ],
+    "embshard.pipeline": ["TrainPipeline", "prefetch"],
+    "embshard.planner": [
+        "PlanReport",
+        "PlanningError",
+        "TableConstraint",
+        "Topology",
+        "plan_tables",
+    ],
+    "embshard.shards": ["LocalShardsWrapper", "gather_table"],
+    "embshard.torchrec_plan": ["from_torchrec_plan", "to_torchrec_plan"],
+}
+_HOME = {name: module for module, names in _MODULES.items() for name in names}
+
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str) -> Any:
+    """A public name, or a submodule (``embshard.model``), imported on first use."""
+    if name in _HOME:
+        value = getattr(importlib.import_module(_HOME[name]), name)
+    elif importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

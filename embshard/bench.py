@@ -1,7 +1,7 @@
 """Benchmark embshard against TorchRec's DistributedModelParallel, side by side.
 
-    .venv/bin/python tools/bench.py --world-sizes 2 4 --workloads a b c --json bench.json
-    .venv/bin/embshard bench --world-sizes 2 --workloads a      (the same)
+    embshard bench --world-sizes 2 4 --workloads a b c --json bench.json
+    (or .venv/bin/python tools/bench.py with the same options)
 
 For each world size it starts W gloo processes (one thread each). For every workload
 and plan, both libraries get the same tables, the same weights (TorchRec's local shards
@@ -27,12 +27,11 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
+# torch is imported inside the functions, so that `embshard bench --help` is quick.
+if TYPE_CHECKING:
+    import torch
 
 CRITEO_KAGGLE_ROWS = [
     1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
@@ -80,6 +79,7 @@ def make_plan(name: str, configs, world: int):
 
 
 def make_inputs(workload: str, rank: int, steps: int):
+    import torch
     from torchrec import KeyedJaggedTensor
 
     spec = WORKLOADS[workload]
@@ -99,6 +99,7 @@ def make_inputs(workload: str, rank: int, steps: int):
 
 
 def build_torchrec(configs, plan, world: int):
+    import torch
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
     from torchrec import EmbeddingBagCollection
@@ -136,6 +137,8 @@ def build_torchrec(configs, plan, world: int):
 
 def copy_weights(ours, theirs) -> None:
     """TorchRec's local shards take embshard's values, matched by global offsets."""
+    import torch
+
     state = theirs.state_dict()
     for name, weight in ours.weights.items():
         local = weight.to_local()
@@ -164,6 +167,8 @@ def pooled(model, batch) -> torch.Tensor:
 
 def difference(ours, theirs, batch) -> float:
     """Largest difference of the two outputs, key by key (TorchRec orders keys its own way)."""
+    import torch
+
     with torch.no_grad():
         mine, other = pooled_keyed(ours, batch).to_dict(), pooled_keyed(theirs, batch).to_dict()
     return max((mine[k] - other[k]).abs().max().item() for k in mine)
@@ -202,6 +207,9 @@ class CollectiveBytes:
         self.originals: dict[str, Callable] = {}
 
     def __enter__(self) -> CollectiveBytes:
+        import torch
+        import torch.distributed as dist
+
         for name in self.NAMES:
             original = getattr(dist, name)
             self.originals[name] = original
@@ -220,12 +228,16 @@ class CollectiveBytes:
         return self
 
     def __exit__(self, *exc) -> None:
+        import torch.distributed as dist
+
         for name, original in self.originals.items():
             setattr(dist, name, original)
 
 
 def per_step_comm(model, batch) -> tuple[int, int]:
     """(backend collectives, bytes sent by this rank) of one training step."""
+    from torch.profiler import ProfilerActivity, profile
+
     with CollectiveBytes() as counter, profile(activities=[ProfilerActivity.CPU]) as prof:
         pooled(model, batch).sum().backward()
     return sum(e.name.startswith("gloo:") for e in prof.events()), counter.bytes
@@ -235,6 +247,8 @@ def bare_tbe_time(ours, batch, repeats: int) -> tuple[float, float]:
     """The rank's own lookups, backward and update in a fresh TBE with the same
     weights, on the indices its TBE received for ``batch``; and the forward's achieved
     gather bandwidth."""
+    import torch
+
     from embshard.lookup import SGD, build_tbe
 
     captured = {}
@@ -276,6 +290,9 @@ def bare_tbe_time(ours, batch, repeats: int) -> tuple[float, float]:
 
 def slowest(values: list[float]) -> list[float]:
     """Per step, the largest value over ranks."""
+    import torch
+    import torch.distributed as dist
+
     tensor = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor.tolist()
@@ -287,6 +304,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def bench_case(workload: str, plan_name: str, steps: int, warmup: int) -> dict:
+    import torch.distributed as dist
+
     import embshard
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -343,6 +362,9 @@ def bench_case(workload: str, plan_name: str, steps: int, warmup: int) -> dict:
 
 
 def worker(rank: int, world: int, store: str, args: argparse.Namespace, results) -> None:
+    import torch
+    import torch.distributed as dist
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))  # fmt: skip
@@ -366,6 +388,9 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, results)
 
 def gather_bandwidth(rows: int = 1 << 22, dim: int = 64, ids: int = 8 * 1024 * 20) -> float:
     """Bytes/s of summing random rows of a 1 GiB table (bigger than the caches), one thread."""
+    import torch
+    import torch.nn.functional as F
+
     torch.set_num_threads(1)
     table = torch.randn(rows, dim)
     index = torch.randint(0, rows, (ids,))
@@ -420,20 +445,62 @@ def plot(records: list[dict], path: str) -> None:
     figure.savefig(path, dpi=100)
 
 
-def main(argv: list[str] | None = None) -> None:
+def _output(*suffixes: str) -> Callable[[str], str]:
+    """An argparse type: a file to write, checked before the benchmark starts."""
+    from embshard.cli import output_problem
+
+    def check(path: str) -> str:
+        problem = output_problem(path, suffixes)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return path
+
+    return check
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    """Run the benchmark; ``prog`` names the command in the usage (default: the script)."""
+    from embshard.cli import PLOT_SUFFIXES
+
     parser = argparse.ArgumentParser(
-        prog="embshard bench",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
-    parser.add_argument("--plans", nargs="+", default=PLANS, choices=PLANS)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--json", default="bench.json", help="results file")
-    parser.add_argument("--png", default=None, help="plot of samples/s per plan")
+    parser.add_argument(
+        "--world-sizes",
+        type=int,
+        nargs="+",
+        default=[2, 4],
+        help="ranks of each run (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--workloads",
+        nargs="+",
+        default=list(WORKLOADS),
+        choices=list(WORKLOADS),
+        help="a: 8 tables of 100k x 64, ~20 ids a bag; b: 64 of 10k x 32, ~5 ids; "
+        "c: Criteo Kaggle's 26 (rows up to 1M) x 64, 1 id (default: all)",
+    )
+    parser.add_argument(
+        "--plans",
+        nargs="+",
+        default=PLANS,
+        choices=PLANS,
+        help="every table sharded one way, or mixed: the three in turn (default: all)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=20, help="timed training steps (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=5, help="untimed steps before them (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--json", type=_output(), default="bench.json", help="results file (default: %(default)s)"
+    )
+    parser.add_argument("--png", type=_output(*PLOT_SUFFIXES), help="plot of samples/s per plan")
     args = parser.parse_args(argv)
+
+    import torch.multiprocessing as mp
+
     limit = gather_bandwidth()
     print(f"machine: random-row gather bandwidth {limit / 1e9:.2f} GB/s (one thread)", flush=True)
     records = []

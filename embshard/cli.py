@@ -1,12 +1,47 @@
-"""The ``embshard`` command line."""
+"""The ``embshard`` command line.
+
+Commands import torch, TorchRec and matplotlib only when they run, so that ``--help``
+is quick.
+"""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import click
 
-from embshard.config import ConfigError, load_config
+PLOT_SUFFIXES = (".png",)
+
+
+def output_problem(path: str, suffixes: Sequence[str] = ()) -> str | None:
+    """Why a command could not write ``path``, found before it does any work; None if
+    it can."""
+    suffix, directory = Path(path).suffix, Path(path).parent
+    if suffixes and suffix.lower() not in suffixes:
+        kind = f"{suffix} files" if suffix else "files without a suffix"
+        return f"{path}: cannot write {kind}; supported: {', '.join(suffixes)}"
+    if not directory.is_dir():
+        return f"{path}: the directory {directory} does not exist"
+    if not os.access(directory, os.W_OK):
+        return f"{path}: the directory {directory} is not writable"
+    return None
+
+
+class OutputFile(click.Path):
+    """A file the command writes: ``output_problem`` checked when the arguments are read."""
+
+    def __init__(self, *suffixes: str) -> None:
+        super().__init__(dir_okay=False)
+        self.suffixes = suffixes
+
+    def convert(self, value, param, ctx):
+        path = super().convert(value, param, ctx)
+        problem = output_problem(os.fspath(path), self.suffixes)
+        if problem:
+            self.fail(problem, param, ctx)
+        return path
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -33,6 +68,8 @@ def train(config: str, nproc: int, resume: bool, max_restarts: int) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    from embshard.config import ConfigError, load_config
+
     try:
         load_config(config)  # fail here, before any process starts
     except ConfigError as e:
@@ -55,7 +92,7 @@ def bench(ctx: click.Context) -> None:
     """Benchmark embshard against TorchRec side by side (options: embshard bench --help)."""
     from embshard.bench import main as run_bench
 
-    run_bench(ctx.args)
+    run_bench(ctx.args, prog=ctx.command_path)
 
 
 @main.group()
@@ -106,7 +143,7 @@ def inspect(directory: str, as_json: bool) -> None:
 
 @ckpt.command()
 @click.argument("directory", type=click.Path(exists=True, file_okay=False))
-@click.argument("out", type=click.Path(dir_okay=False))
+@click.argument("out", type=OutputFile())
 def export(directory: str, out: str) -> None:
     """Write DIRECTORY's model as a plain unsharded state dict (torch.save) to OUT."""
     from embshard.checkpoint import CheckpointError
@@ -123,7 +160,7 @@ def export(directory: str, out: str) -> None:
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.option("--world-size", "-w", type=int, required=True, help="Ranks to plan for.")
 @click.option("--memory-per-rank", default=None, help="Like 80GiB; default: the config's topology.")
-@click.option("--out", type=click.Path(dir_okay=False), help="Write the plan (YAML) here.")
+@click.option("--out", type=OutputFile(), help="Write the plan (YAML) here.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 def plan(
     config: str, world_size: int, memory_per_rank: str | None, out: str | None, as_json: bool
@@ -138,6 +175,7 @@ def plan(
 
     import yaml
 
+    from embshard.config import ConfigError, load_config
     from embshard.planner import PlanningError, plan_config
 
     try:
@@ -165,22 +203,29 @@ def plan(
     "--config", required=True, type=click.Path(dir_okay=False), help="The model's config."
 )
 @click.option("--world-size", "-w", type=int, help="Ranks; default: as the plan implies.")
-@click.option("--png", type=click.Path(dir_okay=False), help="Also plot per-rank memory and cost.")
+@click.option("--png", type=OutputFile(*PLOT_SUFFIXES), help="Also plot per-rank memory and cost.")
 @click.option("--width", default=60, show_default=True, help="Characters per bar.")
 def show(plan_file: str, config: str, world_size: int | None, png: str | None, width: int) -> None:
     """Draw how PLAN_FILE lays out each table of CONFIG: which rank holds which rows
-    and columns (a symbol per rank: 0-9, a-z, A-Z)."""
+    and columns (a symbol per rank: 0-9, a-z, A-Z, repeating past 62 ranks)."""
+    import yaml
+
+    from embshard.config import ConfigError, load_config, read_yaml
     from embshard.plan import PlanError, ShardingPlan
     from embshard.planner import plan_loads, topology_for
     from embshard.show import draw_plan, plot_loads, summary
 
     try:
         model = load_config(config)
-        sharding = ShardingPlan.load(plan_file)
+        data = read_yaml(plan_file, "plan")  # names the file and line of a syntax error
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    try:
+        sharding = ShardingPlan.from_yaml(yaml.safe_dump(data))
         world = world_size or _implied_world_size(sharding)
         tables = sharding.resolve(model.embedding_bag_configs(), world)
-    except (ConfigError, PlanError) as e:
-        raise click.ClickException(str(e)) from None
+    except PlanError as e:
+        raise click.ClickException(f"{plan_file}: {e}") from None
     click.echo(draw_plan(tables, width))
     loads = plan_loads(
         sharding,

@@ -187,15 +187,29 @@ def _dataclass(cls: type, data: Any, where: str) -> Any:
     return cls(**{k: _parse(hints[k], v, f"{where}.{k}") for k, v in data.items()})
 
 
+def read_yaml(path: str | Path, what: str = "config") -> Any:
+    """A YAML file's data. Problems are one-line ConfigErrors naming the file, and for
+    a syntax error the line and column, since PyYAML's own name only "<unicode string>"."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read {what} {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"cannot read {what} {path}: it is not UTF-8 text") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as e:
+        mark, start = e.problem_mark, e.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        context = f" ({e.context} at line {start.line + 1})" if e.context and start else ""
+        raise ConfigError(f"{where}: invalid YAML: {e.problem}{context}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {' '.join(str(e).split())}") from None
+
+
 def load_config(path: str | Path) -> TrainConfig:
     """Read and check a training config; every problem found is a ConfigError."""
-    path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as e:
-        raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    data = read_yaml(path)
     config = _dataclass(TrainConfig, data, str(path))
     _check(config, str(path))
     return config

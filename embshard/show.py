@@ -13,17 +13,21 @@ _SYMBOLS = string.digits + string.ascii_lowercase + string.ascii_uppercase
 
 
 def _symbol(rank: int) -> str:
-    return _SYMBOLS[rank] if rank < len(_SYMBOLS) else "#"
+    """Symbols repeat every 62 ranks, so neighbouring ranks always differ."""
+    return _SYMBOLS[rank % len(_SYMBOLS)]
 
 
 def _bar(extents: Sequence[tuple[int, int]], total: int, width: int) -> str:
     """``width`` characters split by (rank, length) in order, by rounding the running
-    totals, so the bar is exact; a non-empty piece gets at least one."""
+    totals, so the bar is exact; a non-empty piece gets at least one while there are
+    enough characters for all, else the pieces stay proportional and small ones vanish."""
     ends, running = [], 0
     for _, length in extents:
         running += length
         ends.append(round(width * running / total))
     cells = [end - start for start, end in zip([0, *ends], ends)]
+    if sum(1 for _, length in extents if length) > width:
+        return "".join(_symbol(rank) * n for (rank, _), n in zip(extents, cells))
     for i, (_, length) in enumerate(extents):
         if length and not cells[i]:
             cells[i] = 1
@@ -33,7 +37,7 @@ def _bar(extents: Sequence[tuple[int, int]], total: int, width: int) -> str:
 
 def draw_table(table: ShardedTable, width: int = 60) -> list[str]:
     """One bar along the split dimension (rows, or columns for column-wise), a symbol
-    per rank (0-9, a-z, A-Z), then each shard's exact rows and columns."""
+    per rank (0-9, a-z, A-Z, repeating), then each shard's exact rows and columns."""
     by_columns = isinstance(table.spec, ColumnWise)
     kind = type(table.spec).__name__
     shards: list[TableShard] = [s for s in table.shards if s.rows and s.cols]
@@ -56,6 +60,14 @@ def draw_plan(tables: Mapping[str, ShardedTable], width: int = 60) -> str:
     return "\n".join(line for table in tables.values() for line in draw_table(table, width))
 
 
+def byte_unit(size: float) -> tuple[str, int]:
+    """The largest binary unit (B to TiB) that ``size`` reaches, and its size in bytes."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return unit, scale
+    return "B", 1
+
+
 def plot_loads(loads: Sequence[RankLoad], path: str | Path, title: str) -> None:
     """Bars of per-rank memory and estimated step cost."""
     import matplotlib
@@ -64,9 +76,10 @@ def plot_loads(loads: Sequence[RankLoad], path: str | Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     ranks = [load.rank for load in loads]
+    unit, scale = byte_unit(max(load.memory for load in loads))
     figure, (memory, cost) = plt.subplots(2, 1, figsize=(max(6, len(ranks) * 0.25), 6), sharex=True)
-    memory.bar(ranks, [load.memory / 2**30 for load in loads], color="tab:blue")
-    memory.set_ylabel("memory (GiB)")
+    memory.bar(ranks, [load.memory / scale for load in loads], color="tab:blue")
+    memory.set_ylabel(f"memory ({unit})")
     memory.set_title(title)
     cost.bar(ranks, [1e3 * load.cost for load in loads], color="tab:orange")
     cost.set_ylabel("estimated cost (ms/step)")

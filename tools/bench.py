@@ -6,4 +6,4 @@
 from embshard.bench import main
 
 if __name__ == "__main__":
-    main()
+    main(prog="tools/bench.py")

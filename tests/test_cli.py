@@ -1,0 +1,162 @@
+"""The command line's edges: quick help, bad output paths and bad YAML reported in one
+line before any work, and plan pictures that fit any world size and scale."""
+
+from __future__ import annotations
+
+import string
+import subprocess
+import sys
+from itertools import groupby
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+from embshard.cli import main as cli
+from embshard.plan import ShardingPlan, row_wise
+from embshard.planner import RankLoad
+from embshard.show import draw_table, plot_loads
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ROOT / "configs" / "small.yaml"
+HEAVY = ("torch", "torchrec", "fbgemm_gpu", "matplotlib")
+
+
+def test_help_imports_no_heavy_library():
+    commands = [[], ["plan"], ["show"], ["train"], ["bench"], ["ckpt"], ["ckpt", "export"]]
+    script = (
+        "import sys\n"
+        "from click.testing import CliRunner\n"
+        "from embshard.cli import main\n"
+        f"for command in {commands!r}:\n"
+        "    result = CliRunner().invoke(main, [*command, '--help'])\n"
+        "    assert result.exit_code == 0 and 'usage' in result.output.lower(), result.output\n"
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_bench_help_names_the_command():
+    result = CliRunner().invoke(cli, ["bench", "--help"], prog_name="embshard")
+    assert result.exit_code == 0
+    assert result.output.startswith("usage: embshard bench ")
+    script = subprocess.run(
+        [sys.executable, "tools/bench.py", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert script.stdout.startswith("usage: tools/bench.py ")
+
+
+def plan_file(tmp_path: Path) -> Path:
+    """All of small.yaml's tables on rank 0, a table a line."""
+    path = tmp_path / "plan.yaml"
+    names = [t["name"] for t in yaml.safe_load(SMALL.read_text())["tables"]]
+    path.write_text("tables:\n" + "".join(f"  {n}: {{type: table_wise, rank: 0}}\n" for n in names))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("command", "out", "message"),
+    [
+        (lambda t: ["plan", str(SMALL), "-w", "2", "--out"], "no/plan.yaml", "does not exist"),
+        (
+            lambda t: ["show", str(plan_file(t)), "--config", str(SMALL), "--png"],
+            "no/x.png",
+            "does not exist",
+        ),
+        (
+            lambda t: ["show", str(plan_file(t)), "--config", str(SMALL), "--png"],
+            "x.txt",
+            "cannot write .txt files; supported: .png",
+        ),
+        # Any directory will do: OUT is checked while the arguments are read.
+        (lambda t: ["ckpt", "export", str(t)], "no/x.pt", "does not exist"),
+        (lambda t: ["bench", "--json"], "no/b.json", "does not exist"),
+        (lambda t: ["bench", "--png"], "b.txt", "cannot write .txt files; supported: .png"),
+    ],
+    ids=["plan", "show-dir", "show-format", "ckpt-export", "bench-dir", "bench-format"],
+)
+def test_unwritable_outputs_fail_before_the_work(tmp_path, command, out, message):
+    path = tmp_path / out
+    result = CliRunner().invoke(cli, [*command(tmp_path), str(path)])
+    assert result.exit_code != 0 and isinstance(result.exception, SystemExit), result.output
+    error = result.output.strip().splitlines()[-1]
+    assert str(path) in error and message in error
+    assert "Traceback" not in result.output and "most memory" not in result.output
+    assert not path.exists()
+
+
+def broken_yaml(path: Path, text: str, line: int) -> Path:
+    """``text`` with an unclosed flow mapping at ``line`` (1-based)."""
+    lines = text.splitlines()
+    lines[line - 1] = lines[line - 1].replace("}", "")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_yaml_syntax_errors_name_the_file_and_line(tmp_path):
+    text = SMALL.read_text()
+    line = 1 + text.splitlines().index(next(s for s in text.splitlines() if "name: user" in s))
+    config = broken_yaml(tmp_path / "config.yaml", text, line)
+    result = CliRunner().invoke(cli, ["plan", str(config), "-w", "2"])
+    assert result.exit_code == 1
+    assert result.output.startswith(f"Error: {config}:{line + 1}:"), result.output
+    assert "invalid YAML" in result.output and "<unicode string>" not in result.output
+
+    plan = broken_yaml(tmp_path / "bad_plan.yaml", plan_file(tmp_path).read_text(), 2)
+    result = CliRunner().invoke(cli, ["show", str(plan), "--config", str(SMALL)])
+    assert result.exit_code == 1
+    assert result.output.startswith(f"Error: {plan}:3:"), result.output
+    assert "<unicode string>" not in result.output
+
+
+def bar(sizes: list[int], width: int) -> str:
+    """The text bar of a row-wise table split into ``sizes`` rows per rank."""
+    config = EmbeddingBagConfig(
+        name="t", num_embeddings=sum(sizes), embedding_dim=4, feature_names=["f"]
+    )
+    table = ShardingPlan({"t": row_wise(sizes)}).resolve([config], len(sizes))["t"]
+    line = draw_table(table, width)[1]
+    return line[line.index("|") + 1 : -1]
+
+
+def test_bars_scale_to_256_ranks():
+    symbols = string.digits + string.ascii_lowercase + string.ascii_uppercase
+    sizes = [1, 3] * 128  # 256 ranks; at width 1024 each row is two characters
+    runs = [(s, len(list(run))) for s, run in groupby(bar(sizes, 1024))]
+    assert runs == [(symbols[r % 62], 2 * size) for r, size in enumerate(sizes)]
+
+    # Fewer characters than ranks: rank 0 holds half the rows, so half the bar.
+    drawn = bar([255, *[1] * 255], 60)
+    assert len(drawn) == 60 and "#" not in drawn
+    assert drawn[:30] == "0" * 30 and drawn[30] != "0"
+
+
+@pytest.mark.parametrize(
+    ("memory", "unit", "scale"),
+    [
+        (512, "B", 1),
+        (3 * 2**10, "KiB", 2**10),
+        (5 * 2**20, "MiB", 2**20),
+        (7 * 2**30, "GiB", 2**30),
+    ],
+)
+def test_png_memory_axis_takes_the_plans_unit(tmp_path, monkeypatch, memory, unit, scale):
+    import matplotlib.pyplot as plt
+
+    monkeypatch.setattr(plt, "close", lambda figure: None)
+    loads = [RankLoad(0, memory // 2, 1e-3), RankLoad(1, memory, 2e-3)]
+    plot_loads(loads, tmp_path / "loads.png", "title")
+    figure = plt.gcf()
+    axes = figure.axes[0]
+    assert axes.get_ylabel() == f"memory ({unit})"
+    assert [p.get_height() for p in axes.patches] == [memory // 2 / scale, memory / scale]
+    plt.close(figure)
