@@ -176,7 +176,8 @@ def train_step(model, batch) -> float:
 
 
 class CollectiveBytes:
-    """Counts the bytes a rank hands to torch.distributed's collectives."""
+    """Counts the bytes a rank hands to torch.distributed's collectives, in all and by
+    dtype."""
 
     OUTPUT_FIRST = ("all_to_all_single", "all_to_all", "all_gather", "all_gather_into_tensor",
                     "reduce_scatter_tensor")  # fmt: skip
@@ -184,6 +185,7 @@ class CollectiveBytes:
 
     def __init__(self) -> None:
         self.bytes = 0
+        self.by_dtype: dict[torch.dtype, int] = {}
         self.originals: dict[str, Callable] = {}
 
     def __enter__(self) -> CollectiveBytes:
@@ -196,9 +198,11 @@ class CollectiveBytes:
                 sent = list(bound.signature.parameters)[1 if _name in self.OUTPUT_FIRST else 0]
                 tensors = bound.arguments[sent]
                 tensors = tensors if isinstance(tensors, list | tuple) else [tensors]
-                self.bytes += sum(
-                    t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)
-                )
+                for t in tensors:
+                    if isinstance(t, torch.Tensor):
+                        size = t.numel() * t.element_size()
+                        self.bytes += size
+                        self.by_dtype[t.dtype] = self.by_dtype.get(t.dtype, 0) + size
                 return _original(*args, **kwargs)
 
             setattr(dist, name, wrapped)
