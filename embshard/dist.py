@@ -88,11 +88,19 @@ class Scratch:
     def __init__(self) -> None:
         self._buffers: dict[str, list[torch.Tensor]] = {}
 
-    def take(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        """A contiguous tensor of ``shape`` and ``like``'s dtype and device. Not a view
-        to autograd: the caller may modify an output built in it in place."""
+    def take(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        like: torch.Tensor,
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """A contiguous tensor of ``shape`` on ``like``'s device, of ``dtype`` (default
+        ``like``'s). Not a view to autograd: the caller may modify an output built in it
+        in place."""
+        dtype = dtype or like.dtype
         if like.device.type != "cpu":
-            return like.new_empty(shape)
+            return like.new_empty(shape, dtype=dtype)
         numel = math.prod(shape)
         kept = self._buffers.setdefault(name, [])
         in_use = [_held_elsewhere(b) for b in kept]
@@ -100,16 +108,16 @@ class Scratch:
         fits = [
             b
             for b, used in zip(kept, in_use)
-            if not used and b.numel() >= numel and b.dtype == like.dtype
+            if not used and b.numel() >= numel and b.dtype == dtype
         ]
         if fits:
             buffer = fits[0]
         else:
             # Room to spare once sizes are seen to change (ids vary from step to step).
             room = numel // 4 if kept and kept[-1].numel() != numel else 0
-            buffer = like.new_empty(numel + room)
+            buffer = like.new_empty(numel + room, dtype=dtype)
             kept[:] = [*held[-1:], buffer]
-        return like.new_empty(0).set_(buffer.untyped_storage(), 0, shape)
+        return buffer.new_empty(0).set_(buffer.untyped_storage(), 0, shape)
 
 
 def _held_elsewhere(buffer: torch.Tensor) -> bool:
@@ -288,11 +296,19 @@ def _column_runs(t: torch.Tensor, start: int, step: int, move: ColumnMove) -> to
     )
 
 
+COMM_DTYPES = {
+    None: torch.float32,
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
+
+
 @dataclass(frozen=True)
 class OutputLayout:
     """What the pooled all-to-all needs besides the batch sizes, fixed at sharding:
-    every rank's pooled block width, the column moves into the output, and where
-    this rank stands."""
+    every rank's pooled block width, the column moves into the output, where this
+    rank stands, and the precision the pooled rows and their gradients travel in."""
 
     block_dims: list[int]
     moves: list[ColumnMove]
@@ -300,6 +316,29 @@ class OutputLayout:
     rank: int
     group: dist.ProcessGroup | None
     scratch: Scratch
+    comm_precision: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.comm_precision not in COMM_DTYPES:
+            raise ValueError(
+                f"comm_precision must be one of {list(COMM_DTYPES)}, got {self.comm_precision!r}"
+            )
+
+    @property
+    def comm_dtype(self) -> torch.dtype:
+        return COMM_DTYPES[self.comm_precision]
+
+    def to_wire(self, name: str, values: torch.Tensor) -> torch.Tensor:
+        """``values`` in the comm dtype: themselves, or rounded into scratch ``name``."""
+        if values.dtype == self.comm_dtype:
+            return values
+        return self.scratch.take(name, values.shape, values, self.comm_dtype).copy_(values)
+
+    def from_wire(self, name: str, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``values`` as ``dtype``: themselves, or widened into scratch ``name``."""
+        if values.dtype == dtype:
+            return values
+        return self.scratch.take(name, values.shape, values, dtype).copy_(values)
 
 
 class PooledAllToAll(torch.autograd.Function):
@@ -313,6 +352,10 @@ class PooledAllToAll(torch.autograd.Function):
     the sparse gradients are averaged over ranks as DDP averages the dense ones.
     ``anchor`` requires grad on every rank, so every rank joins the backward
     all-to-all even when it holds no shards.
+
+    Both all-to-alls carry ``layout.comm_dtype``: with fp16 or bf16, each value is
+    rounded once on the wire and back to float32 on arrival, before row-wise partials
+    are added and before the division.
     """
 
     @staticmethod
@@ -320,10 +363,9 @@ class PooledAllToAll(torch.autograd.Function):
         local_batch = batch_sizes[layout.rank]
         send_splits = [b * pooled.shape[1] for b in batch_sizes]
         recv_splits = [local_batch * d for d in layout.block_dims]
-        received = layout.scratch.take("pooled", (sum(recv_splits),), pooled)
-        dist.all_to_all_single(
-            received, pooled.contiguous().view(-1), recv_splits, send_splits, group=layout.group
-        )
+        send = layout.to_wire("pooled_send", pooled.contiguous().view(-1))
+        received = layout.scratch.take("pooled", (sum(recv_splits),), pooled, layout.comm_dtype)
+        dist.all_to_all_single(received, send, recv_splits, send_splits, group=layout.group)
         blocks = _blocks(received, recv_splits, local_batch, layout.block_dims)
         out = layout.scratch.take("out", (local_batch, layout.output_dim), pooled)
         for m in layout.moves:
@@ -341,16 +383,17 @@ class PooledAllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         (send_splits, recv_splits, local_batch, pooled_shape), layout = ctx.splits, ctx.layout
-        send = layout.scratch.take("grad_out", (sum(recv_splits),), grad)
+        send = layout.scratch.take("grad_out", (sum(recv_splits),), grad, layout.comm_dtype)
         blocks = _blocks(send, recv_splits, local_batch, layout.block_dims)
         for m in layout.moves:
             _column_runs(blocks[m.rank], m.source, m.source_step, m).copy_(
                 _column_runs(grad, m.target, m.target_step, m)
             )
-        grad_pooled = layout.scratch.take("grad_pooled", pooled_shape, grad)
+        received = layout.scratch.take("grad_pooled", pooled_shape, grad, layout.comm_dtype)
         dist.all_to_all_single(
-            grad_pooled.view(-1), send, send_splits, recv_splits, group=layout.group
+            received.view(-1), send, send_splits, recv_splits, group=layout.group
         )
+        grad_pooled = layout.from_wire("grad_pooled_fp32", received, grad.dtype)
         grad_pooled.div_(dist.get_world_size(layout.group))
         return None, grad_pooled, None, None
 

@@ -32,7 +32,10 @@ def init_bounds(config: EmbeddingBagConfig) -> tuple[float, float]:
 def init_shard(
     out: torch.Tensor, config: EmbeddingBagConfig, row_offset: int, col_offset: int, seed: int
 ) -> None:
-    """Fill ``out`` with rows ``[row_offset, +len(out))`` and its columns of the table."""
+    """Fill ``out`` with rows ``[row_offset, +len(out))`` and its columns of the table.
+
+    Values are drawn in float32 whatever ``out``'s dtype, so a float16 table holds the
+    float32 init rounded to nearest."""
     rows, cols = out.shape
     low, high = init_bounds(config)
     end = row_offset + rows
@@ -40,7 +43,7 @@ def init_shard(
         start = block * ROW_BLOCK
         block_rows = min(ROW_BLOCK, config.num_embeddings - start)
         generator = torch.Generator().manual_seed(_block_seed(seed, config.name, block))
-        values = torch.empty(block_rows, config.embedding_dim, dtype=out.dtype)
+        values = torch.empty(block_rows, config.embedding_dim, dtype=torch.float32)
         values.uniform_(low, high, generator=generator)
         lo, hi = max(start, row_offset), min(start + block_rows, end)
         out[lo - row_offset : hi - row_offset].copy_(

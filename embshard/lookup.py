@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
     BoundsCheckMode,
     EmbeddingLocation,
@@ -49,6 +49,10 @@ class Adagrad:
 
 FusedOptimizer = SGD | RowWiseAdagrad | Adagrad
 
+# The weight dtypes FBGEMM 1.8's CPU kernels run: BF16 and INT8 weights fail there
+# ("split_embedding_cpu_forward_2" not implemented for 'BFloat16').
+WEIGHT_PRECISIONS = {torch.float32: SparseType.FP32, torch.float16: SparseType.FP16}
+
 
 def _fbgemm_optimizer(optimizer: FusedOptimizer) -> dict[str, Any]:
     if isinstance(optimizer, SGD):
@@ -69,8 +73,14 @@ def build_tbe(
     optimizer: FusedOptimizer,
     device: torch.device,
     feature_table_map: Sequence[int] | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> SplitTableBatchedEmbeddingBagsCodegen:
     """One TBE holding a (rows, cols) table per local shard, SUM pooled, optimizer fused.
+
+    Weights are stored as ``dtype`` (float32 or float16); either way the rows are summed
+    in float32 into a float32 output, and the optimizer state is float32. Float16
+    updates round to nearest, never stochastically, so runs repeat (FBGEMM's CPU SGD
+    and Adagrad round the step to float16 before adding it).
 
     Its weights start at zero on CPU; callers write the real values through
     ``split_embedding_weights()``, whose tensors are views of the TBE's buffer.
@@ -88,5 +98,8 @@ def build_tbe(
         pooling_mode=PoolingMode.SUM,
         bounds_check_mode=BoundsCheckMode.NONE,
         device=device,
+        weights_precision=WEIGHT_PRECISIONS[dtype],
+        output_dtype=SparseType.FP32,
+        stochastic_rounding=False,
         **_fbgemm_optimizer(optimizer),
     )

@@ -45,6 +45,7 @@ def shard_model(
     device: torch.device | str | None = None,
     ddp_kwargs: Mapping[str, Any] | None = None,
     data_parallel_wrapper: Callable[[nn.Module], nn.Module] | None = None,
+    comm_precision: str | None = None,
 ) -> nn.Module:
     """Shard every EmbeddingBagCollection of ``model`` by ``plan`` (one plan naming the
     tables of all of them) and wrap the model in DDP, which then holds only the dense
@@ -68,6 +69,10 @@ def shard_model(
     so it sees only the dense ones) and returning the module to train, which
     ``shard_model`` returns. ``lambda m: m`` trains without a wrapper; without DDP's
     broadcast, seed the dense initialization alike on every rank.
+
+    ``comm_precision`` (``"fp16"``, ``"bf16"``; default float32) is every sharded
+    collection's all-to-all precision for pooled rows and their gradients: see
+    ``shard``.
     """
     if data_parallel_wrapper is not None and not callable(data_parallel_wrapper):
         raise TypeError(
@@ -95,7 +100,15 @@ def shard_model(
     for path, ebc in collections.items():
         own = {c.name for c in ebc.embedding_bag_configs()}
         sub_plan = ShardingPlan({n: s for n, s in plan.tables.items() if n in own})
-        _replace(model, path, shard(ebc, sub_plan, mesh=mesh, optimizer=optimizer, seed=seed))
+        sharded = shard(
+            ebc,
+            sub_plan,
+            mesh=mesh,
+            optimizer=optimizer,
+            seed=seed,
+            comm_precision=comm_precision,
+        )
+        _replace(model, path, sharded)
     _place_dense(model, device)
     if data_parallel_wrapper is not None:
         return data_parallel_wrapper(model)

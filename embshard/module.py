@@ -112,16 +112,33 @@ def _check_mesh(mesh: DeviceMesh) -> None:
         )
 
 
-def _check_configs(configs: Sequence[EmbeddingBagConfig], weighted: bool) -> None:
+_WEIGHT_DTYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16}
+
+
+def _check_configs(configs: Sequence[EmbeddingBagConfig], weighted: bool) -> torch.dtype:
+    """The tables' one weight dtype, once every config is found usable. A rank's tables
+    share one TBE, which has one weight precision: FP32 and FP16 tables go in separate
+    EmbeddingBagCollections."""
+    by_type: dict[DataType, list[str]] = {}
     for c in configs:
-        if c.data_type != DataType.FP32:
-            raise ValueError(f"table {c.name!r}: embshard stores FP32 tables, got {c.data_type}")
+        if c.data_type not in _WEIGHT_DTYPES:
+            raise ValueError(
+                f"table {c.name!r}: embshard stores FP32 or FP16 tables, got {c.data_type}"
+            )
+        by_type.setdefault(c.data_type, []).append(c.name)
         if weighted and c.pooling != PoolingType.SUM:
             raise ValueError(
                 f"table {c.name!r}: weighted features need SUM pooling, as in TorchRec"
             )
         if c.pooling not in (PoolingType.SUM, PoolingType.MEAN):
             raise ValueError(f"table {c.name!r}: pooling {c.pooling} is not SUM or MEAN")
+    if len(by_type) > 1:
+        found = "; ".join(f"{t.name}: {names}" for t, names in by_type.items())
+        raise ValueError(
+            "one EmbeddingBagCollection mixes table data types, which embshard does not "
+            f"support ({found}): put the FP16 tables in an EmbeddingBagCollection of their own"
+        )
+    return _WEIGHT_DTYPES[next(iter(by_type), DataType.FP32)]
 
 
 def _mesh_device(mesh: DeviceMesh) -> torch.device:
@@ -142,10 +159,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
         seed: int = 0,
         weights: Mapping[str, torch.Tensor] | None = None,
         is_weighted: bool = False,
+        comm_precision: str | None = None,
     ) -> None:
         super().__init__()
         _check_mesh(mesh)
-        _check_configs(configs, is_weighted)
+        dtype = _check_configs(configs, is_weighted)
         self._configs = list(configs)
         self._optimizer = optimizer
         self._tables = plan.resolve(self._configs, mesh.size())
@@ -164,6 +182,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             rank=self._rank,
             group=self._group,
             scratch=scratch,
+            comm_precision=comm_precision,
         )
         self._keys = [e.name for e in self._routes.embeddings]
         self._dims = [e.dim for e in self._routes.embeddings]
@@ -173,7 +192,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._prefetched: list[tuple[KeyedJaggedTensor, InputInFlight]] = []
         feature_table_map = [s.tbe_table for s in self._routes.slots[self._rank]]
         self._storage = allocate_storage(
-            self._tables, self._rank, optimizer, self._device, feature_table_map
+            self._tables, self._rank, optimizer, self._device, feature_table_map, dtype
         )
         self._fill(seed, weights)
         submesh = functools.partial(_submesh, mesh)
@@ -403,11 +422,18 @@ def shard(
     mesh: DeviceMesh | None = None,
     optimizer: FusedOptimizer = SGD(lr=0.01),
     seed: int = 0,
+    comm_precision: str | None = None,
 ) -> ShardedEmbeddingBagCollection:
     """Shard ``module`` by ``plan`` over ``mesh`` (default: the whole default process group).
 
     A module on ``meta`` gets the plan-independent seeded initialization; a module with
-    real weights keeps them, each rank copying only its own rows and columns.
+    real weights keeps them, each rank copying only its own rows and columns. Tables
+    keep their ``data_type``: FP32, or FP16 (half the memory; every table of the
+    module must then be FP16).
+
+    ``comm_precision`` ``"fp16"`` or ``"bf16"`` sends the pooled rows and their
+    gradients in that precision, half the bytes of the default ``None`` (``"fp32"``);
+    the output stays float32.
     """
     if not isinstance(module, EmbeddingBagCollection):
         raise TypeError(f"shard() takes a TorchRec EmbeddingBagCollection, got {type(module)}")
@@ -425,4 +451,5 @@ def shard(
         seed,
         weights=None if on_meta else {n: w.detach() for n, w in weights.items()},
         is_weighted=module.is_weighted(),
+        comm_precision=comm_precision,
     )

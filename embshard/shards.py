@@ -273,6 +273,7 @@ def _per_table(
     views: Sequence[torch.Tensor],
     offset: Callable[[ShardedTable, TableShard], tuple[int, int]],
     device: torch.device,
+    dtype: torch.dtype,
 ) -> dict[str, LocalShardsWrapper]:
     wrappers = {}
     for name, table in tables.items():
@@ -280,10 +281,14 @@ def _per_table(
         wrappers[name] = LocalShardsWrapper(
             [v for _, v in mine],
             [offset(table, s) for s, _ in mine],
-            dtype=torch.float32,
+            dtype=dtype,
             device=device,
         )
     return wrappers
+
+
+def _at_offset(table: ShardedTable, shard: TableShard) -> tuple[int, int]:
+    return shard.row_offset, shard.col_offset
 
 
 def allocate_storage(
@@ -292,23 +297,22 @@ def allocate_storage(
     optimizer: FusedOptimizer,
     device: torch.device,
     feature_table_map: Sequence[int],
+    dtype: torch.dtype = torch.float32,
 ) -> LocalStorage:
     """Allocate only this rank's non-empty shards, in one TBE, zero-filled.
 
     ``feature_table_map`` gives, for each TBE feature, the index of its shard in
-    ``local_shards(tables, rank)``.
+    ``local_shards(tables, rank)``. Weights are ``dtype``, optimizer state float32.
     """
     shards = local_shards(tables, rank)
     shapes = [(s.rows, s.cols) for _, s in shards]
-    tbe = build_tbe(shapes, optimizer, device, feature_table_map) if shards else None
+    tbe = build_tbe(shapes, optimizer, device, feature_table_map, dtype) if shards else None
     views = tbe.split_embedding_weights() if tbe is not None else []
-    weights = _per_table(tables, shards, views, lambda t, s: (s.row_offset, s.col_offset), device)
+    weights = _per_table(tables, shards, views, _at_offset, device, dtype)
     state: dict[str, tuple[LocalShardsWrapper, tuple[int, int]]] = {}
     if isinstance(optimizer, Adagrad):
         states = [st[0] for st in tbe.split_optimizer_states()] if tbe is not None else []
-        wrappers = _per_table(
-            tables, shards, states, lambda t, s: (s.row_offset, s.col_offset), device
-        )
+        wrappers = _per_table(tables, shards, states, _at_offset, device, torch.float32)
         state = {
             n: (w, (t.num_embeddings, t.embedding_dim))
             for (n, w), t in zip(wrappers.items(), tables.values())
@@ -321,7 +325,7 @@ def allocate_storage(
         def block(table: ShardedTable, s: TableShard) -> tuple[int, int]:
             return s.row_offset, column_blocks(table).index((s.col_offset, s.cols))
 
-        wrappers = _per_table(tables, shards, states, block, device)
+        wrappers = _per_table(tables, shards, states, block, device, torch.float32)
         state = {
             n: (w, (t.num_embeddings, len(column_blocks(t))))
             for (n, w), t in zip(wrappers.items(), tables.values())

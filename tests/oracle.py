@@ -8,12 +8,13 @@ local batches concatenated) next to its own sharded step, and compare.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
-from torchrec.modules.embedding_configs import PoolingType
+from torchrec.modules.embedding_configs import DataType, PoolingType
 
 import embshard
 from embshard import ColumnWise, ShardingPlan
@@ -26,6 +27,7 @@ class Table:
     dim: int
     features: tuple[str, ...]
     mean: bool = False
+    data_type: DataType = DataType.FP32
 
     def config(self) -> EmbeddingBagConfig:
         return EmbeddingBagConfig(
@@ -34,6 +36,7 @@ class Table:
             embedding_dim=self.dim,
             feature_names=list(self.features),
             pooling=PoolingType.MEAN if self.mean else PoolingType.SUM,
+            data_type=self.data_type,
         )
 
 
@@ -47,6 +50,7 @@ class Case:
     steps: int = 3
     seed: int = 0
     max_pooling: int = 4
+    comm_precision: str | None = None
 
 
 def features_of(tables) -> list[str]:
@@ -148,18 +152,51 @@ def column_blocks(case: Case) -> dict[str, list[tuple[int, int]]]:
     return blocks
 
 
+def float32_twin(module: EmbeddingBagCollection) -> EmbeddingBagCollection:
+    """``module`` itself, or for FP16 tables a float32 module holding the same values:
+    the oracle then sums and updates in float32, as FBGEMM does."""
+    configs = module.embedding_bag_configs()
+    if all(c.data_type == DataType.FP32 for c in configs):
+        return module
+    twin = EmbeddingBagCollection(
+        tables=[dataclasses.replace(c, data_type=DataType.FP32) for c in configs],
+        is_weighted=module.is_weighted(),
+    )
+    with torch.no_grad():
+        for name, bag in twin.embedding_bags.items():
+            bag.weight.copy_(module.embedding_bags[name].weight)
+    return twin
+
+
+def round_to_storage(oracle, module: EmbeddingBagCollection) -> None:
+    """The oracle's updated weights rounded to nearest in ``module``'s dtypes."""
+    with torch.no_grad():
+        for name, bag in oracle.embedding_bags.items():
+            dtype = module.embedding_bags[name].weight.dtype
+            if dtype != bag.weight.dtype:
+                bag.weight.copy_(bag.weight.to(dtype))
+
+
 def run_case(case: Case) -> dict[str, float]:
-    """Train ``case`` sharded and with the oracle; the largest differences seen."""
+    """Train ``case`` sharded and with the oracle; the largest differences seen, and the
+    largest oracle output, weight and weight update (to make them relative)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == len(case.batch_sizes)
     torch.manual_seed(case.seed)
-    oracle = EmbeddingBagCollection(
+    module = EmbeddingBagCollection(
         tables=[t.config() for t in case.tables], is_weighted=case.weighted
     )
-    sharded = embshard.shard(copy.deepcopy(oracle), case.plan, optimizer=case.optimizer)
+    sharded = embshard.shard(
+        copy.deepcopy(module),
+        case.plan,
+        optimizer=case.optimizer,
+        comm_precision=case.comm_precision,
+    )
+    oracle = float32_twin(module)
+    initial = {n: b.weight.detach().clone() for n, b in oracle.embedding_bags.items()}
     offsets = [sum(case.batch_sizes[:r]) for r in range(world + 1)]
     blocks, states = column_blocks(case), {}
-    worst = {"forward": 0.0, "weights": 0.0}
+    worst = {"forward": 0.0, "weights": 0.0, "output": 0.0}
     for step in range(case.steps):
         batches = local_batches(case, step)
         out = sharded(batches[rank])
@@ -173,7 +210,8 @@ def run_case(case: Case) -> dict[str, float]:
         assert out.length_per_key() == expected.length_per_key()
         mine = expected.values()[offsets[rank] : offsets[rank + 1]]
         assert out.values().shape == mine.shape
-        worst["forward"] = max(worst["forward"], _max_diff(out.values(), mine))
+        worst["forward"] = max(worst["forward"], max_diff(out.values(), mine))
+        worst["output"] = max(worst["output"], max_abs(mine))
         cols = mine.shape[1]
         (out.values() * upstream(case, step, len(mine), cols, rank)).sum().backward()
         loss = sum(
@@ -184,17 +222,25 @@ def run_case(case: Case) -> dict[str, float]:
         )
         (loss / world).backward()
         oracle_step(oracle, case, blocks, states)
+        round_to_storage(oracle, module)
     worst["weights"] = weight_gap(sharded, oracle)
+    final = {n: b.weight.detach() for n, b in oracle.embedding_bags.items()}
+    worst["weight"] = max(max_abs(w) for w in final.values())
+    worst["update"] = max(max_diff(final[n], initial[n]) for n in final)
     return worst
 
 
 def weight_gap(sharded, oracle) -> float:
     """The largest difference between any sharded table, gathered, and the oracle's."""
     return max(
-        _max_diff(embshard.gather_table(weight), oracle.embedding_bags[name].weight)
+        max_diff(embshard.gather_table(weight), oracle.embedding_bags[name].weight)
         for name, weight in sharded.weights.items()
     )
 
 
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach() - b.detach()).abs().max()) if a.numel() else 0.0
+
+
+def max_abs(t: torch.Tensor) -> float:
+    return max_diff(t, torch.zeros_like(t))
