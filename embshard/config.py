@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 
 from embshard.plan import PlanError, ShardingPlan
 
@@ -44,6 +44,7 @@ class TableConfig:
     embedding_dim: int
     features: list[str]
     pooling: Literal["sum", "mean"] = "sum"
+    data_type: Literal["fp32", "fp16"] = "fp32"  # fp16: half the memory
     mean_pooling: float = 1.0  # mean ids per bag, for synthetic data and the planner
     # Planner constraints: allowed sharding types, ranks its shards may use, column blocks.
     shardings: list[Literal["table_wise", "row_wise", "column_wise"]] | None = None
@@ -57,6 +58,7 @@ class TableConfig:
             embedding_dim=self.embedding_dim,
             feature_names=list(self.features),
             pooling=PoolingType.MEAN if self.pooling == "mean" else PoolingType.SUM,
+            data_type=DataType.FP16 if self.data_type == "fp16" else DataType.FP32,
         )
 
 
@@ -73,6 +75,7 @@ class DataConfig:
     path: str | None = None  # Criteo TSV for training
     eval_path: str | None = None  # Criteo TSV held out for evaluation
     skip_bad_lines: bool = False  # skip malformed Criteo lines instead of failing
+    epochs: int | None = None  # passes over the Criteo training file; None: until steps
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,7 @@ class TrainConfig:
     plan: dict[str, Any] | None = None  # a plan's "tables" mapping; None: the planner
     seed: int = 0
     timeout_s: int = 120  # process group timeout
+    comm_precision: Literal["fp32", "fp16", "bf16"] = "fp32"  # of the pooled all-to-alls
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -130,9 +134,10 @@ class TrainConfig:
         return [t.embedding_bag_config() for t in self.tables]
 
     def sharding_plan(self) -> ShardingPlan | None:
+        """The config's own plan, checked against its tables in one round."""
         if self.plan is None:
             return None
-        return ShardingPlan.from_yaml(yaml.safe_dump({"tables": self.plan}))
+        return ShardingPlan.from_dict({"tables": self.plan}, self.embedding_bag_configs())
 
 
 def _parse(kind: Any, value: Any, where: str) -> Any:
@@ -234,17 +239,16 @@ def _check(config: TrainConfig, where: str) -> None:
             f"{where}.model.dense_arch_layer_sizes: the last size must equal embedding_dim"
         )
     try:
-        plan = config.sharding_plan()
+        config.sharding_plan()
     except PlanError as e:
         raise ConfigError(f"{where}.plan: {e}") from None
-    if plan is not None:
-        missing = [n for n in names if n not in plan.tables]
-        unknown = [n for n in plan.tables if n not in names]
-        if missing or unknown:
-            raise ConfigError(
-                f"{where}.plan: tables missing from the plan: {missing}; "
-                f"plan entries for tables the model does not have: {unknown}"
-            )
+    if len({t.data_type for t in config.tables}) > 1:
+        raise ConfigError(
+            f"{where}.tables: all tables need one data_type (the model has one "
+            f"EmbeddingBagCollection), got {sorted({t.data_type for t in config.tables})}"
+        )
+    if config.data.epochs is not None and config.data.epochs < 1:
+        raise ConfigError(f"{where}.data.epochs: must be at least 1")
     if config.sparse_optimizer.type not in SPARSE_OPTIMIZERS:
         raise ConfigError(
             f"{where}.sparse_optimizer.type: FBGEMM's CPU kernels run {SPARSE_OPTIMIZERS}"

@@ -87,6 +87,7 @@ def build_data(config: TrainConfig, rank: int, world: int) -> SyntheticData | Cr
             rank,
             world,
             config.data.skip_bad_lines,
+            epochs=config.data.epochs,
         )
     dense_in = config.model.dense_in_features
     return SyntheticData(config.tables, dense_in, config.batch_size, config.seed, rank)
@@ -261,6 +262,7 @@ def _train(config: TrainConfig, resume: bool) -> dict:
         plan,
         optimizer=fused_optimizer(config.sparse_optimizer),
         seed=config.seed,
+        comm_precision=config.comm_precision,
     )
     if rank == 0:
         layout = describe_plan(plan, config, world)

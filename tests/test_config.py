@@ -54,7 +54,17 @@ def broken(change) -> dict:
         (lambda d: d["tables"][1].update(name="user"), "table names repeat"),
         (
             lambda d: d.update(plan={"user": {"type": "row_wise"}}),
-            r"tables missing from the plan: \['item', 'category', 'city', 'device'\]",
+            r"table 'item': no entry in the plan\n  table 'category': no entry",
+        ),
+        (
+            lambda d: d["tables"][1].update(data_type="fp16"),
+            r"all tables need one data_type .* got \['fp16', 'fp32'\]",
+        ),
+        (lambda d: d["tables"][0].update(data_type="int8"), "data_type: expected one of"),
+        (lambda d: d.update(comm_precision="fp8"), "comm_precision: expected one of"),
+        (
+            lambda d: d.setdefault("data", {}).update(epochs=0),
+            "config.yaml.data.epochs: must be at least 1",
         ),
         (
             lambda d: d.update(plan={"user": {"type": "row_wise", "size": [1]}}),

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -23,9 +24,7 @@ from torchrec.models.dlrm import DLRM
 
 import embshard
 from embshard import checkpoint as ckpt
-from embshard import train as train_module
 from embshard.config import load_config
-from embshard.data import CriteoData
 from embshard.planner import plan_config
 from embshard.train import describe_plan, local_loss, train
 
@@ -173,24 +172,9 @@ def uneven_config(tmp: Path, steps: int, lines: list[str], eval_lines: list[str]
 
 
 def train_passes(path: str, epochs: int) -> dict:
-    """train() on ``epochs`` passes over the Criteo file.
-
-    TODO(config): pass ``data: {epochs: N}`` once DataConfig has the key; until then
-    the reader is built here.
-    """
+    """train() on ``epochs`` passes over the Criteo file (the config's ``data.epochs``)."""
     config = load_config(path)
-    build = train_module.build_data
-
-    def reader(config, rank, world):
-        d = config.data
-        tables, batch = config.tables, config.batch_size
-        return CriteoData(d.path, d.eval_path, tables, batch, rank, world, epochs=epochs)
-
-    train_module.build_data = reader
-    try:
-        return train(config)
-    finally:
-        train_module.build_data = build
+    return train(replace(config, data=replace(config.data, epochs=epochs)))
 
 
 def step_0_eval(tmp: Path) -> dict:
