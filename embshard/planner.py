@@ -871,7 +871,8 @@ def plan_tables(
     ``mean_pooling`` the mean ids per bag by feature or table (default 1.0; see
     ``planned_tables``); ``constraints`` limit tables by name. The slowest rank is
     never above that of LPT table-wise (every table whole, costliest first on the
-    least-loaded rank), nor below the reported lower bound (``_lower_bound``).
+    least-loaded rank that may take it, where memory allows), nor below the reported
+    lower bound (``_lower_bound``).
     """
     specs = planned_tables(tables, mean_pooling)
     constraints = dict(constraints or {})
