@@ -10,23 +10,30 @@ Costs are seconds per training step on the rank that owns a shard:
 
 Every rank also pays the same base: four collectives' latency and its own batch's
 ids and pooled rows; it is reported, not balanced. Memory is weights plus the fused
-optimizer's state.
+optimizer's state, within each rank's memory less what is reserved for buffers,
+activations and (on GPU) the CUDA context.
 
 ``plan_tables`` takes TorchRec's ``EmbeddingBagConfig``s with each feature's mean
 pooling beside them (or embshard's config ``TableConfig``s, which carry their own).
-It splits a table when it is too costly or too big for one rank
-(column-wise or row-wise, whichever costs less in all, into as few pieces as needed),
-then places pieces biggest first on the least-loaded rank with room (LPT).
+Splitting a table adds traffic, so it splits only where that lowers the slowest rank.
+A greedy packing places the tables (those kept to the fewest ranks first, then the
+costliest first) each in its cheapest sharding whose pieces fit under a target cost
+and in memory on the least-loaded ranks that may take them, else in row blocks cut
+to the room ranks have. With no target that is LPT table-wise, the obvious plan;
+bisection then finds the lowest target that packs, down to the lower bound. Last,
+each split table is placed again in its cheapest sharding that fits under the
+slowest rank: whole, where it can be.
 """
 
 from __future__ import annotations
 
-import heapq
+import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+import numpy as np
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from embshard.config import TableConfig, TrainConfig
@@ -56,10 +63,12 @@ _UNITS = {
     "GB": 1e9,
     "TB": 1e12,
 }
+_KINDS = ("table_wise", "row_wise", "column_wise")
 
 
 class PlanningError(ValueError):
-    """No plan fits; the message says how much memory is missing and where."""
+    """The planner cannot plan: a bad topology or constraint, or no plan fits; the
+    message says what, and how much memory is missing where."""
 
 
 def parse_bytes(text: str | int | float) -> int:
@@ -79,9 +88,30 @@ def format_bytes(size: float) -> str:
     return f"{size:.0f} B"
 
 
+_SIZES = ("memory_per_rank", "reserved_memory")
+_TOPOLOGY_RULES = {
+    "world_size": ("a whole number of at least 1", lambda v, t: isinstance(v, int) and v >= 1),
+    "ranks_per_host": ("a whole number of at least 1", lambda v, t: isinstance(v, int) and v >= 1),
+    "memory_per_rank": ("more than 0", lambda v, t: v > 0),
+    "intra_bandwidth": ("more than 0", lambda v, t: v > 0),
+    "intra_latency": ("at least 0", lambda v, t: v >= 0),
+    "inter_bandwidth": ("more than 0", lambda v, t: v > 0),
+    "inter_latency": ("at least 0", lambda v, t: v >= 0),
+    "lookup_bandwidth": ("more than 0", lambda v, t: v > 0),
+    "reserved_memory": (
+        "at least 0 and less than memory_per_rank",
+        lambda v, t: 0 <= v < t.memory_per_rank,
+    ),
+}
+
+
 @dataclass(frozen=True)
 class Topology:
-    """The machines: ranks, their memory, and the links between them (bytes/s, s)."""
+    """The machines: ranks, their memory, and the links between them (bytes/s, s).
+
+    ``reserved_memory`` of each rank's memory is left to all-to-all buffers,
+    activations and the CUDA context; tables get the rest.
+    """
 
     world_size: int
     ranks_per_host: int
@@ -91,18 +121,53 @@ class Topology:
     inter_bandwidth: float
     inter_latency: float
     lookup_bandwidth: float
+    reserved_memory: int = 0
+
+    def __post_init__(self) -> None:
+        """Every value checked on construction, so no cost comes out negative."""
+        for name, (rule, ok) in _TOPOLOGY_RULES.items():
+            value = getattr(self, name)
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if not (number and math.isfinite(value) and ok(value, self)):
+                shown = format_bytes(value) if number and name in _SIZES else repr(value)
+                raise PlanningError(f"topology {name}: must be {rule}, got {shown}")
 
     @classmethod
     def cpu(cls, world_size: int, **overrides: Any) -> Topology:
-        """Processes on CPU hosts: gloo over loopback inside a host, 10 GbE between."""
-        base = cls(world_size, world_size, 8 * GiB, 5e9, 50e-6, 1.25e9, 100e-6, 10e9)
-        return replace(base, **overrides)
+        """Processes on CPU hosts: gloo over loopback inside a host, 10 GbE between;
+        an eighth of each rank's memory reserved."""
+        values = {
+            "ranks_per_host": world_size,
+            "memory_per_rank": 8 * GiB,
+            "intra_bandwidth": 5e9,
+            "intra_latency": 50e-6,
+            "inter_bandwidth": 1.25e9,
+            "inter_latency": 100e-6,
+            "lookup_bandwidth": 10e9,
+        } | overrides
+        values.setdefault("reserved_memory", values["memory_per_rank"] // 8)
+        return cls(world_size, **values)
 
     @classmethod
     def gpu(cls, world_size: int, **overrides: Any) -> Topology:
-        """8 x 80 GiB GPUs per host (H100-like): NVLink inside, 400 Gb/s between."""
-        base = cls(world_size, 8, 80 * GiB, 300e9, 5e-6, 50e9, 10e-6, 1e12)
-        return replace(base, **overrides)
+        """8 x 80 GiB GPUs per host (H100-like): NVLink inside, 400 Gb/s between;
+        4 GiB of each reserved (a quarter where a GPU has less than 16 GiB)."""
+        values = {
+            "ranks_per_host": 8,
+            "memory_per_rank": 80 * GiB,
+            "intra_bandwidth": 300e9,
+            "intra_latency": 5e-6,
+            "inter_bandwidth": 50e9,
+            "inter_latency": 10e-6,
+            "lookup_bandwidth": 1e12,
+        } | overrides
+        values.setdefault("reserved_memory", min(4 * GiB, values["memory_per_rank"] // 4))
+        return cls(world_size, **values)
+
+    @property
+    def usable_memory(self) -> int:
+        """What the tables and their optimizer state may use of a rank."""
+        return self.memory_per_rank - self.reserved_memory
 
     def seconds_per_byte(self) -> float:
         """All-to-all traffic spread evenly over peers: some of it leaves the host."""
@@ -196,16 +261,25 @@ class CostModel:
         return self.topology.world_size * self.batch_size * table.bags_per_sample
 
     def memory(self, rows: int, cols: int) -> int:
-        state = {"rowwise_adagrad": rows, "adagrad": rows * cols}.get(self.optimizer, 0)
-        return 4 * (rows * cols + state)
+        """Bytes of a (rows x cols) shard: fp32 weights and the optimizer's state."""
+        if self.optimizer == "rowwise_adagrad":
+            return 4 * (rows * cols + rows)
+        return 4 * rows * cols * (2 if self.optimizer == "adagrad" else 1)
 
-    def shard_cost(self, table: PlannedTable, kind: str, rows: int, cols: int) -> float:
-        """Seconds per step the owner of a (rows x cols) shard of ``table`` spends."""
+    def shard_cost(self, table: PlannedTable, kind: str, rows: float, cols: float) -> float:
+        """Seconds per step the owner of a (rows x cols) shard of ``table`` spends.
+
+        Linear in ``rows`` and ``cols``, so k pieces of a table cost ``A + B k`` in all
+        however they are cut: a row piece gets its share of the ids but every bag, a
+        column piece every id and bag."""
         share = rows / table.num_embeddings if kind == "row_wise" else 1.0
         ids, bags = self.ids(table) * share, self.bags(table)
         lookup = ids * cols * 4 * _PASSES / self.topology.lookup_bandwidth
         moved = (ids + bags) * _ID_BYTES + 2 * bags * cols * 4
         return lookup + moved * self.topology.seconds_per_byte()
+
+    def whole_cost(self, table: PlannedTable) -> float:
+        return self.shard_cost(table, "table_wise", table.num_embeddings, table.embedding_dim)
 
     def base_cost(self, tables: Sequence[PlannedTable]) -> float:
         """What every rank pays alike: 4 collectives' latency, its own ids and rows."""
@@ -249,6 +323,7 @@ class PlanReport:
         return {
             "world_size": self.topology.world_size,
             "memory_per_rank": self.topology.memory_per_rank,
+            "reserved_memory": self.topology.reserved_memory,
             "base_cost_s": self.base_cost,
             "slowest_rank_cost_s": self.slowest,
             "lower_bound_s": self.lower_bound,
@@ -273,40 +348,15 @@ class PlanReport:
             f"slowest rank {1e3 * self.slowest:.3f} ms"
             f" + base {1e3 * self.base_cost:.3f} ms per step; "
             f"lower bound {1e3 * self.lower_bound:.3f} ms; "
-            f"memory per rank {format_bytes(self.topology.memory_per_rank)}"
+            f"memory per rank {format_bytes(self.topology.memory_per_rank)}, "
+            f"{format_bytes(self.topology.reserved_memory)} reserved"
         )
         lines += [f"  {c.table}: {c.sharding} ({c.reason})" for c in self.tables]
         return "\n".join(lines)
 
 
-@dataclass(frozen=True)
-class _Piece:
-    table: str
-    index: int
-    rows: int
-    cols: int
-    cost: float
-    memory: int
-    ranks: tuple[int, ...] | None
-
-
-def _split_counts(
-    table: PlannedTable, kind: str, world: int, constraint: TableConstraint
-) -> list[int]:
-    """Piece counts worth trying: 2, 3, 4, 6, 8, 12, ... up to the ranks allowed."""
-    limit = len(constraint.ranks) if constraint.ranks else world
-    if kind == "column_wise" and constraint.column_blocks:
-        return [constraint.column_blocks]
-    counts, k = {limit}, 2
-    while k < limit:
-        counts |= {k, k + k // 2}
-        k *= 2
-    if kind == "column_wise":
-        return sorted(k for k in counts if 2 <= k <= limit and table.embedding_dim % (4 * k) == 0)
-    return sorted(k for k in counts if 2 <= k <= min(limit, table.num_embeddings))
-
-
 def _shapes(table: PlannedTable, kind: str, blocks: int) -> list[tuple[int, int]]:
+    """Even pieces (row blocks differ by a row at most), in rank order."""
     if kind == "column_wise":
         return [(table.num_embeddings, table.embedding_dim // blocks)] * blocks
     if kind == "row_wise":
@@ -315,142 +365,494 @@ def _shapes(table: PlannedTable, kind: str, blocks: int) -> list[tuple[int, int]
     return [(table.num_embeddings, table.embedding_dim)]
 
 
-@dataclass(frozen=True)
-class _Option:
-    """One way to shard a table, priced by its biggest piece (pieces differ by a row)."""
+def _biggest(table: PlannedTable, kind: str, blocks: int) -> tuple[int, int]:
+    """The shape of the biggest of ``_shapes``."""
+    if kind == "row_wise":
+        return -(-table.num_embeddings // blocks), table.embedding_dim
+    return table.num_embeddings, table.embedding_dim // blocks
 
-    table: PlannedTable
+
+def _linear(table: PlannedTable, model: CostModel, kind: str) -> tuple[float, float]:
+    """``(a, b)``: a piece with a share s of the table's rows (row_wise) or columns
+    (column_wise) costs ``a s + b``, as ``shard_cost`` is linear in both; so k pieces
+    cost ``a + b k`` in all, however unevenly cut. Table-wise is the one piece."""
+    whole = model.whole_cost(table)
+    if kind == "table_wise":
+        return whole, 0.0
+    empty = (0, table.embedding_dim) if kind == "row_wise" else (table.num_embeddings, 0)
+    b = model.shard_cost(table, kind, *empty)
+    return whole - b, b
+
+
+@dataclass(slots=True)
+class _Option:
+    """One even sharding of a table, priced by its costliest and biggest piece."""
+
     kind: str
     blocks: int
+    total: float
     piece_cost: float
     piece_memory: int
-    ranks: tuple[int, ...] | None
+    waste: int  # the memory its pieces need beyond the table whole
+
+
+@dataclass(frozen=True)
+class _Table:
+    """A table with everything the packing needs, worked out once."""
+
+    spec: PlannedTable
+    kinds: tuple[str, ...]
+    linear: dict[str, tuple[float, float]]  # by kind, see _linear
+    options: tuple[_Option, ...]  # cheapest in all first
+    allowed: np.ndarray | None  # the ranks it may use, where its constraint says
+    whole_cost: float
+    whole_memory: int
+
+
+@dataclass(slots=True)
+class _Piece:
+    rank: int
+    rows: int
+    cols: int
+    cost: float
+    memory: int
+
+
+@dataclass
+class _Packing:
+    """Every table's kind and pieces, and what each rank carries; ``unplaced`` is the
+    table that found no room, if one did not. ``slack`` is the memory all ranks have
+    free beyond what the tables not yet placed need whole: column blocks each keep
+    their rows' optimizer state, so splits that cost memory must stay within it."""
+
+    cost: np.ndarray
+    memory: np.ndarray
+    slack: int
+    layouts: dict[str, tuple[str, list[_Piece]]] = field(default_factory=dict)
+    unplaced: _Table | None = None
 
     @property
-    def total_cost(self) -> float:
-        return self.piece_cost * self.blocks
+    def slowest(self) -> float:
+        return float(self.cost.max())
 
-    def pieces(self, model: CostModel) -> tuple[_Piece, ...]:
-        return tuple(
-            _Piece(
-                self.table.name,
-                i,
-                rows,
-                cols,
-                model.shard_cost(self.table, self.kind, rows, cols),
-                model.memory(rows, cols),
-                self.ranks,
+    def add(self, table: _Table, kind: str, pieces: list[_Piece]) -> None:
+        self.layouts[table.spec.name] = (kind, pieces)
+        for p in pieces:
+            self.cost[p.rank] += p.cost
+            self.memory[p.rank] += p.memory
+        self.slack -= sum(p.memory for p in pieces) - table.whole_memory
+
+    def remove(self, table: _Table) -> None:
+        for p in self.layouts.pop(table.spec.name)[1]:
+            self.cost[p.rank] -= p.cost
+            self.memory[p.rank] -= p.memory
+            self.slack += p.memory
+        self.slack -= table.whole_memory
+
+
+def _kinds(constraint: TableConstraint) -> tuple[str, ...]:
+    if constraint.column_blocks:
+        return ("column_wise",)
+    return tuple(constraint.types or _KINDS)
+
+
+def _limit(constraint: TableConstraint, world: int) -> int:
+    return len(set(constraint.ranks)) if constraint.ranks else world
+
+
+def _split_counts(table: PlannedTable, kind: str, limit: int, constraint: TableConstraint):
+    """Piece counts worth trying: 2, 3, 4, 6, 8, 12, ... up to the ranks allowed, and 1
+    (as good as whole) where whole is not allowed."""
+    if kind == "table_wise":
+        return [1]
+    if kind == "column_wise" and constraint.column_blocks:
+        return [constraint.column_blocks]
+    counts, k = {limit}, 2
+    while k < limit:
+        counts |= {k, k + k // 2}
+        k *= 2
+    least = 2 if "table_wise" in _kinds(constraint) else 1
+    if kind == "column_wise":
+        fit = [k for k in counts | {1} if k <= limit and table.embedding_dim % (4 * k) == 0]
+    else:
+        fit = [k for k in counts | {1} if k <= min(limit, table.num_embeddings)]
+    return sorted(k for k in fit if k >= least)
+
+
+def _table(
+    table: PlannedTable, model: CostModel, constraint: TableConstraint, world: int
+) -> _Table:
+    kinds, limit = _kinds(constraint), _limit(constraint, world)
+    whole = model.memory(table.num_embeddings, table.embedding_dim)
+    linear = {kind: _linear(table, model, kind) for kind in kinds}
+    options = []
+    for kind, (a, b) in linear.items():
+        for blocks in _split_counts(table, kind, limit, constraint):
+            rows, cols = _biggest(table, kind, blocks)
+            share = (
+                rows / table.num_embeddings if kind == "row_wise" else cols / table.embedding_dim
             )
-            for i, (rows, cols) in enumerate(_shapes(self.table, self.kind, self.blocks))
+            memory = model.memory(rows, cols)
+            waste = memory * blocks - whole if kind == "column_wise" else 0
+            options.append(_Option(kind, blocks, a + b * blocks, a * share + b, memory, waste))
+    if not options:
+        raise PlanningError(f"table {table.name!r}: its constraints allow no sharding")
+    allowed = None
+    if constraint.ranks:
+        allowed = np.zeros(world, dtype=bool)
+        allowed[list(constraint.ranks)] = True
+    options.sort(key=lambda o: (o.total, o.blocks, o.kind))
+    return _Table(table, kinds, linear, tuple(options), allowed, model.whole_cost(table), whole)
+
+
+def _check_constraints(
+    constraints: Mapping[str, TableConstraint], tables: Sequence[PlannedTable], world: int
+) -> None:
+    """Every problem with the constraints, at once, each naming its table."""
+    known = {t.name: t for t in tables}
+    unknown = set(constraints) - set(known)
+    if unknown:
+        raise PlanningError(f"constraints name tables the model does not have: {sorted(unknown)}")
+    problems = []
+    for name, c in constraints.items():
+        where, dim = f"constraint on table {name!r}", known[name].embedding_dim
+        bad_types = [t for t in c.types or () if t not in _KINDS]
+        if bad_types:
+            problems.append(f"{where}: shardings {bad_types} are none of {list(_KINDS)}")
+        outside = [r for r in c.ranks or () if not (isinstance(r, int) and 0 <= r < world)]
+        if outside:
+            problems.append(
+                f"{where}: ranks {outside} are outside a world of {plural(world, 'rank')} "
+                f"(0 to {world - 1})"
+            )
+        blocks = c.column_blocks
+        if blocks is not None and (blocks < 1 or dim % (4 * blocks)):
+            problems.append(
+                f"{where}: column_blocks {blocks} does not cut embedding_dim {dim} into "
+                "widths that are multiples of 4"
+            )
+        elif blocks is not None and blocks > _limit(c, world):
+            problems.append(
+                f"{where}: column_blocks {blocks} is more than the "
+                f"{plural(_limit(c, world), 'rank')} it may use"
+            )
+        if blocks is not None and c.types and "column_wise" not in c.types:
+            problems.append(f"{where}: column_blocks needs column_wise among its shardings")
+    if problems:
+        raise PlanningError("; ".join(problems))
+
+
+def _check_memory(tables: Sequence[PlannedTable], model: CostModel) -> None:
+    topology = model.topology
+    world, usable = topology.world_size, topology.usable_memory
+    needed = sum(model.memory(t.num_embeddings, t.embedding_dim) for t in tables)
+    if needed > world * usable:
+        raise PlanningError(
+            f"the tables need {format_bytes(needed)} but {plural(world, 'rank')} of "
+            f"{format_bytes(topology.memory_per_rank)}, "
+            f"{format_bytes(topology.reserved_memory)} of each reserved, "
+            f"{'holds' if world == 1 else 'hold'} {format_bytes(world * usable)}: "
+            f"{format_bytes(needed - world * usable)} missing"
         )
 
 
-@dataclass(frozen=True)
-class _Choice:
-    kind: str
-    pieces: tuple[_Piece, ...]
-    reason: str
-
-
-def _options(table: PlannedTable, model: CostModel, constraint: TableConstraint) -> list[_Option]:
-    """Every allowed sharding of the table, fewest pieces first, cheapest in all first."""
-    allowed = constraint.types or ("table_wise", "row_wise", "column_wise")
+def _ways(
+    table: PlannedTable, model: CostModel, constraint: TableConstraint
+) -> list[tuple[float, float, int]]:
+    """``(a, b, most)`` for each way the table may be cut: over m ranks, m from 1 to
+    ``most``, its pieces cost at least ``a + b m`` in all and the busiest of those
+    ranks at least a 1/m of that. For k pieces cost ``a + b k`` in all (``_linear``,
+    ``b >= 0``), and the busiest of the m <= k ranks they are on carries at least
+    ``(a + b k) / m >= (a + b m) / m``. Row blocks: one per rank, at most one a row;
+    column blocks: at least 4 columns wide, ranks may repeat; a fixed number of
+    column blocks costs what it costs on any number of ranks up to it."""
+    limit = _limit(constraint, model.topology.world_size)
     if constraint.column_blocks:
-        allowed = ("column_wise",)
+        blocks = constraint.column_blocks
+        a, b = _linear(table, model, "column_wise")
+        return [(a + b * blocks, 0.0, min(blocks, limit))]
+    most = {
+        "table_wise": 1,
+        "row_wise": min(limit, table.num_embeddings),
+        "column_wise": min(limit, max(1, table.embedding_dim // 4)),
+    }
+    return [(*_linear(table, model, kind), most[kind]) for kind in _kinds(constraint)]
+
+
+def _lower_bound(
+    tables: Sequence[PlannedTable], constraints: Mapping[str, TableConstraint], model: CostModel
+) -> float:
+    """No plan's slowest rank costs less than this (the base apart).
+
+    A plan whose slowest rank costs S cuts every table some way (``_ways``) that puts
+    no more than S on a rank, so each table costs at least its least total at S, and
+    the ranks a set of tables is kept to carry at least the sum of those: all ranks
+    all tables, each constraint's ranks the tables whose constraints keep them there,
+    spread evenly. The least totals fall as S grows, so the S that just fails that is
+    found by bisection, upward from the cheapest the costliest table can be cut to.
+    """
     world = model.topology.world_size
-    kinds = [("table_wise", [1])] if "table_wise" in allowed else []
-    kinds += [
-        (kind, _split_counts(table, kind, world, constraint))
-        for kind in ("column_wise", "row_wise")
-        if kind in allowed
+    kept = [constraints.get(t.name, TableConstraint()) for t in tables]
+    ways = [_ways(t, model, c) for t, c in zip(tables, kept)]
+    padded = [w + [(0.0, 0.0, 0)] * (len(_KINDS) - len(w)) for w in ways]  # most 0: never
+    a, b, most = np.array(padded, dtype=float).transpose(2, 0, 1)
+    groups = [(world, np.ones(len(tables), dtype=bool))] + [
+        (len(ranks), np.array([bool(c.ranks) and set(c.ranks) <= ranks for c in kept]))
+        for ranks in {frozenset(c.ranks) for c in kept if c.ranks}
     ]
-    options = []
-    for kind, counts in kinds:
-        for blocks in counts:
-            rows, cols = _shapes(table, kind, blocks)[0]
-            options.append(
-                _Option(
-                    table,
-                    kind,
-                    blocks,
-                    model.shard_cost(table, kind, rows, cols),
-                    model.memory(rows, cols),
-                    constraint.ranks,
-                )
-            )
-    return sorted(options, key=lambda o: (o.blocks, o.total_cost))
+
+    def holds(slowest: float) -> bool:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            m = np.maximum(1, np.where(a > 0, np.ceil(a / (slowest - b) - 1e-9), 1))
+        fits = (slowest >= b) & (m <= most)
+        least = np.where(fits, a + b * m, np.inf).min(axis=1)
+        return all(least[members].sum() <= slowest * size for size, members in groups)
+
+    low = max(min((a + b * m) / m for a, b, m in w) for w in ways)
+    if low <= 0 or holds(low):
+        return low
+    high = 2 * low
+    while not holds(high):
+        low, high = high, 2 * high
+    while high > low * (1 + 1e-9):
+        middle = (low + high) / 2
+        low, high = (low, middle) if holds(middle) else (middle, high)
+    return low
 
 
-def _first_choice(options: list[_Option], target: float, model: CostModel, name: str) -> _Choice:
-    """Table-wise when it fits one rank's share of cost and memory, else the fewest
-    pieces that each do, else the most pieces allowed."""
-    if not options:
-        raise PlanningError(f"table {name!r}: its constraints allow no sharding")
-    memory = model.topology.memory_per_rank
-    for option in options:
-        if option.piece_cost <= target and option.piece_memory <= memory:
-            why = (
-                "fits one rank's share of cost and memory"
-                if option.kind == "table_wise"
-                else f"too costly or big for one rank: {plural(option.blocks, 'piece')}"
-            )
-            return _Choice(option.kind, option.pieces(model), why)
-    last = options[-1]
-    return _Choice(
-        last.kind, last.pieces(model), f"as split as allowed: {plural(last.blocks, 'piece')}"
-    )
-
-
-def _place_all(
-    choices: Mapping[str, _Choice], world: int, memory: int
-) -> tuple[list[RankLoad], dict[str, list[tuple[int, _Piece]]]]:
-    """Pieces biggest first, each on the least-loaded rank that may take it (LPT)."""
-    loads = [RankLoad(r) for r in range(world)]
-    heap = [(0.0, r) for r in range(world)]
-    placed: dict[str, list[tuple[int, _Piece]]] = {name: [] for name in choices}
-    pieces = [(c.kind, p) for c in choices.values() for p in c.pieces]
-    for kind, piece in sorted(pieces, key=lambda kp: -kp[1].cost):
-        taken = {r for r, _ in placed[piece.table]} if kind == "row_wise" else set()
-        rank = _place(heap, loads, piece, taken, memory)
-        if rank is None:
-            freest = min(loads, key=lambda load: load.memory)
-            free = memory - freest.memory
-            raise PlanningError(
-                f"table {piece.table!r}: a {kind} piece of {format_bytes(piece.memory)} "
-                f"fits on no rank: the freest (rank {freest.rank}) has {format_bytes(free)} "
-                f"free, {format_bytes(piece.memory - free)} missing"
-            )
-        load = loads[rank]
-        load.memory += piece.memory
-        load.cost += piece.cost
-        load.shards.append(piece.table if kind == "table_wise" else f"{piece.table}[{piece.index}]")
-        heapq.heappush(heap, (load.cost, rank))
-        placed[piece.table].append((rank, piece))
-    return loads, placed
+def _pieces(
+    table: _Table, model: CostModel, kind: str, ranks: Sequence[int], shapes: list
+) -> list[_Piece]:
+    """Pieces of the given shapes on the given ranks, priced by ``_linear``."""
+    a, b = table.linear[kind]
+    n, dim = table.spec.num_embeddings, table.spec.embedding_dim
+    return [
+        _Piece(
+            int(r),
+            rows,
+            cols,
+            a * (rows / n if kind == "row_wise" else cols / dim) + b,
+            model.memory(rows, cols),
+        )
+        for r, (rows, cols) in zip(ranks, shapes)
+    ]
 
 
 def _place(
-    heap: list, loads: list[RankLoad], piece: _Piece, taken: set[int], memory: int
-) -> int | None:
-    """The least-loaded rank that may take the piece and has room for it."""
-    skipped, found = [], None
-    while heap:
-        cost, rank = heapq.heappop(heap)
-        if cost != loads[rank].cost:
-            continue  # stale: the rank's load changed since
-        allowed = piece.ranks is None or rank in piece.ranks
-        if allowed and rank not in taken and loads[rank].memory + piece.memory <= memory:
-            found = rank
+    table: _Table, packing: _Packing, model: CostModel, target: float
+) -> tuple[str, list[_Piece]] | None:
+    """The table in its cheapest sharding whose pieces fit under ``target`` and in
+    memory on as many of the least-loaded ranks it may use; else row blocks cut to the
+    room the ranks have (``_rows_to_room``)."""
+    capacity = model.topology.usable_memory
+    for option in table.options:
+        if option.waste > packing.slack:
+            continue
+        ok = (packing.cost <= target - option.piece_cost) & (
+            packing.memory <= capacity - option.piece_memory
+        )
+        if table.allowed is not None:
+            ok &= table.allowed
+        if option.blocks == 1:
+            ranks = [int(np.where(ok, packing.cost, np.inf).argmin())]
+            if not ok[ranks[0]]:
+                continue
+        elif np.count_nonzero(ok) >= option.blocks:
+            least = np.argsort(np.where(ok, packing.cost, np.inf), kind="stable")
+            ranks = np.sort(least[: option.blocks])
+        else:
+            continue
+        shapes = _shapes(table.spec, option.kind, option.blocks)
+        return option.kind, _pieces(table, model, option.kind, ranks, shapes)
+    if "row_wise" in table.kinds:
+        return _rows_to_room(table, packing, model, target)
+    return None
+
+
+def _rows_to_room(
+    table: _Table, packing: _Packing, model: CostModel, target: float
+) -> tuple[str, list[_Piece]] | None:
+    """Row blocks as big as the roomiest ranks have room for, under ``target`` and in
+    memory: uneven blocks fill what even ones cannot, and a table that fits in the
+    free memory of the ranks it may use, in all, always fits so with no target."""
+    spec, capacity = table.spec, model.topology.usable_memory
+    a, b = table.linear["row_wise"]
+    room = (capacity - packing.memory) // model.memory(1, spec.embedding_dim)
+    spare = target - packing.cost - b
+    if a > 0:
+        with np.errstate(invalid="ignore"):
+            by_cost = np.floor(np.clip(spare * spec.num_embeddings / a, 0, spec.num_embeddings))
+        room = np.minimum(room, by_cost.astype(np.int64))
+    else:
+        room = np.where(spare >= 0, room, 0)
+    if table.allowed is not None:
+        room = np.where(table.allowed, room, 0)
+    order = np.argsort(-room, kind="stable")
+    filled = np.cumsum(room[order])
+    if filled[-1] < spec.num_embeddings:
+        return None
+    count = int(np.searchsorted(filled, spec.num_embeddings)) + 1
+    rows = room[order[:count]]
+    rows[-1] -= filled[count - 1] - spec.num_embeddings
+    blocks = sorted(zip(order[:count].tolist(), rows.tolist()))
+    shapes = [(n, spec.embedding_dim) for _, n in blocks]
+    return "row_wise", _pieces(table, model, "row_wise", [r for r, _ in blocks], shapes)
+
+
+def _pack(tables: Sequence[_Table], model: CostModel, target: float) -> _Packing:
+    """The tables in order, each placed by ``_place``, up to the first that finds no room."""
+    world = model.topology.world_size
+    slack = world * model.topology.usable_memory - sum(t.whole_memory for t in tables)
+    packing = _Packing(np.zeros(world), np.zeros(world, dtype=np.int64), slack)
+    for table in tables:
+        placed = _place(table, packing, model, target)
+        if placed is None:
+            packing.unplaced = table
             break
-        skipped.append((cost, rank))
-    for entry in skipped:
-        heapq.heappush(heap, entry)
-    return found
+        packing.add(table, *placed)
+    return packing
 
 
-def _lower_bound(choices: Mapping[str, _Choice], world: int) -> float:
-    costs = [p.cost for c in choices.values() for p in c.pieces]
-    return max(sum(costs) / world, max(costs))
+_TOLERANCE = 0.01  # the search stops when the target is known within 1 %
+_PROBES = 24  # and tries at most this many targets
+
+
+def _search(tables: Sequence[_Table], model: CostModel, bound: float) -> _Packing:
+    """The lowest target at which ``_pack`` succeeds, found by bisection (on a log
+    scale) between the lower bound and the packing with no target, which keeps every
+    table whole that fits a rank's memory: LPT table-wise, the obvious plan."""
+    best = _pack(tables, model, math.inf)
+    if best.unplaced is not None:
+        raise _no_room(best, model)
+    low, high = bound, best.slowest
+    for _ in range(_PROBES):
+        if high <= low * (1 + _TOLERANCE):
+            break
+        target = math.sqrt(low * high)
+        packing = _pack(tables, model, target)
+        if packing.unplaced is None:
+            best, high = packing, packing.slowest
+        else:
+            low = target
+    return best
+
+
+def _no_room(packing: _Packing, model: CostModel) -> PlanningError:
+    """Why the table that found no room found none, on the ranks it may use."""
+    table = packing.unplaced
+    start = f"table {table.spec.name!r}"
+    free = model.topology.usable_memory - packing.memory
+    ranks = np.arange(len(free)) if table.allowed is None else np.flatnonzero(table.allowed)
+    theirs = "" if table.allowed is None else f" of its ranks {ranks.tolist()}"
+    if "row_wise" in table.kinds:
+        have = int(free[ranks].sum())
+        return PlanningError(
+            f"{start} ({format_bytes(table.whole_memory)}) does not fit even in row blocks "
+            f"cut to the free memory{theirs}: {format_bytes(have)} free, "
+            f"{format_bytes(table.whole_memory - have)} missing"
+        )
+    spared = [o for o in table.options if o.waste <= packing.slack]
+    if not spared:
+        return PlanningError(
+            f"{start}: its column blocks need {format_bytes(min(o.waste for o in table.options))}"
+            " more than the table whole (each keeps its rows' optimizer state), and the "
+            f"ranks have {format_bytes(packing.slack)} to spare"
+        )
+    option = min(spared, key=lambda o: (o.piece_memory, o.blocks))
+    size = format_bytes(option.piece_memory)
+    pieces = plural(option.blocks, f"{option.kind} piece")
+    start += (
+        f" whole ({size})"
+        if option.blocks == 1
+        else f" in its smallest pieces ({pieces} of {size})"
+    )
+    roomy = int((free[ranks] >= option.piece_memory).sum())
+    if roomy:
+        return PlanningError(
+            f"{start} needs {option.blocks} ranks with room, and "
+            f"{roomy}{theirs or ' ranks'} {'has' if roomy == 1 else 'have'} it"
+        )
+    freest = int(ranks[np.argmax(free[ranks])])
+    return PlanningError(
+        f"{start} fits on no rank{theirs}: the freest (rank {freest}) has "
+        f"{format_bytes(free[freest])} free, "
+        f"{format_bytes(option.piece_memory - free[freest])} missing"
+    )
+
+
+_SAME = 1 + 1e-9  # totals this close are equal (sums in another order differ so much)
+
+
+def _unsplit(packing: _Packing, tables: Sequence[_Table], model: CostModel) -> dict[str, str]:
+    """Place each split table again (smallest first), in its cheapest sharding that
+    fits under the slowest rank given the rest, until none changes: whole where it
+    can be. Then why each table is sharded as it is."""
+    target = packing.slowest
+    split = sorted(
+        (t for t in tables if packing.layouts[t.spec.name][0] != "table_wise"),
+        key=lambda t: (t.whole_memory, t.spec.name),
+    )
+    changed = True
+    while changed:
+        changed = False
+        for table in split:
+            name = table.spec.name
+            kind, pieces = packing.layouts[name]
+            packing.remove(table)
+            placed = _place(table, packing, model, target)
+            cheaper = placed is not None and _total(placed[1]) < _total(pieces) / _SAME
+            packing.add(table, *(placed if cheaper else (kind, pieces)))
+            changed |= cheaper
+    return {t.spec.name: _why(t, packing, model) for t in tables}
+
+
+def _total(pieces: list[_Piece]) -> float:
+    return sum(p.cost for p in pieces)
+
+
+def _why(table: _Table, packing: _Packing, model: CostModel) -> str:
+    """Why the table is sharded as it is, once ``_unsplit`` found it no cheaper way."""
+    kind, pieces = packing.layouts[table.spec.name]
+    if kind == "table_wise":
+        return "whole"
+    count = plural(len(pieces), "piece")
+    capacity = model.topology.usable_memory
+    if "table_wise" not in table.kinds:
+        return f"its constraints allow no table_wise: {count}"
+    if table.whole_memory > capacity:
+        return f"too big for one rank: {count}"
+    own = np.zeros_like(packing.memory)
+    for p in pieces:
+        own[p.rank] += p.memory
+    room = packing.memory - own <= capacity - table.whole_memory
+    if table.allowed is not None:
+        room &= table.allowed
+    if not room.any():
+        return f"no rank has room for it whole: {count}"
+    return f"whole, it would slow the slowest rank: {count}"
+
+
+def _rank_loads(packing: _Packing, tables: Sequence[_Table]) -> list[RankLoad]:
+    loads = [
+        RankLoad(r, int(m), float(c)) for r, (m, c) in enumerate(zip(packing.memory, packing.cost))
+    ]
+    for table in tables:
+        kind, pieces = packing.layouts[table.spec.name]
+        for i, p in enumerate(pieces):
+            name = table.spec.name
+            loads[p.rank].shards.append(name if kind == "table_wise" else f"{name}[{i}]")
+    return loads
+
+
+def _spec(kind: str, pieces: list[_Piece], world: int):
+    if kind == "table_wise":
+        return table_wise(pieces[0].rank)
+    if kind == "column_wise":
+        return column_wise([p.rank for p in pieces], [p.cols for p in pieces])
+    sizes = [0] * world  # pieces come in rank order: row block i on the i-th rank
+    for p in pieces:
+        sizes[p.rank] = p.rows
+    return row_wise(sizes)
 
 
 def plan_tables(
@@ -459,105 +861,50 @@ def plan_tables(
     batch_size: int,
     constraints: Mapping[str, TableConstraint] | None = None,
     optimizer: str = "rowwise_adagrad",
-    max_rounds: int = 64,
     *,
     mean_pooling: Mapping[str, float] | None = None,
 ) -> tuple[ShardingPlan, PlanReport]:
-    """A plan that fits every rank's memory and keeps the slowest rank's estimated
-    step cost near the lower bound, with a report of per-rank memory and cost.
+    """A plan that fits every rank's usable memory and keeps the slowest rank's
+    estimated step cost low, with a report of per-rank memory and cost.
 
     ``tables`` are TorchRec's ``EmbeddingBagConfig``s, ``batch_size`` is per rank, and
     ``mean_pooling`` the mean ids per bag by feature or table (default 1.0; see
-    ``planned_tables``); ``constraints`` limit tables by name.
-
-    Round by round, while the slowest rank is more than 2 % above the lower bound, the
-    costliest table that can be split further on each rank above that is split, and
-    the pieces are placed again; the best placement seen wins.
+    ``planned_tables``); ``constraints`` limit tables by name. The slowest rank is
+    never above that of LPT table-wise (every table whole, costliest first on the
+    least-loaded rank that may take it, where memory allows), nor below the reported
+    lower bound (``_lower_bound``).
     """
-    tables = planned_tables(tables, mean_pooling)
+    specs = planned_tables(tables, mean_pooling)
     constraints = dict(constraints or {})
-    unknown = set(constraints) - {t.name for t in tables}
-    if unknown:
-        raise PlanningError(f"constraints name tables the model does not have: {sorted(unknown)}")
-    world, memory = topology.world_size, topology.memory_per_rank
+    world = topology.world_size
+    _check_constraints(constraints, specs, world)
     model = CostModel(topology, batch_size, optimizer)
-    needed = sum(model.memory(t.num_embeddings, t.embedding_dim) for t in tables)
-    if needed > world * memory:
-        raise PlanningError(
-            f"the tables need {format_bytes(needed)} but {plural(world, 'rank')} of "
-            f"{format_bytes(memory)} {'holds' if world == 1 else 'hold'} "
-            f"{format_bytes(world * memory)}: "
-            f"{format_bytes(needed - world * memory)} missing"
-        )
-    whole = sum(
-        model.shard_cost(t, "table_wise", t.num_embeddings, t.embedding_dim) for t in tables
+    _check_memory(specs, model)
+    free = TableConstraint()
+    prepared = sorted(  # the tables kept to the fewest ranks first, then costliest first
+        (_table(t, model, constraints.get(t.name, free), world) for t in specs),
+        key=lambda t: (
+            _limit(constraints.get(t.spec.name, free), world),
+            -t.whole_cost,
+            t.whole_memory,
+            t.spec.name,
+        ),
     )
-    options = {
-        t.name: _options(t, model, constraints.get(t.name, TableConstraint())) for t in tables
-    }
-    choices = {n: _first_choice(o, whole / world, model, n) for n, o in options.items()}
-    best = None
-    for _ in range(max_rounds):
-        loads, placed = _place_all(choices, world, memory)
-        slowest, bound = max(r.cost for r in loads), _lower_bound(choices, world)
-        if best is None or slowest < best[0]:
-            best = (slowest, dict(choices), loads, placed)
-        if slowest <= 1.02 * bound:
-            break
-        splits = dict(
-            split
-            for load in loads
-            if load.cost > 1.02 * bound
-            and (split := _split_one(load, choices, options, model)) is not None
-        )
-        if not splits:
-            break
-        choices.update(splits)
-    _, choices, loads, placed = best
-    specs = {t.name: _spec(choices[t.name].kind, placed[t.name], world) for t in tables}
+    bound = _lower_bound(specs, constraints, model)
+    packing = _search(prepared, model, bound)
+    reasons = _unsplit(packing, prepared, model)
+    layouts = packing.layouts
     report = PlanReport(
-        ranks=loads,
+        ranks=_rank_loads(packing, prepared),
         tables=[
-            TableChoice(t.name, choices[t.name].kind, len(placed[t.name]), choices[t.name].reason)
-            for t in tables
+            TableChoice(t.name, layouts[t.name][0], len(layouts[t.name][1]), reasons[t.name])
+            for t in specs
         ],
-        base_cost=model.base_cost(tables),
-        lower_bound=_lower_bound(choices, world),
+        base_cost=model.base_cost(specs),
+        lower_bound=bound,
         topology=topology,
     )
-    return ShardingPlan(specs), report
-
-
-def _split_one(
-    rank: RankLoad,
-    choices: Mapping[str, _Choice],
-    options: Mapping[str, list[_Option]],
-    model: CostModel,
-) -> tuple[str, _Choice] | None:
-    """The costliest table on ``rank`` split into the next number of pieces it allows."""
-    names = sorted(
-        {s.split("[")[0] for s in rank.shards},
-        key=lambda n: (-max(p.cost for p in choices[n].pieces), n),  # ties: by name
-    )
-    for name in names:
-        more = [o for o in options[name] if o.blocks > len(choices[name].pieces)]
-        if more:
-            why = f"split to balance the ranks: {plural(more[0].blocks, 'piece')}"
-            return name, _Choice(more[0].kind, more[0].pieces(model), why)
-    return None
-
-
-def _spec(kind: str, placed: list[tuple[int, _Piece]], world: int):
-    if kind == "table_wise":
-        return table_wise(placed[0][0])
-    ordered = sorted(placed, key=lambda rp: rp[1].index)
-    if kind == "column_wise":
-        return column_wise([r for r, _ in ordered], [p.cols for _, p in ordered])
-    # Row blocks go to their ranks in rank order, so block i is on the i-th smallest rank.
-    sizes = [0] * world
-    for rank, (_, piece) in zip(sorted(r for r, _ in ordered), ordered):
-        sizes[rank] = piece.rows
-    return row_wise(sizes)
+    return ShardingPlan({t.name: _spec(*layouts[t.name], world) for t in specs}), report
 
 
 def plan_loads(
@@ -575,7 +922,6 @@ def plan_loads(
         [_as_config(t) for t in tables], topology.world_size
     )
     loads = [RankLoad(r) for r in range(topology.world_size)]
-    kinds = {TableWise: "table_wise", RowWise: "row_wise", ColumnWise: "column_wise"}
     for table in planned_tables(tables, mean_pooling):
         sharded = resolved[table.name]
         for shard in sharded.shards:
@@ -583,9 +929,15 @@ def plan_loads(
                 continue
             load = loads[shard.rank]
             load.memory += model.memory(shard.rows, shard.cols)
-            load.cost += model.shard_cost(table, kinds[type(sharded.spec)], shard.rows, shard.cols)
+            load.cost += model.shard_cost(table, _kind(sharded), shard.rows, shard.cols)
             load.shards.append(shard_name(table.name, shard))
     return loads
+
+
+def _kind(table: ShardedTable) -> str:
+    return {TableWise: "table_wise", RowWise: "row_wise", ColumnWise: "column_wise"}[
+        type(table.spec)
+    ]
 
 
 def shard_name(name: str, shard: TableShard) -> str:
@@ -599,20 +951,13 @@ def topology_for(
     """The config's topology (its kind's defaults, then its overrides) for a world."""
     t = config.topology
     overrides = {
-        k: getattr(t, k)
-        for k in (
-            "ranks_per_host",
-            "intra_bandwidth",
-            "inter_bandwidth",
-            "intra_latency",
-            "inter_latency",
-            "lookup_bandwidth",
-        )
-        if getattr(t, k) is not None
+        f.name: getattr(t, f.name)
+        for f in fields(t)
+        if f.name != "kind" and getattr(t, f.name) is not None
     }
-    memory = memory_per_rank or t.memory_per_rank
-    if memory is not None:
-        overrides["memory_per_rank"] = parse_bytes(memory)
+    if memory_per_rank is not None:
+        overrides["memory_per_rank"] = memory_per_rank
+    overrides |= {k: parse_bytes(overrides[k]) for k in _SIZES if k in overrides}
     kind = Topology.gpu if t.kind == "gpu" else Topology.cpu
     return kind(world_size, **overrides)
 
@@ -620,7 +965,13 @@ def topology_for(
 def plan_config(
     config: TrainConfig, world_size: int, memory_per_rank: str | int | None = None
 ) -> tuple[ShardingPlan, PlanReport]:
-    """Plan a training config's tables, with its tables' constraints and optimizer."""
+    """Plan a training config's tables, with its tables' constraints and optimizer; a
+    config with its own ``plan:`` (which training uses) gets that plan, and its report."""
+    topology = topology_for(config, world_size, memory_per_rank)
+    optimizer = config.sparse_optimizer.type
+    given = config.sharding_plan()
+    if given is not None:
+        return given, _given_report(given, config, topology)
     constraints = {
         t.name: TableConstraint(
             tuple(t.shardings) if t.shardings else None,
@@ -629,6 +980,24 @@ def plan_config(
         )
         for t in config.tables
     }
-    topology = topology_for(config, world_size, memory_per_rank)
-    optimizer = config.sparse_optimizer.type
     return plan_tables(config.tables, topology, config.batch_size, constraints, optimizer)
+
+
+_GIVEN = "the config's own plan"
+
+
+def _given_report(plan: ShardingPlan, config: TrainConfig, topology: Topology) -> PlanReport:
+    """The report of a config's own plan: its loads, and the bound of any plan."""
+    model = CostModel(topology, config.batch_size, config.sparse_optimizer.type)
+    resolved = plan.resolve(config.embedding_bag_configs(), topology.world_size)
+    specs = planned_tables(config.tables)
+    return PlanReport(
+        ranks=plan_loads(plan, config.tables, topology, model.batch_size, model.optimizer),
+        tables=[
+            TableChoice(n, _kind(t), sum(1 for s in t.shards if s.rows and s.cols), _GIVEN)
+            for n, t in resolved.items()
+        ],
+        base_cost=model.base_cost(specs),
+        lower_bound=_lower_bound(specs, {}, model),
+        topology=topology,
+    )
