@@ -111,6 +111,7 @@ def inspect(directory: str, as_json: bool) -> None:
     import json
 
     from embshard.checkpoint import CheckpointError, describe
+    from embshard.plan import plural
 
     try:
         info = describe(directory)
@@ -121,12 +122,11 @@ def inspect(directory: str, as_json: bool) -> None:
         return
     size = info["bytes_on_disk"]
     shown = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.1f} KiB"
-    click.echo(
-        f"{info['path']}: step {info['step']}, saved by {info['world_size']} ranks, {shown} on disk"
-    )
-    click.echo(
-        f"dense: {info['dense_tensors']} tensors, optimizer state: {info['dense_optimizer']}"
-    )
+    world = info["world_size"]
+    saved_by = "a plain state dict" if world is None else f"saved by {plural(world, 'rank')}"
+    click.echo(f"{info['path']}: step {info['step']}, {saved_by}, {shown} on disk")
+    dense = plural(info["dense_tensors"], "tensor")
+    click.echo(f"dense: {dense}, optimizer state: {info['dense_optimizer']}")
     for name, table in info["tables"].items():
         state = table["optimizer_state_shape"]
         click.echo(
@@ -148,17 +148,20 @@ def export(directory: str, out: str) -> None:
     """Write DIRECTORY's model as a plain unsharded state dict (torch.save) to OUT."""
     from embshard.checkpoint import CheckpointError
     from embshard.checkpoint import export as export_checkpoint
+    from embshard.plan import plural
 
     try:
         keys = export_checkpoint(directory, out)
     except CheckpointError as e:
         raise click.ClickException(str(e)) from None
-    click.echo(f"wrote {len(keys)} tensors to {out}")
+    click.echo(f"wrote {plural(len(keys), 'tensor')} to {out}")
 
 
 @main.command()
 @click.argument("config", type=click.Path(dir_okay=False))
-@click.option("--world-size", "-w", type=int, required=True, help="Ranks to plan for.")
+@click.option(
+    "--world-size", "-w", type=click.IntRange(min=1), required=True, help="Ranks to plan for."
+)
 @click.option("--memory-per-rank", default=None, help="Like 80GiB; default: the config's topology.")
 @click.option("--out", type=OutputFile(), help="Write the plan (YAML) here.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
@@ -179,7 +182,8 @@ def plan(
     from embshard.planner import PlanningError, plan_config
 
     try:
-        sharding, report = plan_config(load_config(config), world_size, memory_per_rank)
+        model = load_config(config, check_files=False)  # planning reads no data
+        sharding, report = plan_config(model, world_size, memory_per_rank)
     except (ConfigError, PlanningError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     if out:
@@ -202,7 +206,9 @@ def plan(
 @click.option(
     "--config", required=True, type=click.Path(dir_okay=False), help="The model's config."
 )
-@click.option("--world-size", "-w", type=int, help="Ranks; default: as the plan implies.")
+@click.option(
+    "--world-size", "-w", type=click.IntRange(min=1), help="Ranks; default: as the plan implies."
+)
 @click.option("--png", type=OutputFile(*PLOT_SUFFIXES), help="Also plot per-rank memory and cost.")
 @click.option("--width", default=60, show_default=True, help="Characters per bar.")
 def show(plan_file: str, config: str, world_size: int | None, png: str | None, width: int) -> None:
@@ -211,12 +217,12 @@ def show(plan_file: str, config: str, world_size: int | None, png: str | None, w
     import yaml
 
     from embshard.config import ConfigError, load_config, read_yaml
-    from embshard.plan import PlanError, ShardingPlan
+    from embshard.plan import PlanError, ShardingPlan, plural
     from embshard.planner import plan_loads, topology_for
     from embshard.show import draw_plan, plot_loads, summary
 
     try:
-        model = load_config(config)
+        model = load_config(config, check_files=False)
         data = read_yaml(plan_file, "plan")  # names the file and line of a syntax error
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
@@ -236,7 +242,7 @@ def show(plan_file: str, config: str, world_size: int | None, png: str | None, w
     )
     click.echo(summary(loads))
     if png:
-        plot_loads(loads, png, f"{Path(plan_file).name} on {world} ranks")
+        plot_loads(loads, png, f"{Path(plan_file).name} on {plural(world, 'rank')}")
         click.echo(f"wrote {png}")
 
 

@@ -98,6 +98,7 @@ class TopologyConfig:
     kind: Literal["cpu", "gpu"] = "cpu"
     ranks_per_host: int | None = None
     memory_per_rank: str | None = None  # like 80GiB
+    reserved_memory: str | None = None  # per rank, for buffers; default GPU 4 GiB, CPU 1/8
     intra_bandwidth: float | None = None  # bytes/s
     inter_bandwidth: float | None = None
     intra_latency: float | None = None  # s
@@ -212,15 +213,16 @@ def read_yaml(path: str | Path, what: str = "config") -> Any:
         raise ConfigError(f"{path}: invalid YAML: {' '.join(str(e).split())}") from None
 
 
-def load_config(path: str | Path) -> TrainConfig:
-    """Read and check a training config; every problem found is a ConfigError."""
+def load_config(path: str | Path, *, check_files: bool = True) -> TrainConfig:
+    """Read and check a training config; every problem found is a ConfigError.
+    ``check_files=False`` leaves the data files alone: planning needs none."""
     data = read_yaml(path)
     config = _dataclass(TrainConfig, data, str(path))
-    _check(config, str(path))
+    _check(config, str(path), check_files)
     return config
 
 
-def _check(config: TrainConfig, where: str) -> None:
+def _check(config: TrainConfig, where: str, check_files: bool = True) -> None:
     if not config.tables:
         raise ConfigError(f"{where}.tables: a model needs at least one table")
     names = [t.name for t in config.tables]
@@ -261,7 +263,7 @@ def _check(config: TrainConfig, where: str) -> None:
         unknown = sorted({f for t in config.tables for f in t.features} - columns)
         if unknown:
             raise ConfigError(f"{where}.tables: Criteo features are cat_0..cat_25, got {unknown}")
-        for key in ("path", "eval_path"):
+        for key in ("path", "eval_path") if check_files else ():
             file = getattr(data, key)
             if file is not None and not Path(file).is_file():
                 raise ConfigError(f"{where}.data.{key}: cannot read {file}")

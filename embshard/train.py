@@ -255,7 +255,7 @@ def train(config: TrainConfig, resume: bool = False) -> dict:
 
 def _train(config: TrainConfig, resume: bool) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    plan = config.sharding_plan() or plan_config(config, world)[0]
+    plan = plan_config(config, world)[0]  # the config's own plan, or the planner's
     torch.manual_seed(config.seed)  # the dense layers' init: runs are reproducible
     model = shard_model(
         build_model(config),

@@ -402,6 +402,7 @@ def test_ckpt_inspect(world, tmp_path):
     text = CliRunner().invoke(cli, ["ckpt", "inspect", str(tmp_path)])
     assert "embedding_bags.b: (30, 16) float32, rowwise_adagrad state (30, 1)" in text.output
     assert "    rank 3: rows 20:30, cols 0:16" in text.output
+    assert ", saved by 4 ranks, " in text.output
     bad = CliRunner().invoke(cli, ["ckpt", "inspect", str(tmp_path / "step_00000002" / "..")])
     assert bad.exit_code == 0
 

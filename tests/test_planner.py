@@ -377,13 +377,21 @@ def test_topology_values_are_checked(world, overrides, message):
         Topology.cpu(world, **overrides)
 
 
+@pytest.mark.parametrize("command", ["plan", "show"])
 @pytest.mark.parametrize("world", ["0", "-3"])
-def test_plan_cli_rejects_worlds_below_one(world):
-    result = CliRunner().invoke(cli, ["plan", str(ROOT / "configs" / "small.yaml"), "-w", world])
-    assert result.exit_code == 1 and "Traceback" not in result.output
-    assert f"topology world_size: must be a whole number of at least 1, got {world}" in (
+def test_cli_rejects_worlds_below_one(command, world):
+    config = str(ROOT / "configs" / "small.yaml")
+    args = [config] if command == "plan" else [str(ROOT / "configs" / "example_plan.yaml"), config]
+    result = CliRunner().invoke(cli, [command, *args, "-w", world])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert f"Invalid value for '--world-size' / '-w': {world} is not in the range x>=1" in (
         result.output
     )
+
+
+def test_topology_rejects_worlds_below_one():
+    with pytest.raises(PlanningError, match="world_size: must be a whole number of at least 1"):
+        Topology.cpu(0)
 
 
 def test_memory_is_reserved_on_every_rank():
@@ -606,3 +614,13 @@ def test_plans_do_not_depend_on_string_hashing():
     }
     assert len(outputs) == 1
     assert "slowest rank" in outputs.pop()
+
+
+def test_planning_needs_no_data_files(tmp_path):
+    data = yaml.safe_load((ROOT / "configs" / "criteo_sample.yaml").read_text())
+    data["data"].update(path=str(tmp_path / "absent.tsv"), eval_path=None)
+    config = tmp_path / "criteo.yaml"
+    config.write_text(yaml.safe_dump(data))
+    result = CliRunner().invoke(cli, ["plan", str(config), "-w", "2"])
+    assert result.exit_code == 0, result.output
+    assert "slowest rank" in result.output
