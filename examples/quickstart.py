@@ -35,7 +35,7 @@ other_plan = embshard.ShardingPlan(
     {"user": embshard.row_wise(), "item": embshard.column_wise(ranks=[1, 0])}
 )
 other = embshard.shard(EmbeddingBagCollection(tables=tables, device="meta"), other_plan)
-step = checkpoint.load(checkpoint.latest("runs/quickstart"), other)  # reshards on load
+step = checkpoint.load("runs/quickstart", other)  # its latest checkpoint, resharded
 loss = other(batch).values().pow(2).sum()
 print(f"rank {rank} reloaded step {step} under another plan: loss {loss.item():.6f}")
 dist.destroy_process_group()
