@@ -214,20 +214,20 @@ def plan(
 def show(plan_file: str, config: str, world_size: int | None, png: str | None, width: int) -> None:
     """Draw how PLAN_FILE lays out each table of CONFIG: which rank holds which rows
     and columns (a symbol per rank: 0-9, a-z, A-Z, repeating past 62 ranks)."""
-    import yaml
-
-    from embshard.config import ConfigError, load_config, read_yaml
+    from embshard.config import ConfigError, load_config
     from embshard.plan import PlanError, ShardingPlan, plural
     from embshard.planner import plan_loads, topology_for
     from embshard.show import draw_plan, plot_loads, summary
 
     try:
         model = load_config(config, check_files=False)
-        data = read_yaml(plan_file, "plan")  # names the file and line of a syntax error
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
     try:
-        sharding = ShardingPlan.from_yaml(yaml.safe_dump(data))
+        sharding = ShardingPlan.load(plan_file)  # its errors name the file
+    except PlanError as e:
+        raise click.ClickException(str(e)) from None
+    try:
         world = world_size or _implied_world_size(sharding)
         tables = sharding.resolve(model.embedding_bag_configs(), world)
     except PlanError as e:

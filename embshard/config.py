@@ -16,7 +16,7 @@ from typing import Any, Literal
 import yaml
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 
-from embshard.plan import PlanError, ShardingPlan
+from embshard.plan import PlanError, ShardingPlan, yaml_problem
 
 SPARSE_OPTIMIZERS = ["sgd", "adagrad", "rowwise_adagrad"]
 CRITEO_DENSE = 13
@@ -204,13 +204,8 @@ def read_yaml(path: str | Path, what: str = "config") -> Any:
         raise ConfigError(f"cannot read {what} {path}: it is not UTF-8 text") from None
     try:
         return yaml.safe_load(text)
-    except yaml.MarkedYAMLError as e:
-        mark, start = e.problem_mark, e.context_mark
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        context = f" ({e.context} at line {start.line + 1})" if e.context and start else ""
-        raise ConfigError(f"{where}: invalid YAML: {e.problem}{context}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML: {' '.join(str(e).split())}") from None
+        raise ConfigError(yaml_problem(e, str(path))) from None
 
 
 def load_config(path: str | Path, *, check_files: bool = True) -> TrainConfig:

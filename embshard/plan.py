@@ -117,6 +117,17 @@ def even_row_sizes(num_embeddings: int, world_size: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+def yaml_problem(error: yaml.YAMLError, source: str) -> str:
+    """PyYAML's error in one line, at its line and column: PyYAML's own text names the
+    source "<unicode string>" and spans several lines."""
+    mark = getattr(error, "problem_mark", None)
+    if mark is None:
+        return f"{source}: invalid YAML: {' '.join(str(error).split())}"
+    start, context = getattr(error, "context_mark", None), getattr(error, "context", None)
+    during = f" ({context} at line {start.line + 1})" if context and start else ""
+    return f"{source}:{mark.line + 1}:{mark.column + 1}: invalid YAML: {error.problem}{during}"
+
+
 def plural(count: int, noun: str) -> str:
     """``1 rank``, ``2 ranks``: counts in messages."""
     return f"{count} {noun}{'' if count == 1 else 's'}"
@@ -365,7 +376,7 @@ class ShardingPlan:
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
-            raise PlanError(f"sharding plan is not valid YAML: {e}") from None
+            raise PlanError(yaml_problem(e, "sharding plan")) from None
         return cls.from_dict(data, tables, world_size)
 
     def save(self, path: str | Path) -> None:
@@ -378,8 +389,18 @@ class ShardingPlan:
         tables: Sequence[EmbeddingBagConfig] | None = None,
         world_size: int | None = None,
     ) -> ShardingPlan:
-        """A plan from a YAML file; ``tables`` and ``world_size`` as in ``from_dict``."""
-        return cls.from_yaml(Path(path).read_text(), tables, world_size)
+        """A plan from a YAML file; ``tables`` and ``world_size`` as in ``from_dict``.
+        Every problem is a PlanError naming the file."""
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+        except (OSError, UnicodeDecodeError) as e:
+            raise PlanError(f"{path}: cannot read the plan: {e}") from None
+        except yaml.YAMLError as e:
+            raise PlanError(yaml_problem(e, str(path))) from None
+        try:
+            return cls.from_dict(data, tables, world_size)
+        except PlanError as e:
+            raise PlanError(f"{path}: {e}") from None
 
 
 _SPEC_FIELDS = {"table_wise": {"rank"}, "row_wise": {"sizes"}, "column_wise": {"ranks", "widths"}}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -199,7 +201,7 @@ def test_yaml_plan_without_a_world_size_leaves_world_checks_to_resolve(tmp_path)
     (tmp_path / "plan.yaml").write_text(MIXED)
     with pytest.raises(PlanError) as err:
         ShardingPlan.load(tmp_path / "plan.yaml", TABLES)
-    text = str(err.value)
+    text = str(err.value).removeprefix(f"{tmp_path / 'plan.yaml'}: ")
     assert "table 'b': row_wise sizes [3, 3] sum to 6, not 5 rows" in text
     assert "table 'a': column_wise needs ranks" in text and "table 'y': the plan names" in text
     assert "world" not in text
@@ -254,7 +256,7 @@ def test_save_and_load_file(tmp_path):
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("tables: [", "not valid YAML"),
+        ("tables: [", "sharding plan:1:10: invalid YAML"),
         ("a: 1", "one key, 'tables'"),
         ("tables:\n  a: {type: diagonal}", "table 'a': expected a mapping with type one of"),
         ("tables:\n  a: {type: table_wise}", "table 'a': table_wise needs a rank"),
@@ -323,3 +325,18 @@ def test_from_torchrec_refuses_unknown_sharding_types():
     assert plan["a"].sharding_type == ShardingType.DATA_PARALLEL.value
     with pytest.raises(PlanError, match="table 'a': TorchRec sharding type 'data_parallel'"):
         embshard.from_torchrec_plan(plan)
+
+
+def test_plan_files_name_themselves_in_every_error(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("tables:\n  a: {type: row_wise\n  b: {type: table_wise, rank: 0}\n")
+    with pytest.raises(PlanError, match=rf"^{re.escape(str(broken))}:3:\d+: invalid YAML"):
+        ShardingPlan.load(broken)
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("tables:\n  a: {type: diagonal}\n")
+    with pytest.raises(
+        PlanError, match=rf"^{re.escape(str(wrong))}: invalid sharding plan:\n  table 'a'"
+    ):
+        ShardingPlan.load(wrong)
+    with pytest.raises(PlanError, match=r"absent\.yaml: cannot read the plan"):
+        ShardingPlan.load(tmp_path / "absent.yaml")
