@@ -202,6 +202,45 @@ def plan(
 
 
 @main.command()
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.option(
+    "--world-size", "-w", type=click.IntRange(min=1), required=True, help="Ranks to simulate."
+)
+@click.option(
+    "--plan",
+    "plan_file",
+    type=click.Path(dir_okay=False),
+    help="A plan (YAML); default: the config's, else the planner's.",
+)
+@click.option("--batches", default=8, show_default=True, help="Batches (steps) per rank.")
+@click.option(
+    "--check", is_flag=True, help="Also check a small copy's numerics against the oracle."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+def simulate(
+    config: str, world_size: int, plan_file: str | None, batches: int, check: bool, as_json: bool
+) -> None:
+    """Run CONFIG's input distribution for WORLD_SIZE ranks in this process, tables
+    unallocated: each rank's ids, lookups, all-to-all bytes and memory, the slowest rank."""
+    import json
+
+    from embshard.config import ConfigError
+    from embshard.data import CriteoFormatError
+    from embshard.plan import PlanError
+    from embshard.planner import PlanningError
+    from embshard.simulate import SimulationError
+    from embshard.simulate import simulate as run_simulation
+
+    try:
+        result = run_simulation(config, world_size, plan_file, batches, check)
+    except (ConfigError, PlanError, PlanningError, CriteoFormatError, SimulationError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(json.dumps(result.to_dict(), indent=2) if as_json else result.to_text())
+    if result.check is not None and not result.check.passed:
+        raise click.ClickException("the numerics differ from the unsharded oracle")
+
+
+@main.command()
 @click.argument("plan_file", type=click.Path(exists=True, dir_okay=False))
 @click.option(
     "--config", required=True, type=click.Path(dir_okay=False), help="The model's config."

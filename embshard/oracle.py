@@ -1,0 +1,262 @@
+"""The oracle for the sharded forward, backward and fused optimizers.
+
+Every rank builds the same unsharded TorchRec EmbeddingBagCollection and the same
+batches for all ranks, so it can run the oracle on the global batch (the ranks'
+local batches concatenated) next to its own sharded step, and compare. The tests
+use it, and so does ``embshard simulate --check``, whose ranks are threads of one
+process: so nothing here draws from torch's global random generator.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec.modules.embedding_configs import DataType, PoolingType
+
+from embshard.lookup import SGD, Adagrad
+from embshard.module import shard
+from embshard.plan import ColumnWise, ShardingPlan
+from embshard.shards import gather_table
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    rows: int
+    dim: int
+    features: tuple[str, ...]
+    mean: bool = False
+    data_type: DataType = DataType.FP32
+
+    def config(self) -> EmbeddingBagConfig:
+        return EmbeddingBagConfig(
+            name=self.name,
+            num_embeddings=self.rows,
+            embedding_dim=self.dim,
+            feature_names=list(self.features),
+            pooling=PoolingType.MEAN if self.mean else PoolingType.SUM,
+            data_type=self.data_type,
+        )
+
+
+@dataclass(frozen=True)
+class Case:
+    tables: tuple[Table, ...]
+    plan: ShardingPlan
+    batch_sizes: tuple[int, ...]
+    optimizer: object = field(default_factory=lambda: SGD(lr=0.1))
+    weighted: bool = False
+    steps: int = 3
+    seed: int = 0
+    max_pooling: int = 4
+    comm_precision: str | None = None
+
+
+def features_of(tables) -> list[str]:
+    names: list[str] = []
+    for t in tables:
+        names += [f for f in t.features if f not in names]
+    return names
+
+
+def feature_rows(tables) -> dict[str, int]:
+    return {f: min(t.rows for t in tables if f in t.features) for f in features_of(tables)}
+
+
+def local_batches(case: Case, step: int) -> list[KeyedJaggedTensor]:
+    """Every rank's batch at ``step``: random bags, some empty, ids within range."""
+    generator = torch.Generator().manual_seed(case.seed * 1000 + step)
+    names, rows = features_of(case.tables), feature_rows(case.tables)
+    batches = []
+    for batch_size in case.batch_sizes:
+        lengths, values, weights = [], [], []
+        for name in names:
+            bag = torch.randint(0, case.max_pooling + 1, (batch_size,), generator=generator)
+            ids = torch.randint(0, rows[name], (int(bag.sum()),), generator=generator)
+            lengths.append(bag)
+            values.append(ids)
+            weights.append(torch.rand(len(ids), generator=generator))
+        batches.append(
+            KeyedJaggedTensor(
+                keys=names,
+                values=torch.cat(values),
+                lengths=torch.cat(lengths),
+                weights=torch.cat(weights) if case.weighted else None,
+            )
+        )
+    return batches
+
+
+def global_batch(batches: list[KeyedJaggedTensor]) -> KeyedJaggedTensor:
+    """The ranks' batches concatenated, feature by feature."""
+    keys = batches[0].keys()
+    lengths, values, weights = [], [], []
+    for b in batches:
+        per_feature = b.lengths().view(len(keys), -1)
+        counts = per_feature.sum(1).tolist()
+        lengths.append(per_feature)
+        values.append(b.values().split(counts))
+        if b.weights_or_none() is not None:
+            weights.append(b.weights().split(counts))
+    return KeyedJaggedTensor(
+        keys=keys,
+        lengths=torch.cat(lengths, dim=1).reshape(-1),
+        values=torch.cat([v[f] for f in range(len(keys)) for v in values]),
+        weights=torch.cat([w[f] for f in range(len(keys)) for w in weights]) if weights else None,
+    )
+
+
+def upstream(case: Case, step: int, rows: int, cols: int, rank: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(case.seed * 7919 + step * 31 + rank)
+    return torch.randn(rows, cols, generator=generator)
+
+
+def oracle_step(ebc, case: Case, table_blocks, states) -> None:
+    """The fused optimizers' update on the unsharded module's gradients."""
+    opt = case.optimizer
+    with torch.no_grad():
+        for name, bag in ebc.embedding_bags.items():
+            weight, grad = bag.weight, bag.weight.grad
+            bag.weight.grad = None
+            if isinstance(opt, SGD):
+                weight -= opt.lr * grad
+                continue
+            touched = grad.abs().sum(1) > 0
+            if isinstance(opt, Adagrad):
+                states[name] = states.get(name, torch.zeros_like(weight)) + grad.pow(2)
+                step = opt.lr * grad / (states[name].sqrt() + opt.eps)
+                weight -= torch.where(touched[:, None], step, 0)
+                continue
+            # Row-wise Adagrad keeps one accumulator per row of each column block.
+            for start, width in table_blocks[name]:
+                key = (name, start)
+                g = grad[:, start : start + width]
+                states[key] = states.get(key, torch.zeros(len(g))) + torch.where(
+                    touched, g.pow(2).mean(1), 0
+                )
+                step = opt.lr * g / (states[key].sqrt() + opt.eps)[:, None]
+                weight[:, start : start + width] -= torch.where(touched[:, None], step, 0)
+
+
+def column_blocks(case: Case) -> dict[str, list[tuple[int, int]]]:
+    blocks = {}
+    for t in case.tables:
+        spec = case.plan.tables[t.name]
+        if isinstance(spec, ColumnWise):
+            widths = spec.widths or [t.dim // len(spec.ranks)] * len(spec.ranks)
+            starts = [sum(widths[:i]) for i in range(len(widths))]
+            blocks[t.name] = list(zip(starts, widths))
+        else:
+            blocks[t.name] = [(0, t.dim)]
+    return blocks
+
+
+def unsharded(case: Case) -> EmbeddingBagCollection:
+    """The oracle module, with TorchRec's initial distribution (uniform within
+    1/sqrt(rows)) drawn from the case's own generator: the same weights on every
+    rank, threads included."""
+    generator = torch.Generator().manual_seed(case.seed)
+    ebc = EmbeddingBagCollection(
+        tables=[t.config() for t in case.tables], is_weighted=case.weighted, device="meta"
+    ).to_empty(device="cpu")
+    with torch.no_grad():
+        for t in case.tables:
+            bound = t.rows**-0.5
+            ebc.embedding_bags[t.name].weight.uniform_(-bound, bound, generator=generator)
+    return ebc
+
+
+def float32_twin(module: EmbeddingBagCollection) -> EmbeddingBagCollection:
+    """``module`` itself, or for FP16 tables a float32 module holding the same values:
+    the oracle then sums and updates in float32, as FBGEMM does."""
+    configs = module.embedding_bag_configs()
+    if all(c.data_type == DataType.FP32 for c in configs):
+        return module
+    twin = EmbeddingBagCollection(
+        tables=[dataclasses.replace(c, data_type=DataType.FP32) for c in configs],
+        is_weighted=module.is_weighted(),
+    )
+    with torch.no_grad():
+        for name, bag in twin.embedding_bags.items():
+            bag.weight.copy_(module.embedding_bags[name].weight)
+    return twin
+
+
+def round_to_storage(oracle, module: EmbeddingBagCollection) -> None:
+    """The oracle's updated weights rounded to nearest in ``module``'s dtypes."""
+    with torch.no_grad():
+        for name, bag in oracle.embedding_bags.items():
+            dtype = module.embedding_bags[name].weight.dtype
+            if dtype != bag.weight.dtype:
+                bag.weight.copy_(bag.weight.to(dtype))
+
+
+def run_case(case: Case) -> dict[str, float]:
+    """Train ``case`` sharded and with the oracle; the largest differences seen, and the
+    largest oracle output, weight and weight update (to make them relative)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert world == len(case.batch_sizes)
+    module = unsharded(case)
+    sharded = shard(
+        copy.deepcopy(module),
+        case.plan,
+        optimizer=case.optimizer,
+        comm_precision=case.comm_precision,
+    )
+    oracle = float32_twin(module)
+    initial = {n: b.weight.detach().clone() for n, b in oracle.embedding_bags.items()}
+    offsets = [sum(case.batch_sizes[:r]) for r in range(world + 1)]
+    blocks, states = column_blocks(case), {}
+    worst = {"forward": 0.0, "weights": 0.0, "output": 0.0}
+    for step in range(case.steps):
+        batches = local_batches(case, step)
+        out = sharded(batches[rank])
+        if not sum(case.batch_sizes):
+            # TorchRec's own module cannot take an empty global batch; nothing to learn.
+            assert out.values().shape == (0, sum(out.length_per_key()))
+            out.values().sum().backward()
+            continue
+        expected = oracle(global_batch(batches))
+        assert out.keys() == expected.keys()
+        assert out.length_per_key() == expected.length_per_key()
+        mine = expected.values()[offsets[rank] : offsets[rank + 1]]
+        assert out.values().shape == mine.shape
+        worst["forward"] = max(worst["forward"], max_diff(out.values(), mine))
+        worst["output"] = max(worst["output"], max_abs(mine))
+        cols = mine.shape[1]
+        (out.values() * upstream(case, step, len(mine), cols, rank)).sum().backward()
+        loss = sum(
+            (
+                expected.values()[offsets[r] : offsets[r + 1]] * upstream(case, step, b, cols, r)
+            ).sum()
+            for r, b in enumerate(case.batch_sizes)
+        )
+        (loss / world).backward()
+        oracle_step(oracle, case, blocks, states)
+        round_to_storage(oracle, module)
+    worst["weights"] = weight_gap(sharded, oracle)
+    final = {n: b.weight.detach() for n, b in oracle.embedding_bags.items()}
+    worst["weight"] = max(max_abs(w) for w in final.values())
+    worst["update"] = max(max_diff(final[n], initial[n]) for n in final)
+    return worst
+
+
+def weight_gap(sharded, oracle) -> float:
+    """The largest difference between any sharded table, gathered, and the oracle's."""
+    return max(
+        max_diff(gather_table(weight), oracle.embedding_bags[name].weight)
+        for name, weight in sharded.weights.items()
+    )
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach() - b.detach()).abs().max()) if a.numel() else 0.0
+
+
+def max_abs(t: torch.Tensor) -> float:
+    return max_diff(t, torch.zeros_like(t))

@@ -1,0 +1,430 @@
+"""``embshard simulate``: a training step's input distribution for N ranks in one process.
+
+Every rank is a thread of this process and a rank of torch's in-process threaded
+process group, so embshard's own input stage runs unchanged: each rank reads its
+own part of the data (as in training), and the sharded module's ``input_dist``
+checks and routes its batch, exchanges counts and sends the ids, real all-to-alls
+between the threads. The tables are never allocated: the pooled all-to-alls' bytes
+follow from the batch sizes and the slot widths, the memory from the planner's
+model. ``check`` runs the whole module (forward, backward, fused update) on a small
+copy of the model against the unsharded oracle, in the same simulated world.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.testing._internal.distributed import multi_threaded_pg
+
+from embshard import module
+from embshard.config import TrainConfig, load_config
+from embshard.data import Feed
+from embshard.dist import Counts, InputDistribution, Scratch
+from embshard.module import ShardedEmbeddingBagCollection
+from embshard.plan import RowWise, ShardingPlan, TableSpec, plural
+from embshard.planner import _PASSES, Topology, format_bytes, plan_config, plan_loads, topology_for
+from embshard.routes import Routes, build_routes
+from embshard.train import build_data, fused_optimizer
+
+T = TypeVar("T")
+
+_COUNTS_BYTES = 3 * 8  # the counts all-to-all, per peer: payload, batch size, status (int64)
+_WEIGHT_BYTES = 4  # FP32 tables and pooled rows
+CHECK_ROWS = 256  # rows per table at most in --check's small model
+CHECK_BATCH = 4  # samples per rank in --check
+CHECK_TOLERANCE = 1e-5
+
+
+class SimulationError(ValueError):
+    """A simulation that cannot run as asked; the message says why."""
+
+
+def run_ranks(world_size: int, fn: Callable[..., T], *args: Any) -> list[T]:
+    """``fn(*args)`` on ``world_size`` threads, each a rank of one threaded process
+    group (``torch.testing``'s in-process backend: its all-to-alls copy between the
+    threads), so embshard's collectives run as they are. The ranks' results; the
+    first error any rank raised is raised here, after every rank stopped."""
+    results: list[Any] = [None] * world_size
+    errors: list[BaseException] = []
+    store = dist.HashStore()
+
+    def rank_main(rank: int) -> None:
+        dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
+        try:
+            results[rank] = fn(*args)
+        except BaseException as e:
+            errors.append(e)
+            multi_threaded_pg.ProcessLocalGroup.exception_handle(e)  # wake the others
+        finally:
+            dist.destroy_process_group()
+
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    multi_threaded_pg._install_threaded_pg()
+    multi_threaded_pg.ProcessLocalGroup.reset()
+    try:
+        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        multi_threaded_pg.ProcessLocalGroup.reset()
+        multi_threaded_pg._uninstall_threaded_pg()
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+        # Meshes are cached per thread id, and a later world's threads may reuse ids.
+        module._submesh.cache_clear()
+    raised = [e for e in errors if not isinstance(e, SystemExit)]  # woken ranks exit
+    if raised or errors:
+        raise (raised or errors)[0]
+    return results
+
+
+class _InputStage(ShardedEmbeddingBagCollection):
+    """The sharded module's input stage without its tables: ``input_dist`` is the
+    module's own, which needs only the routes, the input distribution, the device and
+    the group (the default one)."""
+
+    def __init__(self, routes: Routes, input_dist: InputDistribution) -> None:
+        nn.Module.__init__(self)  # no TBE, no weights: the tables stay unallocated
+        self._routes, self._input_dist = routes, input_dist
+        self._device, self._group = input_dist.device, None
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes a rank puts into one all-to-all, and gets out of it."""
+
+    sent: int = 0
+    received: int = 0
+
+    def __add__(self, other: Traffic) -> Traffic:
+        return Traffic(self.sent + other.sent, self.received + other.received)
+
+    @property
+    def both(self) -> int:
+        return self.sent + self.received
+
+
+@dataclass
+class RankReport:
+    """One rank over the simulated batches: totals, except ``buffers`` (the largest
+    step's) and ``seconds`` (per step)."""
+
+    rank: int
+    samples: int = 0  # its own
+    ids_received: int = 0  # = the rows its TBE looks up
+    bags_received: int = 0  # = the pooled rows it sends back
+    lookup_bytes: int = 0  # embedding bytes those lookups read
+    counts: Traffic = Traffic()
+    ids: Traffic = Traffic()
+    pooled: Traffic = Traffic()  # forward
+    pooled_grad: Traffic = Traffic()  # backward: the pooled all-to-all in reverse
+    buffers: int = 0  # the four all-to-alls' send and receive buffers
+    weights: int = 0
+    optimizer_state: int = 0
+    shards: list[str] = field(default_factory=list)
+    lookup_seconds: float = 0.0  # per step, at the planner's prices
+    moving_seconds: float = 0.0
+
+    def add_step(self, step: RankReport) -> None:
+        self.samples += step.samples
+        self.ids_received += step.ids_received
+        self.bags_received += step.bags_received
+        self.lookup_bytes += step.lookup_bytes
+        self.counts += step.counts
+        self.ids += step.ids
+        self.pooled += step.pooled
+        self.pooled_grad += step.pooled_grad
+        self.buffers = max(self.buffers, step.buffers)
+
+    @property
+    def seconds(self) -> float:
+        return self.lookup_seconds + self.moving_seconds
+
+    @property
+    def moved(self) -> int:
+        """Bytes the planner prices for a rank's shards: ids in, pooled rows out,
+        their gradients in."""
+        return self.ids.received + self.pooled.sent + self.pooled_grad.received
+
+
+@dataclass(frozen=True)
+class Check:
+    """``--check``: the largest differences from the unsharded oracle."""
+
+    forward: float
+    weights: float
+    rows: int
+    batch_size: int
+    steps: int
+
+    @property
+    def passed(self) -> bool:
+        return max(self.forward, self.weights) < CHECK_TOLERANCE
+
+
+@dataclass
+class Simulation:
+    """What ``simulate`` found: every rank's report, and the check's if asked."""
+
+    config: str
+    world_size: int
+    batches: int
+    batch_size: int
+    data: str
+    plan_source: str
+    ranks: list[RankReport]
+    seconds_taken: float
+    check: Check | None = None
+
+    @property
+    def slowest(self) -> RankReport:
+        return max(self.ranks, key=lambda r: r.seconds)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["slowest"] = {"rank": self.slowest.rank, "why": self.why_slowest()}
+        if self.check is not None:
+            out["check"]["passed"] = self.check.passed
+        return out
+
+    def why_slowest(self) -> str:
+        """The slowest rank at the planner's prices, and what it has more of."""
+        slow = self.slowest
+        measures: list[tuple[str, Callable[[RankReport], float]]] = [
+            ("looks up {} bytes", lambda r: r.lookup_bytes),
+            ("receives {} ids", lambda r: r.ids_received),
+            ("moves {} bytes", lambda r: r.moved),
+        ]
+        parts = [
+            phrase.format(_times_mean(value, slow, self.ranks))
+            + (" (the most)" if value(slow) == max(map(value, self.ranks)) else "")
+            for phrase, value in measures
+        ]
+        mostly = "lookups" if slow.lookup_seconds >= slow.moving_seconds else "communication"
+        return (
+            f"rank {slow.rank}, {1e3 * slow.seconds:.3f} ms a step estimated "
+            f"({_times_mean(lambda r: r.seconds, slow, self.ranks)} rank's), mostly {mostly}: "
+            f"it {', '.join(parts)}; it holds {', '.join(slow.shards) or 'nothing'}"
+        )
+
+    def to_text(self, max_ranks: int = 64) -> str:
+        steps = self.batches
+        counts = self.ranks[0].counts.sent // steps
+        lines = [
+            f"{self.config} on {self.world_size} ranks (plan: {self.plan_source}), {steps} "
+            f"batches of {self.batch_size} samples per rank ({self.data}): simulated in "
+            f"{self.seconds_taken:.1f} s",
+            f"per rank and step, mean of {steps}; a2a: bytes sent/received, the pooled one "
+            f"backward in reverse; counts a2a: {format_bytes(counts)} each way",
+            f"{'rank':>5} {'ids in':>9} {'bags in':>8} {'looked up':>10} {'ids a2a':>21} "
+            f"{'pooled a2a':>21} {'weights':>10} {'opt state':>10} {'buffers':>10} {'est ms':>7}",
+        ]
+        for r in self.ranks[:max_ranks]:
+            lines.append(
+                f"{r.rank:>5} {r.ids_received // steps:>9} {r.bags_received // steps:>8} "
+                f"{format_bytes(r.lookup_bytes / steps):>10} {_pair(r.ids, steps):>21} "
+                f"{_pair(r.pooled, steps):>21} {format_bytes(r.weights):>10} "
+                f"{format_bytes(r.optimizer_state):>10} {format_bytes(r.buffers):>10} "
+                f"{1e3 * r.seconds:>7.3f}"
+            )
+        if len(self.ranks) > max_ranks:
+            lines.append(f"  ... {len(self.ranks) - max_ranks} more ranks")
+        lines.append(f"slowest: {self.why_slowest()}")
+        if self.check is not None:
+            c = self.check
+            lines.append(
+                f"check ({'passed' if c.passed else 'FAILED'}): forward, backward and "
+                f"{plural(c.steps, 'fused update')} against the unsharded TorchRec module on "
+                f"the global batch, tables cut to at most {c.rows} rows, {c.batch_size} samples "
+                f"per rank: "
+                f"largest difference {c.forward:.1e} in the output, {c.weights:.1e} "
+                f"in the weights (tolerance {CHECK_TOLERANCE:.0e})"
+            )
+        return "\n".join(lines)
+
+
+def _times_mean(
+    value: Callable[[RankReport], float], rank: RankReport, ranks: list[RankReport]
+) -> str:
+    mean = sum(value(r) for r in ranks) / len(ranks)
+    return f"{value(rank) / mean if mean else 1.0:.1f}x the mean"
+
+
+def _pair(traffic: Traffic, steps: int) -> str:
+    return f"{format_bytes(traffic.sent / steps)}/{format_bytes(traffic.received / steps)}"
+
+
+def _step_report(routes: Routes, rank: int, counts: Counts, offsets: torch.Tensor) -> RankReport:
+    """What one step moved through ``rank``, from the counts exchange and the TBE
+    offsets its ids unpacked into."""
+    world, batch = routes.world_size, sum(counts.batch_sizes)
+    local = counts.batch_sizes[rank]
+    dims = routes.slot_dims(rank)
+    # Slot s holds bags s * batch ... (s + 1) * batch - 1 of the TBE's input.
+    slot_ids = offsets[::batch].diff().tolist() if batch else [0] * len(dims)
+    id_bytes = routes.id_dtype.itemsize
+    blocks = sum(sum(routes.slot_dims(r)) for r in range(world))
+    pooled = Traffic(batch * sum(dims) * _WEIGHT_BYTES, local * blocks * _WEIGHT_BYTES)
+    step = RankReport(
+        rank,
+        samples=local,
+        ids_received=sum(slot_ids),
+        bags_received=batch * len(dims),
+        lookup_bytes=sum(n * d for n, d in zip(slot_ids, dims)) * _WEIGHT_BYTES,
+        counts=Traffic(world * _COUNTS_BYTES, world * _COUNTS_BYTES),
+        ids=Traffic(sum(counts.send_sizes) * id_bytes, sum(counts.recv_sizes) * id_bytes),
+        pooled=pooled,
+        pooled_grad=Traffic(pooled.received, pooled.sent),
+    )
+    step.buffers = sum(t.both for t in (step.counts, step.ids, step.pooled, step.pooled_grad))
+    return step
+
+
+def _simulate_rank(config: TrainConfig, routes: Routes, batches: int) -> RankReport:
+    """One rank's input stage over ``batches`` of its own data (a thread's work)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    input_dist = InputDistribution(routes, rank, Scratch(), torch.device("cpu"))
+    stage = _InputStage(routes, input_dist)
+    feed = Feed(build_data(config, rank, world))
+    feed.next_epoch()
+    report = RankReport(rank)
+    for _ in range(batches):
+        in_flight = stage.input_dist(feed.take().sparse)
+        if in_flight.error is not None:
+            raise in_flight.error
+        in_flight.work.wait()
+        counts = in_flight.counts
+        _, offsets, _ = input_dist.unpack(in_flight.received, counts.recv_sizes, counts.batch_sizes)
+        report.add_step(_step_report(routes, rank, counts, offsets))
+    return report
+
+
+def _plan(config: TrainConfig, world_size: int, plan_path: str | None) -> tuple[ShardingPlan, str]:
+    """The plan to simulate and where it came from: the file, the config's, the planner's."""
+    tables = config.embedding_bag_configs()
+    if plan_path is not None:  # its errors name the file
+        return ShardingPlan.load(plan_path, tables, world_size), plan_path
+    plan = config.sharding_plan()
+    if plan is not None:
+        return plan, "the config's"
+    return plan_config(config, world_size)[0], "the planner's"
+
+
+def _fill_memory(
+    ranks: list[RankReport], plan: ShardingPlan, config: TrainConfig, topology: Topology
+) -> None:
+    """Weights and optimizer state by the planner's memory model (SGD keeps no state)."""
+    optimizer = config.sparse_optimizer.type
+    weights = plan_loads(plan, config.tables, topology, config.batch_size, "sgd")
+    total = plan_loads(plan, config.tables, topology, config.batch_size, optimizer)
+    for r, w, t in zip(ranks, weights, total):
+        r.weights, r.optimizer_state, r.shards = w.memory, t.memory - w.memory, t.shards
+
+
+def _estimate(r: RankReport, topology: Topology, steps: int) -> None:
+    """Seconds per step at the planner's prices: every looked-up byte read forward and
+    read and written backward, and the bytes moved."""
+    r.lookup_seconds = r.lookup_bytes * _PASSES / topology.lookup_bandwidth / steps
+    r.moving_seconds = r.moved * topology.seconds_per_byte() / steps
+
+
+def simulate(
+    config_path: str,
+    world_size: int,
+    plan_path: str | None = None,
+    batches: int = 8,
+    check: bool = False,
+) -> Simulation:
+    """Run ``batches`` steps of the input distribution of CONFIG's model on
+    ``world_size`` simulated ranks, each on its own part of the config's data; with
+    ``check``, the numerics of a small copy of the model too."""
+    if world_size < 1 or batches < 1:
+        raise SimulationError(f"need at least 1 rank and 1 batch, got {world_size} and {batches}")
+    config = load_config(config_path)
+    plan, source = _plan(config, world_size, plan_path)
+    configs = config.embedding_bag_configs()
+    routes = build_routes(configs, plan.resolve(configs, world_size), world_size, weighted=False)
+    start = time.perf_counter()
+    with _single_threaded_ops():
+        ranks = run_ranks(world_size, _simulate_rank, config, routes, batches)
+        taken = time.perf_counter() - start
+        checked = _check(config, plan, world_size, batches) if check else None
+    topology = topology_for(config, world_size)
+    _fill_memory(ranks, plan, config, topology)
+    for r in ranks:
+        _estimate(r, topology, batches)
+    data = config.data
+    return Simulation(
+        config=config_path,
+        world_size=world_size,
+        batches=batches,
+        batch_size=config.batch_size,
+        data="synthetic data" if data.type == "synthetic" else f"Criteo data from {data.path}",
+        plan_source=source,
+        ranks=ranks,
+        seconds_taken=taken,
+        check=checked,
+    )
+
+
+@contextlib.contextmanager
+def _single_threaded_ops() -> Iterator[None]:
+    """One intra-op thread each while the ranks' threads share the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _shrunk(spec: TableSpec, rows: int, kept: int) -> TableSpec:
+    """``spec`` for the table cut to ``kept`` rows: row blocks keep their shares."""
+    if not isinstance(spec, RowWise) or spec.sizes is None:
+        return spec
+    ends, total = [], 0
+    for size in spec.sizes:
+        total += size
+        ends.append(total * kept // rows)
+    return RowWise(tuple(b - a for a, b in zip([0, *ends], ends)))
+
+
+def _check(config: TrainConfig, plan: ShardingPlan, world_size: int, steps: int) -> Check:
+    """The oracle tests' ``run_case`` on the config's tables cut to CHECK_ROWS rows,
+    sharded as planned, with the config's fused optimizer."""
+    from embshard.oracle import Case, Table, run_case
+
+    tables = tuple(
+        Table(t.name, min(t.num_embeddings, CHECK_ROWS), t.embedding_dim, tuple(t.features),
+              mean=t.pooling == "mean")
+        for t in config.tables
+    )  # fmt: skip
+    rows = {t.name: t.num_embeddings for t in config.tables}
+    small = ShardingPlan(
+        {t.name: _shrunk(plan.tables[t.name], rows[t.name], t.rows) for t in tables}
+    )
+    case = Case(
+        tables,
+        small,
+        (CHECK_BATCH,) * world_size,
+        optimizer=fused_optimizer(config.sparse_optimizer),
+        steps=steps,
+        seed=config.seed,
+    )
+    worst = run_ranks(world_size, run_case, case)
+    return Check(
+        forward=max(w["forward"] for w in worst),
+        weights=max(w["weights"] for w in worst),
+        rows=CHECK_ROWS,
+        batch_size=CHECK_BATCH,
+        steps=steps,
+    )

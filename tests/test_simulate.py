@@ -1,0 +1,242 @@
+"""``embshard simulate``: N ranks as threads of one process, against real gloo runs,
+the batches themselves, and the unsharded oracle."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import yaml
+from oracle import Case, Table, run_case
+from test_forward import TABLES, TOL, plans
+from torchrec import EmbeddingBagCollection
+
+import embshard
+from embshard import LocalShardsWrapper
+from embshard.config import ConfigError, load_config
+from embshard.data import Feed
+from embshard.plan import PlanError, RowWise
+from embshard.simulate import (
+    SimulationError,
+    Traffic,
+    _shrunk,
+    run_ranks,
+    simulate,
+)
+from embshard.train import build_data, fused_optimizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from make_criteo_sample import sample_lines
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCHES = 3
+
+
+def write_config(tmp_path: Path, data: dict) -> str:
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def synthetic_config(tmp_path: Path, world: int) -> str:
+    """configs/small.yaml, small batches, every kind of sharding (row-wise uneven too)."""
+    data = yaml.safe_load((ROOT / "configs" / "small.yaml").read_text())
+    last = world - 1
+    data.update(batch_size=32)
+    data["plan"] = {
+        "user": {"type": "row_wise"},
+        "item": {"type": "column_wise", "ranks": [last, 0, last, 0]},
+        "category": {"type": "table_wise", "rank": last},
+        "city": {"type": "row_wise", "sizes": [1000] + [0] * (world - 2) + [4000]},
+        "device": {"type": "table_wise", "rank": 0},
+    }
+    return write_config(tmp_path, data)
+
+
+def criteo_config(tmp_path: Path, world: int) -> str:
+    """configs/criteo_sample.yaml on a file too short for whole batches on every rank."""
+    data = yaml.safe_load((ROOT / "configs" / "criteo_sample.yaml").read_text())
+    train = tmp_path / "train.tsv"
+    train.write_text("\n".join(sample_lines(40, seed=0)) + "\n")
+    data.update(batch_size=8)
+    data["data"] = {"type": "criteo", "path": str(train)}
+    data["plan"]["t1"] = {"type": "column_wise", "ranks": [world - 1, 0]}
+    return write_config(tmp_path, data)
+
+
+KINDS = ("counts", "ids", "pooled", "pooled_grad")  # a step's all-to-alls, in order
+
+
+def real_steps(config_path: str, batches: int) -> dict:
+    """The real sharded module, forward and backward on this rank's own batches: the
+    bytes in and out of each all-to-all, and its tables' and optimizer state's bytes."""
+    config = load_config(config_path)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ebc = EmbeddingBagCollection(tables=config.embedding_bag_configs(), device="meta")
+    optimizer = fused_optimizer(config.sparse_optimizer)
+    sharded = embshard.shard(ebc, config.sharding_plan(), optimizer=optimizer)
+    feed = Feed(build_data(config, rank, world))
+    feed.next_epoch()
+    calls, all_to_all = [], dist.all_to_all_single
+
+    def recorded(output, input, *args, **kwargs):
+        calls.append((input.numel() * input.element_size(), output.numel() * output.element_size()))
+        return all_to_all(output, input, *args, **kwargs)
+
+    dist.all_to_all_single = recorded
+    try:
+        for _ in range(batches):
+            sharded(feed.take().sparse).values().sum().backward()
+    finally:
+        dist.all_to_all_single = all_to_all
+    assert len(calls) == len(KINDS) * batches
+    every = len(KINDS)
+    return {
+        "traffic": {
+            kind: Traffic(sum(c[0] for c in calls[i::every]), sum(c[1] for c in calls[i::every]))
+            for i, kind in enumerate(KINDS)
+        },
+        "weights": local_bytes(sharded.weights.values()),
+        "optimizer_state": local_bytes(sharded.optimizer_state().values()),
+    }
+
+
+def local_bytes(tables) -> int:
+    """Bytes of this rank's shards of ``tables`` (DTensors)."""
+    total = 0
+    for table in tables:
+        local = table.to_local()  # an empty tensor where the rank holds none of it
+        shards = local.local_shards() if isinstance(local, LocalShardsWrapper) else [local]
+        total += sum(s.numel() * s.element_size() for s in shards)
+    return total
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("make_config", [synthetic_config, criteo_config])
+def test_simulated_traffic_and_memory_match_real_gloo_runs(
+    world, tmp_path, world_size, make_config
+):
+    config = make_config(tmp_path, world_size)
+    real = world(world_size).run(real_steps, config, BATCHES)
+    simulated = simulate(config, world_size, batches=BATCHES).ranks
+    for rank, (r, s) in enumerate(zip(real, simulated)):
+        assert {kind: getattr(s, kind) for kind in KINDS} == r["traffic"], rank
+        assert (s.weights, s.optimizer_state) == (r["weights"], r["optimizer_state"]), rank
+
+
+def lookups_from_batches(config_path: str, world: int, batches: int) -> list[list[int]]:
+    """Per rank [ids, bags, bytes looked up], counted on every rank's batches: each
+    non-empty shard gets, for each feature of its table, every sample's bag and the
+    ids that fall in its rows, and reads its columns of their rows."""
+    config = load_config(config_path)
+    tables = config.sharding_plan().resolve(config.embedding_bag_configs(), world)
+    feeds = [Feed(build_data(config, r, world)) for r in range(world)]
+    for feed in feeds:
+        feed.next_epoch()
+    counted = [[0, 0, 0] for _ in range(world)]
+    for _ in range(batches):
+        sparse = [feed.take().sparse for feed in feeds]
+        samples = sum(s.lengths().numel() // len(s.keys()) for s in sparse)
+        for t in config.tables:
+            for shard in tables[t.name].shards:
+                if not (shard.rows and shard.cols):
+                    continue
+                for feature in t.features:
+                    ids = torch.cat([s[feature].values() for s in sparse])
+                    inside = (ids >= shard.row_offset) & (ids < shard.row_offset + shard.rows)
+                    n = int(inside.sum())
+                    for i, add in enumerate((n, samples, n * shard.cols * 4)):
+                        counted[shard.rank][i] += add
+    return counted
+
+
+@pytest.mark.parametrize("world_size", [3, 5])
+@pytest.mark.parametrize("make_config", [synthetic_config, criteo_config])
+def test_ids_bags_and_lookups_match_the_batches(tmp_path, world_size, make_config):
+    config = make_config(tmp_path, world_size)
+    simulated = simulate(config, world_size, batches=BATCHES).ranks
+    expected = lookups_from_batches(config, world_size, BATCHES)
+    assert [[r.ids_received, r.bags_received, r.lookup_bytes] for r in simulated] == expected
+
+
+def test_the_slowest_rank_is_the_one_holding_the_tables(tmp_path):
+    config = synthetic_config(tmp_path, 3)
+    plan = tmp_path / "plan.yaml"
+    placed = {"user": 1, "item": 1, "category": 1, "city": 1, "device": 0}
+    embshard.ShardingPlan({t: embshard.table_wise(r) for t, r in placed.items()}).save(plan)
+    result = simulate(config, 3, plan_path=str(plan), batches=2)
+    assert result.plan_source == str(plan)
+    assert result.slowest.rank == 1
+    idle = result.ranks[2]
+    assert (idle.ids_received, idle.weights, idle.pooled.sent) == (0, 0, 0)
+    why = result.why_slowest()
+    assert why.startswith("rank 1,") and "looks up" in why and "(the most)" in why
+    assert why.endswith("it holds " + ", ".join(result.ranks[1].shards))
+    text = result.to_text()
+    assert "slowest: rank 1," in text and len(text.splitlines()) == 3 + 3 + 1
+    report = json.loads(json.dumps(result.to_dict()))
+    assert report["slowest"]["rank"] == 1 and len(report["ranks"]) == 3
+
+
+@pytest.mark.parametrize("world_size", [5, 6, 7, 8])
+@pytest.mark.parametrize("plan", ["table_wise", "row_wise", "column_wise", "mixed"])
+def test_oracle_cases_at_up_to_8_ranks_in_one_process(world_size, plan):
+    batch_sizes = tuple([5, 0, 3, 6, 2, 7, 1, 4][:world_size])
+    case = Case(TABLES, plans(world_size)[plan], batch_sizes, seed=world_size)
+    for worst in run_ranks(world_size, run_case, case):
+        assert worst["forward"] < TOL and worst["weights"] < TOL, worst
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [embshard.RowWiseAdagrad(lr=0.1, eps=1e-4), embshard.Adagrad(lr=0.1, eps=1e-4)],
+    ids=["rowwise_adagrad", "adagrad"],
+)
+def test_adagrad_and_weighted_features_at_7_ranks(optimizer):
+    sums = tuple(Table(t.name, t.rows, t.dim, t.features) for t in TABLES)  # weighted: SUM
+    for case in (
+        Case(TABLES, plans(7)["mixed"], (5, 0, 3, 6, 2, 7, 1), optimizer=optimizer),
+        Case(sums, plans(7)["mixed"], (5, 0, 3, 6, 2, 7, 1), weighted=True),
+    ):
+        for worst in run_ranks(7, run_case, case):
+            assert worst["forward"] < TOL and worst["weights"] < TOL, worst
+
+
+def test_check_runs_the_config_model_against_the_oracle(tmp_path):
+    config = synthetic_config(tmp_path, 6)
+    check = simulate(config, 6, batches=2, check=True).check
+    assert check.passed and check.steps == 2, check
+
+
+def test_a_cut_row_wise_table_keeps_its_blocks_shares():
+    assert _shrunk(RowWise((10, 0, 30, 60)), 100, 20) == RowWise((2, 0, 6, 12))
+    assert _shrunk(RowWise(None), 100, 20) == RowWise(None)
+
+
+def fail_on_rank_1() -> int:
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 failed")
+    dist.barrier()  # the others wait for rank 1, which never comes
+    return dist.get_rank()
+
+
+def test_an_error_on_one_rank_stops_every_rank():
+    with pytest.raises(ValueError, match="rank 1 failed"):
+        run_ranks(3, fail_on_rank_1)
+    assert run_ranks(2, dist.get_rank) == [0, 1]  # the next world starts clean
+
+
+def test_bad_requests_say_what_is_wrong(tmp_path):
+    config = synthetic_config(tmp_path, 3)
+    with pytest.raises(SimulationError, match="at least 1 rank"):
+        simulate(config, 0)
+    with pytest.raises(ConfigError, match="cannot read config"):
+        simulate(str(tmp_path / "missing.yaml"), 2)
+    with pytest.raises(PlanError, match="category"):
+        simulate(config, 2)  # its plan puts a table on rank 2
+    with pytest.raises(PlanError, match="cannot read the plan"):
+        simulate(config, 3, plan_path=str(tmp_path / "missing.yaml"))
