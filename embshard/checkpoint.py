@@ -18,20 +18,24 @@ A DCP checkpoint of a plain state dict (an unsharded TorchRec model saved with
 
 Loading takes a checkpoint or a root of them (then its latest), reads and checks the
 metadata first (as ``nn.Module.load_state_dict``, ``strict`` also refuses what the
-model lacks), loads everything into fresh staging tensors (each rank only its own
-shards, DCP resharding from whatever layout saved them), and writes the model only
-when all of it has arrived: a failed load changes nothing.
+model lacks), verifies the bytes of every chunk each rank will read against their
+checksums (every rank raises if any finds a bad one), and only then lets DCP read
+each rank's own shards straight into the model, one saved chunk at a time, resharding
+from whatever layout saved them. No staging copy: the load adds about one saved chunk
+to a rank's memory, and what it cannot check beforehand (an I/O error or a rank dying
+during the read) can leave the model partly loaded.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
 import warnings
 import zlib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import groupby
 from pathlib import Path
 from typing import Any
@@ -45,11 +49,13 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
+from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
 from embshard.lookup import Adagrad, RowWiseAdagrad
@@ -339,6 +345,18 @@ def _verify_layout(path: Path, metadata: Metadata, recorded: Checksums | None) -
         raise _corrupt(path, [str(c) for c in bad])
 
 
+class _DryRun(DefaultLoadPlanner):
+    """Reads and decodes every chunk a load would, copying it nowhere (a meta tensor):
+    without checksums, proof before anything is written that the load can read it all."""
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        like = self.lookup_tensor(read_item.dest_index)
+        return torch.empty(read_item.lengths, dtype=like.dtype, device="meta")
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        torch.load(value, weights_only=False)
+
+
 def _verify_reads(
     path: Path,
     metadata: Metadata,
@@ -347,14 +365,11 @@ def _verify_reads(
 ) -> None:
     """Before anything is written: the bytes of every chunk this rank will read into
     ``state`` match their checksums; every rank raises, naming each bad chunk, when
-    any rank finds one. Collective. A checkpoint without checksums gets a warning on
-    every rank (so that ``-W error`` stops all of them alike)."""
+    any rank finds one. Collective. A checkpoint without checksums is read and decoded
+    once first instead (no DCP error halfway through the real read, then), though a
+    changed byte in a tensor goes unnoticed."""
     if recorded is None:
-        warnings.warn(
-            f"{path} has no checksums (saved before embshard recorded them, or not by "
-            "embshard): it cannot be verified",
-            stacklevel=3,
-        )
+        _read(path, state, _DryRun())
         return
     planner = DefaultLoadPlanner()
     planner.set_up_planner(state, metadata)
@@ -386,31 +401,50 @@ def load(
 
     Raises CheckpointError on every rank, changing nothing, when there is no
     checkpoint (``path`` None, as ``latest`` returns for an empty root), or it is
-    incomplete, unreadable or does not match."""
+    incomplete, corrupt (a chunk not matching its checksum), unreadable or does not
+    match. A checkpoint without checksums (saved before embshard recorded them, or a
+    plain DCP one) loads with a warning on every rank: it is read once first to prove
+    it readable, but a changed byte in it goes unnoticed."""
     path = resolve(path)
     metadata = read_metadata(path)
     recorded = _recorded_checksums(path)
+    if recorded is None:  # on every rank, so that ``-W error`` stops all of them alike
+        warnings.warn(
+            f"{path} has no checksums (saved before embshard recorded them, or not by "
+            "embshard): it cannot be verified",
+            stacklevel=2,
+        )
     _verify_layout(path, metadata, recorded)
     if META not in metadata.state_dict_metadata:
         return _load_model_state(path, metadata, recorded, model, strict)
     saved = read_description(path)
-    live = _state(model, optimizer)
-    staging, commits = _staging(live, saved, model)
-    _check(path, metadata, staging, "model." if strict else None)
-    _verify_reads(path, metadata, recorded, staging)
-    _read(path, staging)
+    targets, commits = _targets(_state(model, optimizer), saved, model)
+    _check(path, metadata, targets, "model." if strict else None)
+    _verify_reads(path, metadata, recorded, targets)
+    _read(path, targets)
     with torch.no_grad():
-        _copy(staging["model"], live["model"])
         for commit in commits:
-            commit(staging["sparse_optimizer"])
+            commit(targets["sparse_optimizer"])
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, staging["dense_optimizer"])
+        set_optimizer_state_dict(model, optimizer, targets["dense_optimizer"])
     return int(saved["step"])
 
 
-def _read(path: Path, staging: dict[str, Any]) -> None:
+class _ChunkByChunk(FileSystemReader):
+    """DCP's file reader, handed one read item at a time: at most one saved chunk is
+    decoded in memory at once (DCP's own loop holds the last while decoding the next)."""
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        for item in plan.items:
+            super().read_data(replace(plan, items=[item]), planner).wait()
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+
+def _read(path: Path, state: dict[str, Any], planner: DefaultLoadPlanner | None = None) -> None:
     try:
-        dcp.load(staging, checkpoint_id=str(path))
+        dcp.load(state, storage_reader=_ChunkByChunk(path), planner=planner)
     except CheckpointException as e:
         raise CheckpointError(f"{path}: reading the checkpoint failed: {e}") from None
 
@@ -425,12 +459,9 @@ def _load_model_state(
     """A DCP checkpoint of a plain state dict (an unsharded TorchRec model's, say):
     its keys are the model's own. Returns step 0."""
     live = _unwrap(model).state_dict()
-    staging = _empty_like(live)
-    _check(path, metadata, staging, "" if strict else None)
-    _verify_reads(path, metadata, recorded, staging)
-    _read(path, staging)
-    with torch.no_grad():
-        _copy(staging, live)
+    _check(path, metadata, live, "" if strict else None)
+    _verify_reads(path, metadata, recorded, live)
+    _read(path, live)
     return 0
 
 
@@ -454,26 +485,17 @@ def _empty_like(value: Any) -> Any:
     return value
 
 
-def _copy_one(source: torch.Tensor, target: torch.Tensor) -> None:
-    local = source.to_local() if isinstance(source, DTensor) else source
-    (target.to_local() if isinstance(target, DTensor) else target).copy_(local)
-
-
-def _copy(source: dict[str, Any], target: dict[str, Any]) -> None:
-    for key, value in source.items():
-        if isinstance(value, torch.Tensor):
-            _copy_one(value, target[key])
-
-
-def _staging(
+def _targets(
     live: dict[str, Any], saved: dict[str, Any], model: nn.Module
 ) -> tuple[dict[str, Any], list[Callable[[dict[str, Any]], None]]]:
-    """Fresh tensors shaped like ``live`` for DCP to fill, and how each table's fused
-    optimizer state goes live: copied, converted from other column blocks
+    """What DCP fills: the model's own tensors (tables, dense parameters) and fused
+    optimizer state, written in place, and fresh tensors for the dense optimizer's
+    state (``set_optimizer_state_dict`` takes it afterwards); and how the rest of each
+    table's fused optimizer state goes live: converted from other column blocks
     (row-wise Adagrad), or zeroed when the checkpoint has none of this kind."""
-    staging = {"model": _empty_like(live["model"]), "sparse_optimizer": {}, META: ""}
+    targets = {"model": live["model"], "sparse_optimizer": {}, META: ""}
     if "dense_optimizer" in live:
-        staging["dense_optimizer"] = _empty_like(live["dense_optimizer"])
+        targets["dense_optimizer"] = _empty_like(live["dense_optimizer"])
     commits = []
     for prefix, module in _sharded(model).items():
         for name, table in module.tables.items():
@@ -486,15 +508,12 @@ def _staging(
             if old.get("optimizer") != kind:
                 commits.append(lambda _, target=target: _zero(target))
             elif kind == "adagrad" or [tuple(b) for b in old["blocks"]] == column_blocks(table):
-                staging["sparse_optimizer"][key] = _empty_like(target)
-                commits.append(
-                    lambda staged, key=key, target=target: _copy_one(staged[key], target)
-                )
+                targets["sparse_optimizer"][key] = target
             else:
                 staged, convert = _rowwise_conversion(module, name, old["blocks"], target)
-                staging["sparse_optimizer"][key] = staged
+                targets["sparse_optimizer"][key] = staged
                 commits.append(convert)
-    return staging, commits
+    return targets, commits
 
 
 def _zero(value: DTensor) -> None:

@@ -209,7 +209,6 @@ def damaged_load(root: str):
         ("missing", "incomplete checkpoint"),
         ("truncated", "incomplete checkpoint"),
         ("garbage", "corrupt checkpoint, "),
-        ("garbage without checksums", "reading the checkpoint failed"),
     ],
 )
 def test_damaged_checkpoint_fails_on_every_rank_and_changes_nothing(
@@ -225,26 +224,52 @@ def test_damaged_checkpoint_fails_on_every_rank_and_changes_nothing(
         victim.write_bytes(data[: len(data) // 2])
     else:
         victim.write_bytes(data[:64] + bytes(len(data) - 64))
-    if damage == "garbage without checksums":
-        (path / ckpt.CHECKSUMS).unlink()
     for error, unchanged in world(2).run(damaged_load, str(path)):
         assert error is not None and expected in error, error
         assert unchanged
 
 
-def flip_a_byte(path, key: str) -> ckpt.Chunk:
-    """Flips one bit in the middle of the tensor data of ``key``'s last saved chunk
-    (found by its values in the file); returns that chunk."""
+def last_chunk(path, key: str) -> ckpt.Chunk:
+    """Where the saved chunk of ``key`` at the highest offset in the tensor lies."""
     storage = ckpt.read_metadata(path).storage_data
     index = max((i for i in storage if i.fqn == key), key=lambda i: tuple(i.offset))
     info = storage[index]
-    file = path / info.relative_path
-    data = bytearray(file.read_bytes())
-    item = bytes(data[info.offset : info.offset + info.length])
-    values = torch.load(io.BytesIO(item), weights_only=True).numpy().tobytes()
-    data[info.offset + item.index(values) + len(values) // 2] ^= 0x01
-    file.write_bytes(data)
     return ckpt.Chunk(key, info.relative_path, info.offset, info.length)
+
+
+def flip_a_byte(path, key: str) -> ckpt.Chunk:
+    """Flips one bit in the middle of the tensor data of ``key``'s last saved chunk
+    (found by its values in the file); returns that chunk."""
+    chunk = last_chunk(path, key)
+    file = path / chunk.file
+    data = bytearray(file.read_bytes())
+    item = bytes(data[chunk.offset : chunk.offset + chunk.length])
+    values = torch.load(io.BytesIO(item), weights_only=True).numpy().tobytes()
+    data[chunk.offset + item.index(values) + len(values) // 2] ^= 0x01
+    file.write_bytes(data)
+    return chunk
+
+
+@pytest.mark.parametrize("checksums", [True, False])
+def test_an_unreadable_chunk_only_one_rank_reads_fails_on_every_rank_and_changes_nothing(
+    world, tmp_path, checksums
+):
+    world(2).run(save_trained, str(tmp_path), embshard.RowWiseAdagrad(lr=0.1))
+    path = ckpt.latest(tmp_path)
+    chunk = last_chunk(path, "model.embedding_bags.d.weight")  # rows 5:40, rank 1's
+    with open(path / chunk.file, "r+b") as file:
+        file.seek(chunk.offset)
+        file.write(bytes(chunk.length))
+    if not checksums:  # as saved before they were recorded: found by reading it all first
+        (path / ckpt.CHECKSUMS).unlink()
+    expected = (
+        f"table 'd' (model.embedding_bags.d.weight): {chunk.file} at offset {chunk.offset}"
+        if checksums
+        else "reading the checkpoint failed"
+    )
+    for error, unchanged in world(2).run(damaged_load, str(path)):
+        assert error is not None and expected in error, error
+        assert unchanged
 
 
 def everything(model: nn.Module) -> dict[str, torch.Tensor]:
