@@ -242,6 +242,20 @@ class Verification:
     def ok(self) -> bool:
         return self.checked and not self.bad
 
+    def summary(self) -> str:
+        """What ``embshard ckpt verify`` prints: OK, or each bad chunk."""
+        if not self.checked:
+            return (
+                f"{self.path}: no checksums (saved before embshard recorded them, or not by "
+                "embshard): cannot verify"
+            )
+        if self.bad:
+            return (
+                f"{self.path}: corrupt, {len(self.bad)} of {self.chunks} chunks not matching "
+                "the checksums saved with it:\n  " + "\n  ".join(str(c) for c in self.bad)
+            )
+        return f"{self.path}: OK, {self.chunks} chunks ({self.bytes:,} bytes) match their checksums"
+
 
 def verify(path: str | Path) -> Verification:
     """Check every saved chunk (and DCP's ``.metadata``) against the checksums recorded
@@ -329,7 +343,7 @@ def _mismatched(path: Path, chunks: list[Chunk], recorded: Checksums) -> list[Ch
 def _corrupt(path: Path, bad: list[str]) -> CheckpointError:
     return CheckpointError(
         f"{path}: corrupt checkpoint, {plural(len(bad), 'chunk')} not matching the "
-        "checksum saved with it:\n  " + "\n  ".join(bad)
+        "checksums saved with it:\n  " + "\n  ".join(bad)
     )
 
 

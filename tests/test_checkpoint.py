@@ -315,17 +315,25 @@ def test_a_flipped_bit_fails_on_every_rank_naming_the_chunk_and_changes_nothing(
     saved = world(2).run(save_everything, str(tmp_path))[0]
     path = ckpt.latest(tmp_path)
     intact = ckpt.verify(path)
-    chunks = len(ckpt.read_metadata(path).storage_data) + 1  # and .metadata
+    storage = ckpt.read_metadata(path).storage_data
+    chunks = len(storage) + 1  # and .metadata
+    size = sum(info.length for info in storage.values()) + (path / ".metadata").stat().st_size
     assert intact.ok and intact.chunks == chunks and intact.bad == []
+    assert intact.summary() == f"{path}: OK, {chunks} chunks ({size:,} bytes) match their checksums"
     bad = flip_a_byte(path, key)
+    where = f"{name}: {bad.file} at offset {bad.offset} ({bad.length} bytes)"
     for error, unchanged in world(2).run(load_everything, str(path)):
         assert error == (
-            f"{path}: corrupt checkpoint, 1 chunk not matching the checksum saved with it:\n"
-            f"  {name}: {bad.file} at offset {bad.offset} ({bad.length} bytes)"
+            f"{path}: corrupt checkpoint, 1 chunk not matching the checksums saved with it:\n"
+            f"  {where}"
         )
         assert unchanged
     report = ckpt.verify(path)
     assert report.checked and not report.ok and report.bad == [bad]
+    assert report.summary() == (
+        f"{path}: corrupt, 1 of {chunks} chunks not matching the checksums saved with it:\n"
+        f"  {where}"
+    )
     # The same bit flipped back: the checkpoint loads whole again.
     flip_a_byte(path, key)
     for step, loaded in world(2).run(load_everything, str(path)):
@@ -343,7 +351,7 @@ def test_a_changed_dcp_metadata_fails_on_every_rank(world, tmp_path):
     size = len(data)
     for error, unchanged in world(2).run(load_everything, str(path)):
         assert error == (
-            f"{path}: corrupt checkpoint, 1 chunk not matching the checksum saved with it:\n"
+            f"{path}: corrupt checkpoint, 1 chunk not matching the checksums saved with it:\n"
             f"  DCP's .metadata: .metadata at offset 0 ({size} bytes)"
         )
         assert unchanged
@@ -372,6 +380,10 @@ def test_checkpoints_without_checksums_load_with_a_warning(world, tmp_path):
         ]
     report = ckpt.verify(tmp_path)
     assert not report.checked and not report.ok and report.bad == []
+    assert report.summary() == (
+        f"{path}: no checksums (saved before embshard recorded them, or not by embshard): "
+        "cannot verify"
+    )
 
 
 def load_nothing(paths: list[str | None]) -> list[tuple[str | None, bool]]:
