@@ -9,23 +9,34 @@ Inside, DCP's files hold one state dict:
     dense_optimizer.*           the dense optimizer (FQN-keyed, DCP's state_dict API)
     embshard                    JSON: step, world size, each table's shards and optimizer
 
+and beside them ``embshard_checksums.json``: the crc32 of every saved chunk's bytes
+(file, offset, length) and of DCP's ``.metadata``, written after DCP's save and before
+the rename, so that a load or ``verify`` finds a changed byte and names its chunk.
+
 A DCP checkpoint of a plain state dict (an unsharded TorchRec model saved with
 ``dcp.save(model.state_dict())``) loads too: its keys are the model's own.
 
 Loading takes a checkpoint or a root of them (then its latest), reads and checks the
 metadata first (as ``nn.Module.load_state_dict``, ``strict`` also refuses what the
-model lacks), loads everything into fresh staging tensors (each rank only its own
-shards, DCP resharding from whatever layout saved them), and writes the model only
-when all of it has arrived: a failed load changes nothing.
+model lacks), verifies the bytes of every chunk each rank will read against their
+checksums (every rank raises if any finds a bad one), and only then lets DCP read
+each rank's own shards straight into the model, one saved chunk at a time, resharding
+from whatever layout saved them. No staging copy: the load adds about one saved chunk
+to a rank's memory, and what it cannot check beforehand (an I/O error or a rank dying
+during the read) can leave the model partly loaded.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
 import warnings
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from itertools import groupby
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +47,15 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
+from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
 from embshard.lookup import Adagrad, RowWiseAdagrad
@@ -50,7 +64,12 @@ from embshard.plan import plural
 from embshard.shards import LocalShardsWrapper, column_blocks
 
 META = "embshard"
+CHECKSUMS = "embshard_checksums.json"
 _STEP_PREFIX = "step_"
+_READ_BLOCK = 1 << 22
+
+Checksums = dict[tuple[str, int], tuple[int, int]]
+"""Recorded checksums: (file, offset) -> (length, crc32) of each saved chunk."""
 
 
 class CheckpointError(RuntimeError):
@@ -121,6 +140,7 @@ def save(
     state = _state(model, optimizer)
     state[META] = json.dumps(_describe(model, step))
     dcp.save(state, checkpoint_id=aside)
+    _record_checksums(aside)
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -193,6 +213,189 @@ def read_description(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: reading the checkpoint failed: {e}") from None
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """One saved item's bytes: the state dict key it holds (part of) and where it lies."""
+
+    key: str
+    file: str
+    offset: int
+    length: int
+
+    def __str__(self) -> str:
+        where = f"{self.file} at offset {self.offset} ({plural(self.length, 'byte')})"
+        return f"{_name(self.key)}: {where}"
+
+
+@dataclass
+class Verification:
+    """What ``verify`` found. ``checked`` is False for a checkpoint without checksums
+    (saved before embshard recorded them, or not by embshard): nothing could be checked."""
+
+    path: Path
+    checked: bool
+    chunks: int
+    bytes: int
+    bad: list[Chunk]
+
+    @property
+    def ok(self) -> bool:
+        return self.checked and not self.bad
+
+    def summary(self) -> str:
+        """What ``embshard ckpt verify`` prints: OK, or each bad chunk."""
+        if not self.checked:
+            return (
+                f"{self.path}: no checksums (saved before embshard recorded them, or not by "
+                "embshard): cannot verify"
+            )
+        if self.bad:
+            return (
+                f"{self.path}: corrupt, {len(self.bad)} of {self.chunks} chunks not matching "
+                "the checksums saved with it:\n  " + "\n  ".join(str(c) for c in self.bad)
+            )
+        return f"{self.path}: OK, {self.chunks} chunks ({self.bytes:,} bytes) match their checksums"
+
+
+def verify(path: str | Path) -> Verification:
+    """Check every saved chunk (and DCP's ``.metadata``) against the checksums recorded
+    at save time, reading each byte once; needs no process group and loads nothing."""
+    path = resolve(path)
+    chunks = [_metadata_chunk(path), *_chunks(read_metadata(path))]
+    recorded = _recorded_checksums(path)
+    bad = [] if recorded is None else _mismatched(path, chunks, recorded)
+    total = sum(c.length for c in chunks)
+    return Verification(path, recorded is not None, len(chunks), total, bad)
+
+
+def _chunks(metadata: Metadata, indices: Iterable[MetadataIndex] | None = None) -> list[Chunk]:
+    """The saved chunks (all, or those holding ``indices``) in file and offset order."""
+    storage = metadata.storage_data or {}
+    found = {}
+    for index in storage if indices is None else indices:
+        info = storage[index]
+        found[info.relative_path, info.offset] = Chunk(
+            index.fqn, info.relative_path, info.offset, info.length
+        )
+    return [found[place] for place in sorted(found)]
+
+
+def _metadata_chunk(path: Path) -> Chunk:
+    file = path / ".metadata"
+    return Chunk("DCP's .metadata", ".metadata", 0, file.stat().st_size if file.is_file() else 0)
+
+
+def _checksums(path: Path, chunks: list[Chunk]) -> list[int]:
+    """crc32 of each chunk's bytes, streamed through one small buffer."""
+    buffer = memoryview(bytearray(_READ_BLOCK))
+    sums = []
+    for file, group in groupby(chunks, key=lambda c: c.file):
+        with open(path / file, "rb", buffering=0) as stream:
+            for chunk in group:
+                stream.seek(chunk.offset)
+                crc, left = 0, chunk.length
+                while left and (n := stream.readinto(buffer[: min(left, _READ_BLOCK)])):
+                    crc, left = zlib.crc32(buffer[:n], crc), left - n
+                sums.append(crc)
+    return sums
+
+
+def _record_checksums(aside: Path) -> None:
+    """After DCP's save, each rank checksums a share of the files and rank 0 writes
+    them all to ``CHECKSUMS``, before the checkpoint is renamed into place. Collective."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    chunks = _chunks(FileSystemReader(aside).read_metadata())
+    files = sorted({c.file for c in chunks})[rank::world]
+    mine = [c for c in chunks if c.file in files] + ([_metadata_chunk(aside)] if rank == 0 else [])
+    records = [[c.file, c.offset, c.length, crc] for c, crc in zip(mine, _checksums(aside, mine))]
+    gathered: list[Any] = [None] * world if rank == 0 else []
+    dist.gather_object(records, gathered if rank == 0 else None, dst=0)
+    if rank == 0:
+        every = sorted(r for part in gathered for r in part)
+        with open(aside / CHECKSUMS, "w") as out:
+            json.dump({"algorithm": "crc32", "chunks": every}, out)
+            out.flush()
+            os.fsync(out.fileno())
+        _fsync_dir(aside)
+
+
+def _recorded_checksums(path: Path) -> Checksums | None:
+    """The checksums saved with the checkpoint, by (file, offset): (length, crc32); None
+    when it has none."""
+    file = path / CHECKSUMS
+    if not file.is_file():
+        return None
+    try:
+        record = json.loads(file.read_text())
+        return {(f, offset): (length, crc) for f, offset, length, crc in record["chunks"]}
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: {CHECKSUMS} is unreadable: {e!r}") from None
+
+
+def _mismatched(path: Path, chunks: list[Chunk], recorded: Checksums) -> list[Chunk]:
+    """The chunks whose bytes do not match their recorded checksum (or have none)."""
+    sums = _checksums(path, chunks)
+    return [
+        c for c, crc in zip(chunks, sums) if recorded.get((c.file, c.offset)) != (c.length, crc)
+    ]
+
+
+def _corrupt(path: Path, bad: list[str]) -> CheckpointError:
+    return CheckpointError(
+        f"{path}: corrupt checkpoint, {plural(len(bad), 'chunk')} not matching the "
+        "checksums saved with it:\n  " + "\n  ".join(bad)
+    )
+
+
+def _verify_layout(path: Path, metadata: Metadata, recorded: Checksums | None) -> None:
+    """DCP's ``.metadata`` and embshard's description match their checksums: what the
+    checks before the load rely on. Every rank reads the same bytes, so all agree."""
+    if recorded is None:
+        return
+    chunks = [_metadata_chunk(path)]
+    if META in metadata.state_dict_metadata:
+        chunks += _chunks(metadata, [MetadataIndex(META)])
+    if bad := _mismatched(path, chunks, recorded):
+        raise _corrupt(path, [str(c) for c in bad])
+
+
+class _DryRun(DefaultLoadPlanner):
+    """Reads and decodes every chunk a load would, copying it nowhere (a meta tensor):
+    without checksums, proof before anything is written that the load can read it all."""
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        like = self.lookup_tensor(read_item.dest_index)
+        return torch.empty(read_item.lengths, dtype=like.dtype, device="meta")
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        torch.load(value, weights_only=False)
+
+
+def _verify_reads(
+    path: Path,
+    metadata: Metadata,
+    recorded: Checksums | None,
+    state: dict[str, Any],
+) -> None:
+    """Before anything is written: the bytes of every chunk this rank will read into
+    ``state`` match their checksums; every rank raises, naming each bad chunk, when
+    any rank finds one. Collective. A checkpoint without checksums is read and decoded
+    once first instead (no DCP error halfway through the real read, then), though a
+    changed byte in a tensor goes unnoticed."""
+    if recorded is None:
+        _read(path, state, _DryRun())
+        return
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(state, metadata)
+    indices = {item.storage_index for item in planner.create_local_plan().items}
+    bad = [str(c) for c in _mismatched(path, _chunks(metadata, indices), recorded)]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, bad)
+    found = sorted(set().union(*everyone))
+    if found:
+        raise _corrupt(path, found)
+
+
 def load(
     path: str | Path | None,
     model: nn.Module,
@@ -212,41 +415,67 @@ def load(
 
     Raises CheckpointError on every rank, changing nothing, when there is no
     checkpoint (``path`` None, as ``latest`` returns for an empty root), or it is
-    incomplete, unreadable or does not match."""
+    incomplete, corrupt (a chunk not matching its checksum), unreadable or does not
+    match. A checkpoint without checksums (saved before embshard recorded them, or a
+    plain DCP one) loads with a warning on every rank: it is read once first to prove
+    it readable, but a changed byte in it goes unnoticed."""
     path = resolve(path)
     metadata = read_metadata(path)
+    recorded = _recorded_checksums(path)
+    if recorded is None:  # on every rank, so that ``-W error`` stops all of them alike
+        warnings.warn(
+            f"{path} has no checksums (saved before embshard recorded them, or not by "
+            "embshard): it cannot be verified",
+            stacklevel=2,
+        )
+    _verify_layout(path, metadata, recorded)
     if META not in metadata.state_dict_metadata:
-        return _load_model_state(path, metadata, model, strict)
+        return _load_model_state(path, metadata, recorded, model, strict)
     saved = read_description(path)
-    live = _state(model, optimizer)
-    staging, commits = _staging(live, saved, model)
-    _check(path, metadata, staging, "model." if strict else None)
-    _read(path, staging)
+    targets, commits = _targets(_state(model, optimizer), saved, model)
+    _check(path, metadata, targets, "model." if strict else None)
+    _verify_reads(path, metadata, recorded, targets)
+    _read(path, targets)
     with torch.no_grad():
-        _copy(staging["model"], live["model"])
         for commit in commits:
-            commit(staging["sparse_optimizer"])
+            commit(targets["sparse_optimizer"])
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, staging["dense_optimizer"])
+        set_optimizer_state_dict(model, optimizer, targets["dense_optimizer"])
     return int(saved["step"])
 
 
-def _read(path: Path, staging: dict[str, Any]) -> None:
+class _ChunkByChunk(FileSystemReader):
+    """DCP's file reader, handed one read item at a time: at most one saved chunk is
+    decoded in memory at once (DCP's own loop holds the last while decoding the next)."""
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        for item in plan.items:
+            super().read_data(replace(plan, items=[item]), planner).wait()
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+
+def _read(path: Path, state: dict[str, Any], planner: DefaultLoadPlanner | None = None) -> None:
     try:
-        dcp.load(staging, checkpoint_id=str(path))
+        dcp.load(state, storage_reader=_ChunkByChunk(path), planner=planner)
     except CheckpointException as e:
         raise CheckpointError(f"{path}: reading the checkpoint failed: {e}") from None
 
 
-def _load_model_state(path: Path, metadata: Metadata, model: nn.Module, strict: bool) -> int:
+def _load_model_state(
+    path: Path,
+    metadata: Metadata,
+    recorded: Checksums | None,
+    model: nn.Module,
+    strict: bool,
+) -> int:
     """A DCP checkpoint of a plain state dict (an unsharded TorchRec model's, say):
     its keys are the model's own. Returns step 0."""
     live = _unwrap(model).state_dict()
-    staging = _empty_like(live)
-    _check(path, metadata, staging, "" if strict else None)
-    _read(path, staging)
-    with torch.no_grad():
-        _copy(staging, live)
+    _check(path, metadata, live, "" if strict else None)
+    _verify_reads(path, metadata, recorded, live)
+    _read(path, live)
     return 0
 
 
@@ -270,26 +499,17 @@ def _empty_like(value: Any) -> Any:
     return value
 
 
-def _copy_one(source: torch.Tensor, target: torch.Tensor) -> None:
-    local = source.to_local() if isinstance(source, DTensor) else source
-    (target.to_local() if isinstance(target, DTensor) else target).copy_(local)
-
-
-def _copy(source: dict[str, Any], target: dict[str, Any]) -> None:
-    for key, value in source.items():
-        if isinstance(value, torch.Tensor):
-            _copy_one(value, target[key])
-
-
-def _staging(
+def _targets(
     live: dict[str, Any], saved: dict[str, Any], model: nn.Module
 ) -> tuple[dict[str, Any], list[Callable[[dict[str, Any]], None]]]:
-    """Fresh tensors shaped like ``live`` for DCP to fill, and how each table's fused
-    optimizer state goes live: copied, converted from other column blocks
+    """What DCP fills: the model's own tensors (tables, dense parameters) and fused
+    optimizer state, written in place, and fresh tensors for the dense optimizer's
+    state (``set_optimizer_state_dict`` takes it afterwards); and how the rest of each
+    table's fused optimizer state goes live: converted from other column blocks
     (row-wise Adagrad), or zeroed when the checkpoint has none of this kind."""
-    staging = {"model": _empty_like(live["model"]), "sparse_optimizer": {}, META: ""}
+    targets = {"model": live["model"], "sparse_optimizer": {}, META: ""}
     if "dense_optimizer" in live:
-        staging["dense_optimizer"] = _empty_like(live["dense_optimizer"])
+        targets["dense_optimizer"] = _empty_like(live["dense_optimizer"])
     commits = []
     for prefix, module in _sharded(model).items():
         for name, table in module.tables.items():
@@ -302,15 +522,12 @@ def _staging(
             if old.get("optimizer") != kind:
                 commits.append(lambda _, target=target: _zero(target))
             elif kind == "adagrad" or [tuple(b) for b in old["blocks"]] == column_blocks(table):
-                staging["sparse_optimizer"][key] = _empty_like(target)
-                commits.append(
-                    lambda staged, key=key, target=target: _copy_one(staged[key], target)
-                )
+                targets["sparse_optimizer"][key] = target
             else:
                 staged, convert = _rowwise_conversion(module, name, old["blocks"], target)
-                staging["sparse_optimizer"][key] = staged
+                targets["sparse_optimizer"][key] = staged
                 commits.append(convert)
-    return staging, commits
+    return targets, commits
 
 
 def _zero(value: DTensor) -> None:

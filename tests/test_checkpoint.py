@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -201,8 +203,17 @@ def damaged_load(root: str):
     return None, False
 
 
-@pytest.mark.parametrize("damage", ["missing", "truncated", "garbage"])
-def test_damaged_checkpoint_fails_on_every_rank_and_changes_nothing(world, tmp_path, damage):
+@pytest.mark.parametrize(
+    ("damage", "expected"),
+    [
+        ("missing", "incomplete checkpoint"),
+        ("truncated", "incomplete checkpoint"),
+        ("garbage", "corrupt checkpoint, "),
+    ],
+)
+def test_damaged_checkpoint_fails_on_every_rank_and_changes_nothing(
+    world, tmp_path, damage, expected
+):
     world(2).run(save_trained, str(tmp_path), embshard.RowWiseAdagrad(lr=0.1))
     path = ckpt.latest(tmp_path)
     victim = sorted(path.glob("*.distcp"))[-1]
@@ -213,10 +224,166 @@ def test_damaged_checkpoint_fails_on_every_rank_and_changes_nothing(world, tmp_p
         victim.write_bytes(data[: len(data) // 2])
     else:
         victim.write_bytes(data[:64] + bytes(len(data) - 64))
-    expected = "reading the checkpoint failed" if damage == "garbage" else "incomplete checkpoint"
     for error, unchanged in world(2).run(damaged_load, str(path)):
         assert error is not None and expected in error, error
         assert unchanged
+
+
+def last_chunk(path, key: str) -> ckpt.Chunk:
+    """Where the saved chunk of ``key`` at the highest offset in the tensor lies."""
+    storage = ckpt.read_metadata(path).storage_data
+    index = max((i for i in storage if i.fqn == key), key=lambda i: tuple(i.offset))
+    info = storage[index]
+    return ckpt.Chunk(key, info.relative_path, info.offset, info.length)
+
+
+def flip_a_byte(path, key: str) -> ckpt.Chunk:
+    """Flips one bit in the middle of the tensor data of ``key``'s last saved chunk
+    (found by its values in the file); returns that chunk."""
+    chunk = last_chunk(path, key)
+    file = path / chunk.file
+    data = bytearray(file.read_bytes())
+    item = bytes(data[chunk.offset : chunk.offset + chunk.length])
+    values = torch.load(io.BytesIO(item), weights_only=True).numpy().tobytes()
+    data[chunk.offset + item.index(values) + len(values) // 2] ^= 0x01
+    file.write_bytes(data)
+    return chunk
+
+
+@pytest.mark.parametrize("checksums", [True, False])
+def test_an_unreadable_chunk_only_one_rank_reads_fails_on_every_rank_and_changes_nothing(
+    world, tmp_path, checksums
+):
+    world(2).run(save_trained, str(tmp_path), embshard.RowWiseAdagrad(lr=0.1))
+    path = ckpt.latest(tmp_path)
+    chunk = last_chunk(path, "model.embedding_bags.d.weight")  # rows 5:40, rank 1's
+    with open(path / chunk.file, "r+b") as file:
+        file.seek(chunk.offset)
+        file.write(bytes(chunk.length))
+    if not checksums:  # as saved before they were recorded: found by reading it all first
+        (path / ckpt.CHECKSUMS).unlink()
+    expected = (
+        f"table 'd' (model.embedding_bags.d.weight): {chunk.file} at offset {chunk.offset}"
+        if checksums
+        else "reading the checkpoint failed"
+    )
+    for error, unchanged in world(2).run(damaged_load, str(path)):
+        assert error is not None and expected in error, error
+        assert unchanged
+
+
+def everything(model: nn.Module) -> dict[str, torch.Tensor]:
+    head = {f"head.{k}": v.detach().clone() for k, v in model.head.state_dict().items()}
+    return full(model.ebc) | head
+
+
+def save_everything(root: str) -> dict:
+    model = WithHead(build(dist.get_world_size(), embshard.RowWiseAdagrad(lr=0.1)), head=True)
+    train_steps(model.ebc, 2)
+    ckpt.save(root, model, step=3)
+    return everything(model)
+
+
+def load_everything(path: str):
+    """Into a model with other weights and the checkpoint's tables and head: the step
+    and every weight, or the error and whether every weight stayed as it was."""
+    sharded = build(dist.get_world_size(), embshard.RowWiseAdagrad(lr=0.1), seed=9)
+    model = WithHead(sharded, head=True)
+    before = everything(model)
+    try:
+        step = ckpt.load(path, model)
+    except ckpt.CheckpointError as e:
+        after = everything(model)
+        return str(e), all(torch.equal(before[k], after[k]) for k in before)
+    return step, everything(model)
+
+
+@pytest.mark.parametrize(
+    ("key", "name"),
+    [
+        ("model.ebc.embedding_bags.d.weight", "table 'd' (model.ebc.embedding_bags.d.weight)"),
+        (
+            "sparse_optimizer.ebc.embedding_bags.b.momentum1",
+            "table 'b' (sparse_optimizer.ebc.embedding_bags.b.momentum1)",
+        ),
+        ("model.head.weight", "model.head.weight"),
+    ],
+)
+def test_a_flipped_bit_fails_on_every_rank_naming_the_chunk_and_changes_nothing(
+    world, tmp_path, key, name
+):
+    saved = world(2).run(save_everything, str(tmp_path))[0]
+    path = ckpt.latest(tmp_path)
+    intact = ckpt.verify(path)
+    storage = ckpt.read_metadata(path).storage_data
+    chunks = len(storage) + 1  # and .metadata
+    size = sum(info.length for info in storage.values()) + (path / ".metadata").stat().st_size
+    assert intact.ok and intact.chunks == chunks and intact.bad == []
+    assert intact.summary() == f"{path}: OK, {chunks} chunks ({size:,} bytes) match their checksums"
+    bad = flip_a_byte(path, key)
+    where = f"{name}: {bad.file} at offset {bad.offset} ({bad.length} bytes)"
+    for error, unchanged in world(2).run(load_everything, str(path)):
+        assert error == (
+            f"{path}: corrupt checkpoint, 1 chunk not matching the checksums saved with it:\n"
+            f"  {where}"
+        )
+        assert unchanged
+    report = ckpt.verify(path)
+    assert report.checked and not report.ok and report.bad == [bad]
+    assert report.summary() == (
+        f"{path}: corrupt, 1 of {chunks} chunks not matching the checksums saved with it:\n"
+        f"  {where}"
+    )
+    # The same bit flipped back: the checkpoint loads whole again.
+    flip_a_byte(path, key)
+    for step, loaded in world(2).run(load_everything, str(path)):
+        assert step == 3
+        for k, value in saved.items():
+            assert torch.equal(loaded[k], value), k
+
+
+def test_a_changed_dcp_metadata_fails_on_every_rank(world, tmp_path):
+    world(2).run(save_everything, str(tmp_path))
+    path = ckpt.latest(tmp_path)
+    metadata = path / ".metadata"
+    data = metadata.read_bytes()
+    metadata.write_bytes(data.replace(b"model.head.bias", b"model.head.bias".upper(), 1))
+    size = len(data)
+    for error, unchanged in world(2).run(load_everything, str(path)):
+        assert error == (
+            f"{path}: corrupt checkpoint, 1 chunk not matching the checksums saved with it:\n"
+            f"  DCP's .metadata: .metadata at offset 0 ({size} bytes)"
+        )
+        assert unchanged
+    assert ckpt.verify(path).bad == [ckpt.Chunk("DCP's .metadata", ".metadata", 0, size)]
+
+
+def load_with_warnings(root: str, optimizer) -> tuple[int, dict, list[str]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step, loaded = load_into(root, optimizer)
+    return step, loaded, [str(w.message) for w in caught if "checksums" in str(w.message)]
+
+
+def test_checkpoints_without_checksums_load_with_a_warning(world, tmp_path):
+    optimizer = embshard.RowWiseAdagrad(lr=0.1)
+    saved = world(2).run(save_trained, str(tmp_path), optimizer)[0]
+    path = ckpt.latest(tmp_path)
+    (path / ckpt.CHECKSUMS).unlink()  # as a checkpoint saved before they were recorded
+    for step, loaded, caught in world(2).run(load_with_warnings, str(tmp_path), optimizer):
+        assert step == 2
+        for key, value in saved.items():
+            assert torch.equal(loaded[key], value), key
+        assert caught == [
+            f"{path} has no checksums (saved before embshard recorded them, or not by "
+            "embshard): it cannot be verified"
+        ]
+    report = ckpt.verify(tmp_path)
+    assert not report.checked and not report.ok and report.bad == []
+    assert report.summary() == (
+        f"{path}: no checksums (saved before embshard recorded them, or not by embshard): "
+        "cannot verify"
+    )
 
 
 def load_nothing(paths: list[str | None]) -> list[tuple[str | None, bool]]:

@@ -5,7 +5,10 @@
 Builds 8 row-wise tables of 2**20 x 32 fp32 (1 GiB in all, 0.5 GiB per rank) with
 SGD, saves them, then in a fresh pair of processes (launched by this script) builds the
 same model and loads the checkpoint. Each rank prints its resident memory (ru_maxrss,
-the peak so far) before and after the load.
+the peak so far) before and after the load, what the load added as a fraction of the
+rank's shard bytes, and how long the save and the load took. ``--without-checksums``
+deletes the checksums after the save, as in a checkpoint saved before embshard
+recorded them.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -45,6 +49,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--dir", required=True)
     parser.add_argument("--phase", choices=["save", "load"], default="save")
+    parser.add_argument("--without-checksums", action="store_true")
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     rank = dist.get_rank()
@@ -53,7 +58,12 @@ def main() -> None:
         if rank == 0:
             shutil.rmtree(args.dir, ignore_errors=True)
         dist.barrier()
-        checkpoint.save(args.dir, sharded, step=1)
+        start = time.perf_counter()
+        saved = checkpoint.save(args.dir, sharded, step=1)
+        if rank == 0:
+            print(f"save: {time.perf_counter() - start:.1f} s", flush=True)
+            if args.without_checksums:
+                (saved / checkpoint.CHECKSUMS).unlink()
         dist.destroy_process_group()
         if rank == 0:
             subprocess.run(
@@ -74,14 +84,17 @@ def main() -> None:
             )
         return
     before = peak_mib()
+    start = time.perf_counter()
     checkpoint.load(checkpoint.latest(args.dir), sharded)
+    seconds = time.perf_counter() - start
     after = peak_mib()
     local = (
         sum(s.rows * s.cols * 4 for t in sharded.tables.values() for s in t.shards_on(rank)) / 2**20
     )
     print(
         f"rank {rank}: owns {local:.0f} MiB of 1024 MiB; peak RSS {before:.0f} MiB before the "
-        f"load, {after:.0f} MiB after it",
+        f"load, {after:.0f} MiB after it: the load added {after - before:.0f} MiB "
+        f"({(after - before) / local:.2f} of its shards) in {seconds:.1f} s",
         flush=True,
     )
     dist.destroy_process_group()
