@@ -97,7 +97,7 @@ def bench(ctx: click.Context) -> None:
 
 @main.group()
 def ckpt() -> None:
-    """Inspect and export checkpoints (no process group needed)."""
+    """Inspect, verify and export checkpoints (no process group needed)."""
 
 
 @ckpt.command()
@@ -139,6 +139,26 @@ def inspect(directory: str, as_json: bool) -> None:
                     f"    rank {s['rank']}: rows {s['row_offset']}:{s['row_offset'] + s['rows']}, "
                     f"cols {s['col_offset']}:{s['col_offset'] + s['cols']}"
                 )
+
+
+@ckpt.command()
+@click.argument("directory", type=click.Path(exists=True, file_okay=False))
+def verify(directory: str) -> None:
+    """Check every saved chunk against the checksums saved with the checkpoint.
+
+    DIRECTORY is a checkpoint (step_*) or a root of them, for the latest. Prints OK,
+    or each corrupt chunk (table, file, offset) and exits with status 1.
+    """
+    from embshard.checkpoint import CheckpointError
+    from embshard.checkpoint import verify as verify_checkpoint
+
+    try:
+        report = verify_checkpoint(directory)
+    except CheckpointError as e:
+        raise click.ClickException(str(e)) from None
+    if not report.ok:
+        raise click.ClickException(report.summary())
+    click.echo(report.summary())
 
 
 @ckpt.command()

@@ -616,3 +616,15 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path):
     assert info["tables"]["embedding_bags.t0"]["shape"] == [1 << 20, 32]
     tensors = ckpt.read_tensors(latest, "model.")
     assert tensors["embedding_bags.t3.weight"].shape == (1 << 20, 32)
+
+
+def test_ckpt_verify(world, tmp_path):
+    world(2).run(save_trained, str(tmp_path), embshard.SGD(lr=0.1))
+    path = ckpt.latest(tmp_path)
+    ok = CliRunner().invoke(cli, ["ckpt", "verify", str(tmp_path)])
+    assert ok.exit_code == 0 and ok.output.startswith(f"{path}: OK, "), ok.output
+    bad = flip_a_byte(path, "model.embedding_bags.a.weight")
+    result = CliRunner().invoke(cli, ["ckpt", "verify", str(tmp_path)])
+    assert result.exit_code == 1
+    expected = f"table 'a' (model.embedding_bags.a.weight): {bad.file} at offset {bad.offset}"
+    assert expected in result.output, result.output

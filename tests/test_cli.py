@@ -25,7 +25,8 @@ HEAVY = ("torch", "torchrec", "fbgemm_gpu", "matplotlib")
 
 
 def test_help_imports_no_heavy_library():
-    commands = [[], ["plan"], ["show"], ["train"], ["bench"], ["ckpt"], ["ckpt", "export"]]
+    commands = [[], ["plan"], ["show"], ["simulate"], ["train"], ["bench"], ["ckpt"]]
+    commands += [["ckpt", "export"], ["ckpt", "verify"]]
     script = (
         "import sys\n"
         "from click.testing import CliRunner\n"
@@ -160,3 +161,14 @@ def test_png_memory_axis_takes_the_plans_unit(tmp_path, monkeypatch, memory, uni
     assert axes.get_ylabel() == f"memory ({unit})"
     assert [p.get_height() for p in axes.patches] == [memory // 2 / scale, memory / scale]
     plt.close(figure)
+
+
+def test_simulate_reports_every_rank_and_the_slowest():
+    result = CliRunner().invoke(cli, ["simulate", str(SMALL), "-w", "2", "--batches", "2"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert any(line.split()[:1] == ["0"] for line in lines)
+    assert any(line.split()[:1] == ["1"] for line in lines)
+    assert "slowest: rank " in result.output
+    bad = CliRunner().invoke(cli, ["simulate", str(SMALL), "-w", "0"])
+    assert bad.exit_code == 2 and "Traceback" not in bad.output
