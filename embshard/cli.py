@@ -6,7 +6,9 @@ is quick.
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -77,10 +79,29 @@ def train(config: str, nproc: int, resume: bool, max_restarts: int) -> None:
     launch = ["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts)]
     job = ["-m", "embshard.train", "--config", config, *(["--resume"] if resume else [])]
     args = get_args_parser().parse_args([*launch, *job])
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
+    quiet = _WorkersSaidWhy()
+    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    agent_log.addFilter(quiet)
     try:
         run(args)
     except ChildFailedError as e:
+        codes = {f.exitcode for f in e.failures.values()}
+        if 1 in codes and codes <= {1, -signal.SIGTERM}:  # the ranks printed why
+            raise click.ClickException("training stopped (exit code 1): see above") from None
         raise click.ClickException(f"training failed:\n{e}") from None
+    finally:
+        agent_log.removeFilter(quiet)
+
+
+class _WorkersSaidWhy(logging.Filter):
+    """torchrun's agent logs every failed run of workers, and its stopping of the
+    others; ranks that exit with 1 have printed their reason already (``embshard:
+    ...``), once and without traceback. Other failures (signals) are still logged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not message.startswith(("failed (exitcode: 1)", "Sending process"))
 
 
 @main.command(

@@ -259,10 +259,14 @@ class Feed:
         self._skip = skip  # batches of that pass already trained (when resuming)
         self._batches: Iterator[Batch] = iter(())
         self._next: Batch | None = None
+        self._error: Exception | None = None  # reading the next batch failed
 
     @property
     def pending(self) -> int:
-        """Samples in the batch this rank takes next: 0 once its part of the pass is done."""
+        """Samples in the batch this rank takes next: 0 once its part of the pass is done.
+        A batch that could not be read counts as pending: taking it raises the error."""
+        if self._error is not None:
+            return 1
         return 0 if self._next is None else self._next.size
 
     def next_epoch(self) -> bool:
@@ -273,11 +277,23 @@ class Feed:
             return False
         self._batches = self.source.epoch_batches(self._skip)
         self._skip = 0
-        self._next = next(self._batches, None)
+        self._read_ahead()
         return True
 
     def take(self) -> Batch:
-        """This rank's next batch, or an empty one once its part of the pass is done."""
+        """This rank's next batch, or an empty one once its part of the pass is done.
+        Raises what reading it raised (a malformed line), when it is its turn."""
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
         batch = self._next if self._next is not None else self.source.empty_batch()
-        self._next = next(self._batches, None)
+        self._read_ahead()
         return batch
+
+    def _read_ahead(self) -> None:
+        """Read the next batch now; an error waits for the take() that would return it,
+        where the training loop can agree on it with the other ranks."""
+        try:
+            self._next = next(self._batches, None)
+        except Exception as e:
+            self._next, self._error = None, e

@@ -272,6 +272,14 @@ class ShardedEmbeddingBagCollection(nn.Module):
             values=self._mean_pool(gathered, in_flight.lengths),
         )
 
+    def drop_prefetched(self) -> None:
+        """Wait for the input distributions started ahead and forget them: nothing may
+        be in flight when the process group goes (torch 2.13's gloo aborts then)."""
+        for _, in_flight in self._prefetched:
+            if in_flight.work is not None:
+                in_flight.work.wait()
+        self._prefetched.clear()
+
     def is_prefetched(self, features: KeyedJaggedTensor) -> bool:
         """Whether ``features`` (this object) was prefetched and not yet used."""
         return any(prefetched is features for prefetched, _ in self._prefetched)

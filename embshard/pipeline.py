@@ -40,6 +40,14 @@ def prefetch(model: nn.Module, batch: Any) -> list[tuple[str, KeyedJaggedTensor]
     return started
 
 
+def drain(model: nn.Module) -> None:
+    """Wait for every batch's input distribution started ahead, and drop them: before
+    the process group is destroyed, or when the batches taken ahead will not be used."""
+    for module in model.modules():
+        if isinstance(module, ShardedEmbeddingBagCollection):
+            module.drop_prefetched()
+
+
 def _jagged_tensors(batch: Any) -> list[KeyedJaggedTensor]:
     if isinstance(batch, KeyedJaggedTensor):
         return [batch]

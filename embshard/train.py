@@ -40,7 +40,7 @@ from embshard.data import Batch, CriteoData, Feed, SyntheticData
 from embshard.inputs import InputError
 from embshard.lookup import SGD, Adagrad, FusedOptimizer, RowWiseAdagrad
 from embshard.model import shard_model
-from embshard.pipeline import prefetch
+from embshard.pipeline import drain, prefetch
 from embshard.plan import ShardingPlan
 from embshard.planner import format_bytes, plan_config, plan_loads, topology_for
 
@@ -291,7 +291,7 @@ def _train(config: TrainConfig, resume: bool) -> dict:
             progress.write(line)
 
     summary: dict = {"steps": start, "samples": 0}
-    phase = f"step {start}: evaluation"
+    phase, collectives_failed = f"step {start}: evaluation", False
     try:
         if config.eval.every and start == 0:
             auc, eval_loss = evaluate(model, eval_batches, empty)
@@ -377,12 +377,15 @@ def _train(config: TrainConfig, resume: bool) -> dict:
     except TrainingError:
         raise
     except RuntimeError as e:  # a collective failed: a rank is stuck or gone
+        collectives_failed = True
         raise TrainingError(
             f"rank {rank}, {phase}: {_first_line(e)} (a collective failed: another rank may "
             f"be stuck or gone; timeout_s is {config.timeout_s})",
             agreed=False,
         ) from e
     finally:
+        if not collectives_failed:
+            drain(model)  # the batch taken ahead of the last step is never used
         progress.close()
         metrics.close()
     return summary
@@ -424,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingError as e:
         if dist.get_rank() == 0 or not e.agreed:  # an agreed message, printed once
             print(f"embshard: {e}", file=sys.stderr, flush=True)
+        if e.agreed:
+            dist.barrier()  # leave together: torchrun stops the others at the first exit
         return 1
     finally:
         dist.destroy_process_group()
