@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -98,11 +99,8 @@ def train_with_bad_ids_on_rank_1(path: str) -> tuple[str, bool] | dict:
         data.batch = batch
         return data
 
-    train_module.build_data = corrupted
-    try:
+    with mock.patch.object(train_module, "build_data", corrupted):
         return train_until_stopped(path)
-    finally:
-        train_module.build_data = build
 
 
 def test_bad_ids_on_one_rank_stop_every_rank_at_the_step_that_uses_them(world, tmp_path):
@@ -122,11 +120,8 @@ def train_with_a_full_disk_on_rank_1(path: str) -> tuple[str, bool] | dict:
             raise OSError(errno.ENOSPC, "No space left on device")
         return write(transforms, stream, *args, **kwargs)
 
-    filesystem._write_item = full
-    try:
+    with mock.patch.object(filesystem, "_write_item", full):
         return train_until_stopped(path)
-    finally:
-        filesystem._write_item = write
 
 
 def test_a_full_disk_during_a_save_stops_every_rank_and_keeps_the_last_checkpoint(world, tmp_path):
