@@ -49,6 +49,7 @@ from embshard.plan import (
     row_wise,
     table_wise,
 )
+from embshard.traffic import TableTraffic, TrafficStats, balanced_sizes
 
 GiB = 2**30
 _UNITS = {
@@ -213,10 +214,12 @@ def _as_config(table: EmbeddingBagConfig | TableConfig) -> EmbeddingBagConfig:
 def planned_tables(
     tables: Sequence[EmbeddingBagConfig | TableConfig],
     mean_pooling: Mapping[str, float] | None = None,
+    stats: TrafficStats | None = None,
 ) -> list[PlannedTable]:
     """The tables as the cost model sees them. ``mean_pooling`` gives the mean ids per
     bag by feature or by table name (a feature's own entry wins); 1.0 where it says
-    nothing, or a ``TableConfig``'s own ``mean_pooling``."""
+    nothing, or a ``TableConfig``'s own ``mean_pooling``. Measured ``stats`` win over
+    both: a table's ids per sample are then those counted."""
     pooling = dict(mean_pooling or {})
     configs = [
         (_as_config(t), t.mean_pooling if isinstance(t, TableConfig) else 1.0) for t in tables
@@ -228,10 +231,14 @@ def planned_tables(
     bad = {k: v for k, v in pooling.items() if not isinstance(v, int | float) or v < 0}
     if bad:
         raise PlanningError(f"mean_pooling must be non-negative numbers, got {bad}")
+    measured = _traffic(stats, [c for c, _ in configs])
     planned = []
     for config, default in configs:
         own = pooling.get(config.name, default)
         ids = sum(pooling.get(f, own) for f in config.feature_names)
+        if config.name in measured:
+            traffic = measured[config.name]
+            ids = traffic.lookups / max(traffic.samples, 1)
         planned.append(
             PlannedTable(
                 config.name,
@@ -242,6 +249,25 @@ def planned_tables(
             )
         )
     return planned
+
+
+def _traffic(
+    stats: TrafficStats | None, configs: Sequence[EmbeddingBagConfig]
+) -> dict[str, TableTraffic]:
+    """The measured traffic by table, checked against the tables' rows."""
+    if stats is None:
+        return {}
+    rows = {c.name: c.num_embeddings for c in configs}
+    wrong = {
+        n: (t.num_embeddings, rows.get(n))
+        for n, t in stats.tables.items()
+        if rows.get(n) != t.num_embeddings or (len(t.ids) and t.ids[-1] >= t.num_embeddings)
+    }
+    if wrong:
+        raise PlanningError(
+            f"traffic stats do not match the tables (measured rows, table rows): {wrong}"
+        )
+    return dict(stats.tables)
 
 
 _ID_BYTES = 8  # ids and bag lengths travel as int64
@@ -355,10 +381,15 @@ class PlanReport:
         return "\n".join(lines)
 
 
-def _shapes(table: PlannedTable, kind: str, blocks: int) -> list[tuple[int, int]]:
-    """Even pieces (row blocks differ by a row at most), in rank order."""
+def _shapes(
+    table: PlannedTable, kind: str, blocks: int, traffic: TableTraffic | None = None
+) -> list[tuple[int, int]]:
+    """Even pieces (row blocks differ by a row at most), in rank order; with measured
+    ``traffic``, row blocks that each get an even share of the lookups."""
     if kind == "column_wise":
         return [(table.num_embeddings, table.embedding_dim // blocks)] * blocks
+    if kind == "row_wise" and traffic is not None:
+        return [(rows, table.embedding_dim) for rows in balanced_sizes(traffic, blocks)]
     if kind == "row_wise":
         base, extra = divmod(table.num_embeddings, blocks)
         return [(base + (i < extra), table.embedding_dim) for i in range(blocks)]
@@ -407,6 +438,7 @@ class _Table:
     allowed: np.ndarray | None  # the ranks it may use, where its constraint says
     whole_cost: float
     whole_memory: int
+    traffic: TableTraffic | None = None  # measured lookups per row, where given
 
 
 @dataclass(slots=True)
@@ -480,7 +512,11 @@ def _split_counts(table: PlannedTable, kind: str, limit: int, constraint: TableC
 
 
 def _table(
-    table: PlannedTable, model: CostModel, constraint: TableConstraint, world: int
+    table: PlannedTable,
+    model: CostModel,
+    constraint: TableConstraint,
+    world: int,
+    traffic: TableTraffic | None = None,
 ) -> _Table:
     kinds, limit = _kinds(constraint), _limit(constraint, world)
     whole = model.memory(table.num_embeddings, table.embedding_dim)
@@ -488,10 +524,17 @@ def _table(
     options = []
     for kind, (a, b) in linear.items():
         for blocks in _split_counts(table, kind, limit, constraint):
-            rows, cols = _biggest(table, kind, blocks)
-            share = (
-                rows / table.num_embeddings if kind == "row_wise" else cols / table.embedding_dim
-            )
+            if kind == "row_wise" and traffic is not None:
+                sizes = [r for r, _ in _shapes(table, kind, blocks, traffic)]
+                rows, cols = max(sizes), table.embedding_dim
+                share = max(_row_shares(traffic, sizes))
+            else:
+                rows, cols = _biggest(table, kind, blocks)
+                share = (
+                    rows / table.num_embeddings
+                    if kind == "row_wise"
+                    else cols / table.embedding_dim
+                )
             memory = model.memory(rows, cols)
             waste = memory * blocks - whole if kind == "column_wise" else 0
             options.append(_Option(kind, blocks, a + b * blocks, a * share + b, memory, waste))
@@ -502,7 +545,15 @@ def _table(
         allowed = np.zeros(world, dtype=bool)
         allowed[list(constraint.ranks)] = True
     options.sort(key=lambda o: (o.total, o.blocks, o.kind))
-    return _Table(table, kinds, linear, tuple(options), allowed, model.whole_cost(table), whole)
+    return _Table(
+        table, kinds, linear, tuple(options), allowed, model.whole_cost(table), whole, traffic
+    )
+
+
+def _row_shares(traffic: TableTraffic, sizes: Sequence[int]) -> list[float]:
+    """The measured share of the lookups of each of consecutive row blocks."""
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    return [traffic.share(int(o), int(n)) for o, n in zip(offsets, sizes)]
 
 
 def _check_constraints(
@@ -623,18 +674,17 @@ def _lower_bound(
 def _pieces(
     table: _Table, model: CostModel, kind: str, ranks: Sequence[int], shapes: list
 ) -> list[_Piece]:
-    """Pieces of the given shapes on the given ranks, priced by ``_linear``."""
+    """Pieces of the given shapes on the given ranks, priced by ``_linear``: row
+    blocks by their measured share of the lookups where the table has traffic."""
     a, b = table.linear[kind]
     n, dim = table.spec.num_embeddings, table.spec.embedding_dim
+    if kind == "row_wise" and table.traffic is not None:
+        shares = _row_shares(table.traffic, [rows for rows, _ in shapes])
+    else:
+        shares = [rows / n if kind == "row_wise" else cols / dim for rows, cols in shapes]
     return [
-        _Piece(
-            int(r),
-            rows,
-            cols,
-            a * (rows / n if kind == "row_wise" else cols / dim) + b,
-            model.memory(rows, cols),
-        )
-        for r, (rows, cols) in zip(ranks, shapes)
+        _Piece(int(r), rows, cols, a * share + b, model.memory(rows, cols))
+        for r, (rows, cols), share in zip(ranks, shapes, shares)
     ]
 
 
@@ -662,7 +712,7 @@ def _place(
             ranks = np.sort(least[: option.blocks])
         else:
             continue
-        shapes = _shapes(table.spec, option.kind, option.blocks)
+        shapes = _shapes(table.spec, option.kind, option.blocks, table.traffic)
         return option.kind, _pieces(table, model, option.kind, ranks, shapes)
     if "row_wise" in table.kinds:
         return _rows_to_room(table, packing, model, target)
@@ -696,7 +746,11 @@ def _rows_to_room(
     rows[-1] -= filled[count - 1] - spec.num_embeddings
     blocks = sorted(zip(order[:count].tolist(), rows.tolist()))
     shapes = [(n, spec.embedding_dim) for _, n in blocks]
-    return "row_wise", _pieces(table, model, "row_wise", [r for r, _ in blocks], shapes)
+    pieces = _pieces(table, model, "row_wise", [r for r, _ in blocks], shapes)
+    # the room is worked out as if lookups were even over rows; measured ones are not
+    if table.traffic is not None and any(packing.cost[p.rank] + p.cost > target for p in pieces):
+        return None
+    return "row_wise", pieces
 
 
 def _pack(tables: Sequence[_Table], model: CostModel, target: float) -> _Packing:
@@ -863,6 +917,7 @@ def plan_tables(
     optimizer: str = "rowwise_adagrad",
     *,
     mean_pooling: Mapping[str, float] | None = None,
+    stats: TrafficStats | None = None,
 ) -> tuple[ShardingPlan, PlanReport]:
     """A plan that fits every rank's usable memory and keeps the slowest rank's
     estimated step cost low, with a report of per-rank memory and cost.
@@ -872,9 +927,12 @@ def plan_tables(
     ``planned_tables``); ``constraints`` limit tables by name. The slowest rank is
     never above that of LPT table-wise (every table whole, costliest first on the
     least-loaded rank that may take it, where memory allows), nor below the reported
-    lower bound (``_lower_bound``).
+    lower bound (``_lower_bound``). With measured ``stats`` (``embshard.traffic``),
+    tables are priced by their measured ids, row blocks are cut so each gets an even
+    share of its table's lookups, and each is priced by the lookups landing in it.
     """
-    specs = planned_tables(tables, mean_pooling)
+    specs = planned_tables(tables, mean_pooling, stats)
+    measured = stats.tables if stats is not None else {}
     constraints = dict(constraints or {})
     world = topology.world_size
     _check_constraints(constraints, specs, world)
@@ -882,7 +940,10 @@ def plan_tables(
     _check_memory(specs, model)
     free = TableConstraint()
     prepared = sorted(  # the tables kept to the fewest ranks first, then costliest first
-        (_table(t, model, constraints.get(t.name, free), world) for t in specs),
+        (
+            _table(t, model, constraints.get(t.name, free), world, measured.get(t.name))
+            for t in specs
+        ),
         key=lambda t: (
             _limit(constraints.get(t.spec.name, free), world),
             -t.whole_cost,
@@ -915,21 +976,27 @@ def plan_loads(
     optimizer: str = "rowwise_adagrad",
     *,
     mean_pooling: Mapping[str, float] | None = None,
+    stats: TrafficStats | None = None,
 ) -> list[RankLoad]:
-    """Per-rank memory and estimated cost of any plan, by the same cost model."""
+    """Per-rank memory and estimated cost of any plan, by the same cost model (row
+    blocks priced by their measured lookups, with ``stats``)."""
     model = CostModel(topology, batch_size, optimizer)
     resolved: dict[str, ShardedTable] = plan.resolve(
         [_as_config(t) for t in tables], topology.world_size
     )
     loads = [RankLoad(r) for r in range(topology.world_size)]
-    for table in planned_tables(tables, mean_pooling):
-        sharded = resolved[table.name]
+    measured = stats.tables if stats is not None else {}
+    for table in planned_tables(tables, mean_pooling, stats):
+        sharded, traffic = resolved[table.name], measured.get(table.name)
         for shard in sharded.shards:
             if not (shard.rows and shard.cols):
                 continue
             load = loads[shard.rank]
             load.memory += model.memory(shard.rows, shard.cols)
-            load.cost += model.shard_cost(table, _kind(sharded), shard.rows, shard.cols)
+            rows = shard.rows  # priced as the rows its measured lookups would fill
+            if traffic is not None and _kind(sharded) == "row_wise":
+                rows = traffic.share(shard.row_offset, shard.rows) * table.num_embeddings
+            load.cost += model.shard_cost(table, _kind(sharded), rows, shard.cols)
             load.shards.append(shard_name(table.name, shard))
     return loads
 
@@ -963,10 +1030,14 @@ def topology_for(
 
 
 def plan_config(
-    config: TrainConfig, world_size: int, memory_per_rank: str | int | None = None
+    config: TrainConfig,
+    world_size: int,
+    memory_per_rank: str | int | None = None,
+    stats: TrafficStats | None = None,
 ) -> tuple[ShardingPlan, PlanReport]:
-    """Plan a training config's tables, with its tables' constraints and optimizer; a
-    config with its own ``plan:`` (which training uses) gets that plan, and its report."""
+    """Plan a training config's tables, with its tables' constraints and optimizer (and
+    measured ``stats``, see ``plan_tables``); a config with its own ``plan:`` (which
+    training uses) gets that plan, and its report."""
     topology = topology_for(config, world_size, memory_per_rank)
     optimizer = config.sparse_optimizer.type
     given = config.sharding_plan()
@@ -980,7 +1051,9 @@ def plan_config(
         )
         for t in config.tables
     }
-    return plan_tables(config.tables, topology, config.batch_size, constraints, optimizer)
+    return plan_tables(
+        config.tables, topology, config.batch_size, constraints, optimizer, stats=stats
+    )
 
 
 _GIVEN = "the config's own plan"

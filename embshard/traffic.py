@@ -1,0 +1,109 @@
+"""Measured traffic: how many lookups each table's rows get, from the config's data.
+
+The planner otherwise assumes ids are uniform over a table's rows; real ids are
+skewed (low ids are hot in the synthetic data and in Criteo), so an even row-wise
+split sends most of a table's lookups to its first rank. ``measure_traffic`` counts,
+over a few batches of the readers training uses, the lookups of every row that got
+any (a histogram with one-row buckets, kept sparse), and the bags and ids per sample;
+``balanced_sizes`` cuts a table's rows where its cumulative lookups divide evenly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from embshard.config import TrainConfig
+from embshard.data import Batch
+
+
+@dataclass(frozen=True)
+class TableTraffic:
+    """One table's measured lookups: ``ids`` the distinct rows looked up (sorted),
+    ``counts`` how often each was, over ``samples`` samples in ``bags`` bags."""
+
+    num_embeddings: int
+    ids: np.ndarray
+    counts: np.ndarray
+    samples: int
+    bags: int
+
+    @property
+    def lookups(self) -> int:
+        return int(self.counts.sum())
+
+    def share(self, offset: int, rows: int) -> float:
+        """The fraction of the lookups that land in rows ``[offset, offset + rows)``."""
+        if not self.lookups:
+            return rows / self.num_embeddings
+        lo, hi = np.searchsorted(self.ids, [offset, offset + rows])
+        return float(self.counts[lo:hi].sum()) / self.lookups
+
+
+@dataclass(frozen=True)
+class TrafficStats:
+    """Every table's measured traffic, by table name."""
+
+    tables: dict[str, TableTraffic]
+
+
+def count_traffic(config: TrainConfig, batches: Iterable[Batch]) -> TrafficStats:
+    """The lookups per row, bags and samples of each of ``config``'s tables over
+    ``batches`` (a table's lookups are those of all features it serves)."""
+    ids: dict[str, list[np.ndarray]] = {t.name: [] for t in config.tables}
+    bags = dict.fromkeys(ids, 0)
+    samples = 0
+    for batch in batches:
+        samples += batch.size
+        features = batch.sparse.to_dict()
+        for table in config.tables:
+            for feature in table.features:
+                jagged = features[feature]
+                ids[table.name].append(jagged.values().numpy())
+                bags[table.name] += int((jagged.lengths() > 0).sum())
+    tables = {}
+    for table in config.tables:
+        values = np.concatenate(ids[table.name]) if ids[table.name] else np.zeros(0, np.int64)
+        rows, counts = np.unique(values, return_counts=True)
+        tables[table.name] = TableTraffic(
+            table.num_embeddings, rows, counts, samples, bags[table.name]
+        )
+    return TrafficStats(tables)
+
+
+def measure_traffic(
+    config: TrainConfig, world_size: int, batches: int = 4, ranks: int = 2
+) -> TrafficStats:
+    """``batches`` batches of each of the first ``ranks`` ranks' data readers (those
+    training builds for a world of ``world_size``): a cheap sample of the traffic."""
+    from embshard.train import build_data  # train imports the model stack: only here
+
+    def read() -> Iterable[Batch]:
+        for rank in range(min(ranks, world_size)):
+            reader = build_data(config, rank, world_size)
+            for _, batch in zip(range(batches), reader.epoch_batches()):
+                yield batch
+
+    return count_traffic(config, read())
+
+
+def balanced_sizes(traffic: TableTraffic, pieces: int) -> list[int]:
+    """Row block sizes (summing to the table's rows, each at least 0) that give every
+    block about ``1 / pieces`` of the lookups: each cut falls between the rows where
+    the cumulative lookups cross ``k / pieces`` of them, on the side nearer it. Rows
+    with no lookups measured are split evenly."""
+    n = traffic.num_embeddings
+    if not traffic.lookups:
+        base, extra = divmod(n, pieces)
+        return [base + (i < extra) for i in range(pieces)]
+    cumulative = np.cumsum(traffic.counts)
+    targets = cumulative[-1] * np.arange(1, pieces) / pieces
+    j = np.searchsorted(cumulative, targets)  # the row where the target is crossed
+    before = cumulative[j] - traffic.counts[j]
+    nearer_before = targets - before < cumulative[j] - targets
+    cuts = np.where(nearer_before, traffic.ids[j], traffic.ids[j] + 1)
+    cuts = np.maximum.accumulate(np.clip(cuts, 0, n))
+    edges = np.concatenate([[0], cuts, [n]])
+    return np.diff(edges).astype(int).tolist()
