@@ -206,14 +206,28 @@ def export(directory: str, out: str) -> None:
 @click.option("--memory-per-rank", default=None, help="Like 80GiB; default: the config's topology.")
 @click.option("--out", type=OutputFile(), help="Write the plan (YAML) here.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.option(
+    "--batches",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Plan from the traffic measured over this many batches of 2 ranks' data "
+    "(0: from each table's mean_pooling, ids spread evenly).",
+)
 def plan(
-    config: str, world_size: int, memory_per_rank: str | None, out: str | None, as_json: bool
+    config: str,
+    world_size: int,
+    memory_per_rank: str | None,
+    out: str | None,
+    as_json: bool,
+    batches: int,
 ) -> None:
     """Plan CONFIG's tables for WORLD_SIZE ranks.
 
     Prints each rank's memory, estimated step cost and shards, why each table is
     sharded as it is, and the plan; --out writes the plan for the config's `plan:` or
-    `embshard show`.
+    `embshard show`. With --batches N, tables are priced, and row-wise ones cut, by
+    the lookups measured over N batches of the config's data (skewed ids: hot rows).
     """
     import json
 
@@ -221,10 +235,12 @@ def plan(
 
     from embshard.config import ConfigError, load_config
     from embshard.planner import PlanningError, plan_config
+    from embshard.traffic import measure_traffic
 
     try:
-        model = load_config(config, check_files=False)  # planning reads no data
-        sharding, report = plan_config(model, world_size, memory_per_rank)
+        model = load_config(config, check_files=batches > 0)  # reads data only to measure
+        stats = measure_traffic(model, world_size, batches) if batches else None
+        sharding, report = plan_config(model, world_size, memory_per_rank, stats)
     except (ConfigError, PlanningError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     if out:

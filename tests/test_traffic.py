@@ -4,6 +4,7 @@ receive about the same number of lookups on power-law ids."""
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 
 import numpy as np
@@ -94,3 +95,20 @@ def test_traffic_of_another_table_shape_is_refused(tmp_path):
     wrong = TableTraffic(7, np.array([1]), np.array([1]), 1, 1)
     with pytest.raises(PlanningError, match="traffic stats do not match the tables"):
         plan_config(config, 2, stats=TrafficStats({"user": wrong}))
+
+
+def test_plan_command_cuts_hot_rows_from_measured_batches():
+    from click.testing import CliRunner
+
+    from embshard.cli import main as cli
+
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "criteo_1tb.yaml")
+    even = CliRunner().invoke(cli, ["plan", config, "-w", "8", "--json"])
+    measured = CliRunner().invoke(cli, ["plan", config, "-w", "8", "--batches", "2", "--json"])
+    assert even.exit_code == 0 and measured.exit_code == 0, measured.output
+    even_spec = json.loads(even.output)["plan"]["tables"]["t_cat_20"]
+    spec = json.loads(measured.output)["plan"]["tables"]["t_cat_20"]
+    assert spec["type"] == "row_wise" and spec != even_spec
+    # Low ids are hot: the first block holds far fewer rows than an even share.
+    sizes = [s for s in spec["sizes"] if s]
+    assert sizes[0] * 10 < sum(sizes) / len(sizes)
