@@ -40,7 +40,7 @@ from embshard.init import init_shard
 from embshard.inputs import InputError, LocalBatch, check_batch, describe_problem
 from embshard.lookup import SGD, FusedOptimizer
 from embshard.plan import ShardedTable, ShardingPlan
-from embshard.routes import build_routes
+from embshard.routes import Routes, build_routes
 from embshard.shards import allocate_storage, gather_table, table_dtensor
 
 
@@ -224,26 +224,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._prefetched.append((features, self.input_dist(features)))
 
     def input_dist(self, features: KeyedJaggedTensor) -> InputInFlight:
-        """Stage 1 (collective): check the batch, route its ids to their owners,
-        exchange counts (the one host sync), and start the ids all-to-all."""
-        batch, routed, problem = self._route(features)
-        counts = exchange_counts(
-            self._input_dist.send_sizes(routed),
-            routed.ids_per_rank,
-            routed.batch_size,
-            batch.valid
-            if batch is not None
-            else torch.zeros((), dtype=torch.bool, device=self._device),
-            self._group,
-        )
-        if counts.failed:
-            problem = self._problem(features, batch, problem)
-            return InputInFlight(error=gather_input_error(problem, self._group))
-        payload = self._input_dist.pack(routed, counts.sent_ids)
-        received, work = self._input_dist.exchange(
-            payload, counts.send_sizes, counts.recv_sizes, self._group
-        )
-        return InputInFlight(counts, batch.lengths, received, work)
+        """Stage 1 (collective): see ``start_input_dist``."""
+        return start_input_dist(features, self._input_dist, self._group)
 
     def lookup(self, in_flight: InputInFlight) -> torch.Tensor:
         """Stage 2: wait for the ids, and pool every local shard's rows for the global
@@ -295,29 +277,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 del self._prefetched[: i + 1]
                 return in_flight
         return None
-
-    def _route(self, features: KeyedJaggedTensor) -> tuple[LocalBatch | None, Routed, str | None]:
-        """The checked batch, routed to its owners, or what is wrong with it (and an
-        empty route). Never raises: a rank that failed here must still tell the others
-        in the counts exchange."""
-        try:
-            batch = check_batch(features, self._routes, self._input_dist.feature_rows)
-            if isinstance(batch, str):
-                return None, self._input_dist.nothing(), batch
-            return batch, self._input_dist.route(batch), None
-        except Exception as e:
-            return None, self._input_dist.nothing(), f"routing the batch failed: {e!r}"
-
-    def _problem(
-        self, features: KeyedJaggedTensor, batch: LocalBatch | None, problem: str | None
-    ) -> str | None:
-        """What is wrong with this rank's batch, if anything, once some rank's is bad."""
-        if problem is not None or batch is None or bool(batch.valid):
-            return problem
-        try:
-            return describe_problem(features, self._routes)
-        except Exception as e:
-            return f"checking the batch failed: {e!r}"
 
     def _mean_pool(self, out: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """MEAN-pooled features divided by the requester's own bag lengths."""
@@ -421,6 +380,57 @@ class ShardedEmbeddingBagCollection(nn.Module):
             for shard, (row, col) in zip(wrapper.local_shards(), wrapper.local_offsets()):
                 rows, cols = shard.shape
                 shard.copy_(full[row : row + rows, col : col + cols])
+
+
+def start_input_dist(
+    features: KeyedJaggedTensor, stage: InputDistribution, group: dist.ProcessGroup | None
+) -> InputInFlight:
+    """Stage 1 (collective): check the batch, route its ids to their owners,
+    exchange counts (the one host sync), and start the ids all-to-all. Needs only the
+    input distribution, no tables: ``embshard simulate`` runs it too."""
+    batch, routed, problem = _route(features, stage)
+    counts = exchange_counts(
+        stage.send_sizes(routed),
+        routed.ids_per_rank,
+        routed.batch_size,
+        batch.valid
+        if batch is not None
+        else torch.zeros((), dtype=torch.bool, device=stage.device),
+        group,
+    )
+    if counts.failed:
+        problem = _problem(features, stage.routes, batch, problem)
+        return InputInFlight(error=gather_input_error(problem, group))
+    payload = stage.pack(routed, counts.sent_ids)
+    received, work = stage.exchange(payload, counts.send_sizes, counts.recv_sizes, group)
+    return InputInFlight(counts, batch.lengths, received, work)
+
+
+def _route(
+    features: KeyedJaggedTensor, stage: InputDistribution
+) -> tuple[LocalBatch | None, Routed, str | None]:
+    """The checked batch, routed to its owners, or what is wrong with it (and an
+    empty route). Never raises: a rank that failed here must still tell the others
+    in the counts exchange."""
+    try:
+        batch = check_batch(features, stage.routes, stage.feature_rows)
+        if isinstance(batch, str):
+            return None, stage.nothing(), batch
+        return batch, stage.route(batch), None
+    except Exception as e:
+        return None, stage.nothing(), f"routing the batch failed: {e!r}"
+
+
+def _problem(
+    features: KeyedJaggedTensor, routes: Routes, batch: LocalBatch | None, problem: str | None
+) -> str | None:
+    """What is wrong with this rank's batch, if anything, once some rank's is bad."""
+    if problem is not None or batch is None or bool(batch.valid):
+        return problem
+    try:
+        return describe_problem(features, routes)
+    except Exception as e:
+        return f"checking the batch failed: {e!r}"
 
 
 def shard(

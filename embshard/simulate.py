@@ -2,7 +2,7 @@
 
 Every rank is a thread of this process and a rank of torch's in-process threaded
 process group, so embshard's own input stage runs unchanged: each rank reads its
-own part of the data (as in training), and the sharded module's ``input_dist``
+own part of the data (as in training), and the sharded module's input stage
 checks and routes its batch, exchanges counts and sends the ids, real all-to-alls
 between the threads. The tables are never allocated: the pooled all-to-alls' bytes
 follow from the batch sizes and the slot widths, the memory from the planner's
@@ -21,14 +21,13 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.testing._internal.distributed import multi_threaded_pg
 
 from embshard import module
 from embshard.config import TrainConfig, load_config
 from embshard.data import Feed
 from embshard.dist import Counts, InputDistribution, Scratch
-from embshard.module import ShardedEmbeddingBagCollection
+from embshard.module import start_input_dist
 from embshard.plan import RowWise, ShardingPlan, TableSpec, plural
 from embshard.planner import _PASSES, Topology, format_bytes, plan_config, plan_loads, topology_for
 from embshard.routes import Routes, build_routes
@@ -85,17 +84,6 @@ def run_ranks(world_size: int, fn: Callable[..., T], *args: Any) -> list[T]:
     if raised or errors:
         raise (raised or errors)[0]
     return results
-
-
-class _InputStage(ShardedEmbeddingBagCollection):
-    """The sharded module's input stage without its tables: ``input_dist`` is the
-    module's own, which needs only the routes, the input distribution, the device and
-    the group (the default one)."""
-
-    def __init__(self, routes: Routes, input_dist: InputDistribution) -> None:
-        nn.Module.__init__(self)  # no TBE, no weights: the tables stay unallocated
-        self._routes, self._input_dist = routes, input_dist
-        self._device, self._group = input_dist.device, None
 
 
 @dataclass(frozen=True)
@@ -293,12 +281,11 @@ def _simulate_rank(config: TrainConfig, routes: Routes, batches: int) -> RankRep
     """One rank's input stage over ``batches`` of its own data (a thread's work)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     input_dist = InputDistribution(routes, rank, Scratch(), torch.device("cpu"))
-    stage = _InputStage(routes, input_dist)
     feed = Feed(build_data(config, rank, world))
     feed.next_epoch()
     report = RankReport(rank)
     for _ in range(batches):
-        in_flight = stage.input_dist(feed.take().sparse)
+        in_flight = start_input_dist(feed.take().sparse, input_dist, None)
         if in_flight.error is not None:
             raise in_flight.error
         in_flight.work.wait()
