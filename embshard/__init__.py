@@ -17,6 +17,7 @@ _MODULES = {
     "embshard.module": ["ShardedEmbeddingBagCollection", "shard"],
     "embshard.plan": [
         "ColumnWise",
+        "DataParallel",
         "PlanError",
         "RowWise",
         "ShardedTable",
@@ -25,6 +26,7 @@ _MODULES = {
         "TableSpec",
         "TableWise",
         "column_wise",
+        "data_parallel",
         "row_wise",
         "table_wise",
     ],

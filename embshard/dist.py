@@ -10,7 +10,7 @@ whatever the plan.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -307,8 +307,9 @@ COMM_DTYPES = {
 @dataclass(frozen=True)
 class OutputLayout:
     """What the pooled all-to-all needs besides the batch sizes, fixed at sharding:
-    every rank's pooled block width, the column moves into the output, where this
-    rank stands, and the precision the pooled rows and their gradients travel in."""
+    every rank's pooled block width, the column moves into the output (those of the
+    received blocks, and those of the local lookup's block), where this rank stands,
+    and the precision the pooled rows and their gradients travel in."""
 
     block_dims: list[int]
     moves: list[ColumnMove]
@@ -317,6 +318,7 @@ class OutputLayout:
     group: dist.ProcessGroup | None
     scratch: Scratch
     comm_precision: str | None = None
+    local_moves: list[ColumnMove] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.comm_precision not in COMM_DTYPES:
@@ -343,13 +345,14 @@ class OutputLayout:
 
 class PooledAllToAll(torch.autograd.Function):
     """Each rank's pooled rows go back to the ranks whose samples they are, and land
-    in their output columns.
+    in their output columns, beside the local lookup's (data-parallel tables).
 
     Forward: [global batch, this rank's slot dims] -> [local batch, output dims]: the
     all-to-all, then every slot's columns copied to (or, for row-wise partials, added
-    into) their output columns. Backward: each slot takes its output columns' gradient,
-    the all-to-all runs in reverse, and the result is divided by the world size, so
-    the sparse gradients are averaged over ranks as DDP averages the dense ones.
+    into) their output columns, and ``local``'s columns copied to theirs. Backward:
+    each slot takes its output columns' gradient, the all-to-all runs in reverse, and
+    the result is divided by the world size, so the sparse gradients are averaged over
+    ranks as DDP averages the dense ones.
     ``anchor`` requires grad on every rank, so every rank joins the backward
     all-to-all even when it holds no shards.
 
@@ -359,7 +362,7 @@ class PooledAllToAll(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, anchor, pooled, batch_sizes, layout):  # type: ignore[override]
+    def forward(ctx, anchor, pooled, local, batch_sizes, layout):  # type: ignore[override]
         local_batch = batch_sizes[layout.rank]
         send_splits = [b * pooled.shape[1] for b in batch_sizes]
         recv_splits = [local_batch * d for d in layout.block_dims]
@@ -375,14 +378,23 @@ class PooledAllToAll(torch.autograd.Function):
                 target.add_(piece)
             else:
                 target.copy_(piece)
+        for m in layout.local_moves:
+            piece = _column_runs(local, m.source, m.source_step, m)
+            _column_runs(out, m.target, m.target_step, m).copy_(piece)
         ctx.save_for_backward(anchor)
-        ctx.splits = (send_splits, recv_splits, local_batch, pooled.shape)
+        ctx.splits = (send_splits, recv_splits, local_batch, pooled.shape, local.shape)
         ctx.layout = layout
         return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        (send_splits, recv_splits, local_batch, pooled_shape), layout = ctx.splits, ctx.layout
+        (send_splits, recv_splits, local_batch, pooled_shape, local_shape) = ctx.splits
+        layout = ctx.layout
+        grad_local = grad.new_empty(local_shape)
+        for m in layout.local_moves:
+            _column_runs(grad_local, m.source, m.source_step, m).copy_(
+                _column_runs(grad, m.target, m.target_step, m)
+            )
         send = layout.scratch.take("grad_out", (sum(recv_splits),), grad, layout.comm_dtype)
         blocks = _blocks(send, recv_splits, local_batch, layout.block_dims)
         for m in layout.moves:
@@ -395,7 +407,7 @@ class PooledAllToAll(torch.autograd.Function):
         )
         grad_pooled = layout.from_wire("grad_pooled_fp32", received, grad.dtype)
         grad_pooled.div_(dist.get_world_size(layout.group))
-        return None, grad_pooled, None, None
+        return None, grad_pooled, grad_local, None, None
 
 
 def _blocks(

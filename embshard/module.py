@@ -16,6 +16,7 @@ import functools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,7 @@ from embshard.init import init_shard
 from embshard.inputs import InputError, LocalBatch, check_batch, describe_problem
 from embshard.lookup import SGD, FusedOptimizer
 from embshard.plan import ShardedTable, ShardingPlan
+from embshard.replicated import build_replicated
 from embshard.routes import Routes, build_routes
 from embshard.shards import allocate_storage, gather_table, table_dtensor
 
@@ -92,14 +94,24 @@ def world_mesh(device_type: str | None = None) -> DeviceMesh:
 @dataclass
 class InputInFlight:
     """A batch after its input distribution started: what the counts exchange said, the
-    requester's bag lengths (MEAN pooling), and the ids all-to-all on its way. Or the
-    InputError its batch (or another rank's) raised, to raise when it is used."""
+    checked local batch (for the data-parallel tables and MEAN pooling), and the ids
+    all-to-all on its way. Or the InputError its batch (or another rank's) raised, to
+    raise when it is used."""
 
     counts: Counts | None = None
-    lengths: torch.Tensor | None = None
+    batch: LocalBatch | None = None
     received: torch.Tensor | None = None
     work: dist.Work | None = None
     error: InputError | None = None
+
+
+class Pooled(NamedTuple):
+    """The lookup's results: the sharded tables' pooled rows for the global batch,
+    [global batch, this rank's slot dims], and the data-parallel tables' for the local
+    batch, [local batch, their dims]."""
+
+    sharded: torch.Tensor
+    local: torch.Tensor
 
 
 def _check_mesh(mesh: DeviceMesh) -> None:
@@ -173,11 +185,21 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._rank = mesh.get_coordinate()[0]
         self._device = _mesh_device(mesh)
         self._routes = build_routes(self._configs, self._tables, mesh.size(), is_weighted)
+        copies = {n: (t.num_embeddings, t.embedding_dim) for n, t in self._tables.items()}
+        replicated = build_replicated(
+            self._routes,
+            {n: shape for n, shape in copies.items() if self._tables[n].replicated},
+            optimizer,
+            self._device,
+            dtype,
+            self._group,
+        )
         scratch = Scratch()
         self._input_dist = InputDistribution(self._routes, self._rank, scratch, self._device)
         self._output_layout = OutputLayout(
             block_dims=[sum(self._routes.slot_dims(r)) for r in range(mesh.size())],
             moves=self._routes.column_moves(),
+            local_moves=self._routes.local_moves(),
             output_dim=self._routes.output_dim,
             rank=self._rank,
             group=self._group,
@@ -192,7 +214,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._prefetched: list[tuple[KeyedJaggedTensor, InputInFlight]] = []
         feature_table_map = [s.tbe_table for s in self._routes.slots[self._rank]]
         self._storage = allocate_storage(
-            self._tables, self._rank, optimizer, self._device, feature_table_map, dtype
+            self._tables, self._rank, optimizer, self._device, feature_table_map, dtype, replicated
         )
         self._fill(seed, weights)
         submesh = functools.partial(_submesh, mesh)
@@ -227,11 +249,17 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """Stage 1 (collective): see ``start_input_dist``."""
         return start_input_dist(features, self._input_dist, self._group)
 
-    def lookup(self, in_flight: InputInFlight) -> torch.Tensor:
+    def lookup(self, in_flight: InputInFlight) -> Pooled:
         """Stage 2: wait for the ids, and pool every local shard's rows for the global
-        batch in one TBE call."""
+        batch in one TBE call; pool the data-parallel tables' rows for the local batch."""
         if in_flight.error is not None:
             raise in_flight.error
+        batch, replicated = in_flight.batch, self._storage.replicated
+        local = (
+            replicated(batch)
+            if replicated is not None
+            else torch.zeros(batch.batch_size, 0, device=self._device)
+        )
         in_flight.work.wait()
         counts = in_flight.counts
         indices, offsets, weights = self._input_dist.unpack(
@@ -239,19 +267,23 @@ class ShardedEmbeddingBagCollection(nn.Module):
         )
         in_flight.received = None  # its buffer may serve the next batch
         if self._storage.tbe is None:
-            return torch.zeros(sum(counts.batch_sizes), 0, device=self._device)
-        return self._storage.tbe(indices, offsets, per_sample_weights=weights)
+            return Pooled(torch.zeros(sum(counts.batch_sizes), 0, device=self._device), local)
+        return Pooled(self._storage.tbe(indices, offsets, per_sample_weights=weights), local)
 
-    def output_dist(self, pooled: torch.Tensor, in_flight: InputInFlight) -> KeyedTensor:
+    def output_dist(self, pooled: Pooled, in_flight: InputInFlight) -> KeyedTensor:
         """Stage 3 (collective): the pooled rows home to their requesters, in their
-        output columns, as the unsharded module's KeyedTensor."""
+        output columns beside the local lookup's, as the unsharded module's KeyedTensor."""
         gathered = PooledAllToAll.apply(
-            self._anchor, pooled, in_flight.counts.batch_sizes, self._output_layout
+            self._anchor,
+            pooled.sharded,
+            pooled.local,
+            in_flight.counts.batch_sizes,
+            self._output_layout,
         )
         return KeyedTensor(
             keys=self._keys,
             length_per_key=self._dims,
-            values=self._mean_pool(gathered, in_flight.lengths),
+            values=self._mean_pool(gathered, in_flight.batch.lengths),
         )
 
     def drop_prefetched(self) -> None:
@@ -288,11 +320,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     def _fill(self, seed: int, weights: Mapping[str, torch.Tensor] | None) -> None:
         """Write each local shard: from ``weights`` (full tables) or the seeded init."""
-        if self._storage.tbe is None:
-            return
         configs = {c.name: c for c in self._configs}
-        views = self._storage.tbe.split_embedding_weights()
-        for (name, s), view in zip(self._storage.shards, views):
+        for name, s, view in self._storage.weight_views():
             if weights is None:
                 init_shard(view, configs[name], s.row_offset, s.col_offset, seed)
             else:
@@ -403,7 +432,7 @@ def start_input_dist(
         return InputInFlight(error=gather_input_error(problem, group))
     payload = stage.pack(routed, counts.sent_ids)
     received, work = stage.exchange(payload, counts.send_sizes, counts.recv_sizes, group)
-    return InputInFlight(counts, batch.lengths, received, work)
+    return InputInFlight(counts, batch, received, work)
 
 
 def _route(

@@ -1,6 +1,7 @@
 """Sharding plans: which rank holds which rows and columns of every table.
 
-A plan maps table names to specs (table-wise, row-wise, column-wise). Resolving it
+A plan maps table names to specs (table-wise, row-wise, column-wise, data-parallel).
+Resolving it
 against the tables' ``EmbeddingBagConfig``s and a world size gives every table's
 concrete shards. Every problem is reported at once, each naming its table: a plan
 read from YAML with the tables (and world size) at hand lists its malformed entries
@@ -51,7 +52,13 @@ class ColumnWise:
     widths: tuple[int, ...] | None = None
 
 
-TableSpec = TableWise | RowWise | ColumnWise
+@dataclass(frozen=True)
+class DataParallel:
+    """A full copy of the table on every rank, looked up locally: no ids or pooled rows
+    travel for it, and its gradient is averaged over the ranks, as DDP's are."""
+
+
+TableSpec = TableWise | RowWise | ColumnWise | DataParallel
 
 
 def table_wise(rank: int) -> TableWise:
@@ -69,6 +76,11 @@ def column_wise(ranks: Sequence[int], widths: Sequence[int] | None = None) -> Co
     """Split columns into ``len(ranks)`` blocks, block ``i`` on ``ranks[i]``; equal
     widths unless ``widths`` gives them."""
     return ColumnWise(ranks=tuple(ranks), widths=None if widths is None else tuple(widths))
+
+
+def data_parallel() -> DataParallel:
+    """Replicate the table on every rank (TorchRec's data-parallel sharding)."""
+    return DataParallel()
 
 
 @dataclass(frozen=True)
@@ -96,14 +108,26 @@ class ShardedTable:
         return tuple(s for s in self.shards if s.rank == rank)
 
     @property
+    def replicated(self) -> bool:
+        """Data-parallel: every rank holds the whole table (one shard a rank)."""
+        return isinstance(self.spec, DataParallel)
+
+    @property
     def ranks(self) -> tuple[int, ...]:
         """Ranks that hold a non-empty part of the table, ascending."""
         return tuple(sorted({s.rank for s in self.shards if s.rows and s.cols}))
 
 
 def local_shards(tables: Mapping[str, ShardedTable], rank: int) -> list[tuple[str, TableShard]]:
-    """The non-empty shards on ``rank``, in table then column order: its TBE's tables."""
-    return [(n, s) for n, t in tables.items() for s in t.shards_on(rank) if s.rows and s.cols]
+    """The non-empty shards on ``rank`` that the all-to-alls serve, in table then column
+    order: its TBE's tables. Data-parallel copies are not among them."""
+    return [
+        (n, s)
+        for n, t in tables.items()
+        if not t.replicated
+        for s in t.shards_on(rank)
+        if s.rows and s.cols
+    ]
 
 
 def even_row_sizes(num_embeddings: int, world_size: int) -> tuple[int, ...]:
@@ -180,6 +204,8 @@ def _spec_problems(spec: Any) -> list[str]:
         if spec.sizes is not None and not all(_is_int(s) and s >= 0 for s in spec.sizes):
             return [f"row_wise sizes must be non-negative ints, got {list(spec.sizes)}"]
         return []
+    if isinstance(spec, DataParallel):
+        return []
     if isinstance(spec, ColumnWise):
         problems = []
         if not spec.ranks:
@@ -197,7 +223,10 @@ def _spec_problems(spec: Any) -> list[str]:
                     f"column_wise widths must be positive ints, got {list(spec.widths)}"
                 )
         return problems
-    return [f"expected table_wise(...), row_wise(...) or column_wise(...), got {spec!r}"]
+    return [
+        "expected table_wise(...), row_wise(...), column_wise(...) or data_parallel(), "
+        f"got {spec!r}"
+    ]
 
 
 def _column_widths(dim: int, spec: ColumnWise) -> tuple[int, ...] | None:
@@ -229,6 +258,9 @@ def _table_problems(
 
     if isinstance(spec, TableWise):
         return out_of_world([spec.rank]) + fbgemm_dim(dim, "embedding_dim")
+
+    if isinstance(spec, DataParallel):
+        return fbgemm_dim(dim, "embedding_dim")
 
     if isinstance(spec, RowWise):
         problems = fbgemm_dim(dim, "embedding_dim")
@@ -262,6 +294,8 @@ def _table_shards(
     rows, dim = config.num_embeddings, config.embedding_dim
     if isinstance(spec, TableWise):
         return (TableShard(spec.rank, 0, rows, 0, dim),)
+    if isinstance(spec, DataParallel):
+        return tuple(TableShard(r, 0, rows, 0, dim) for r in range(world_size))
     if isinstance(spec, RowWise):
         sizes = spec.sizes if spec.sizes is not None else even_row_sizes(rows, world_size)
         offsets = list(accumulate(sizes, initial=0))
@@ -403,7 +437,12 @@ class ShardingPlan:
             raise PlanError(f"{path}: {e}") from None
 
 
-_SPEC_FIELDS = {"table_wise": {"rank"}, "row_wise": {"sizes"}, "column_wise": {"ranks", "widths"}}
+_SPEC_FIELDS = {
+    "table_wise": {"rank"},
+    "row_wise": {"sizes"},
+    "column_wise": {"ranks", "widths"},
+    "data_parallel": set(),
+}
 
 
 def _spec_to_dict(spec: TableSpec) -> dict[str, Any]:
@@ -411,6 +450,8 @@ def _spec_to_dict(spec: TableSpec) -> dict[str, Any]:
         return {"type": "table_wise", "rank": spec.rank}
     if isinstance(spec, RowWise):
         return {"type": "row_wise"} | ({} if spec.sizes is None else {"sizes": list(spec.sizes)})
+    if isinstance(spec, DataParallel):
+        return {"type": "data_parallel"}
     widths = {} if spec.widths is None else {"widths": list(spec.widths)}
     return {"type": "column_wise", "ranks": list(spec.ranks)} | widths
 
@@ -431,6 +472,8 @@ def _spec_from_dict(entry: Any) -> TableSpec:
         return table_wise(entry["rank"])
     if kind == "row_wise":
         return row_wise(entry.get("sizes"))
+    if kind == "data_parallel":
+        return data_parallel()
     if "ranks" not in entry:
         raise PlanError("column_wise needs ranks")
     return column_wise(entry["ranks"], entry.get("widths"))

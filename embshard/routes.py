@@ -29,6 +29,8 @@ class Embedding:
     mean: bool
     out_offset: int
     row_wise: bool
+    # Looked up in this rank's own copy of its table: none of its ids travel.
+    data_parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,19 @@ class Routes:
                 source += slot.shard.cols
         return [run for add in (False, True) for run in _strided_runs(singles, add)]
 
+    @property
+    def local_embeddings(self) -> tuple[Embedding, ...]:
+        """The data-parallel embeddings, in output order: the local lookup's columns."""
+        return tuple(e for e in self.embeddings if e.data_parallel)
+
+    def local_moves(self) -> list[ColumnMove]:
+        """Where the local lookup's columns go in the output, as strided moves."""
+        singles, source = [], 0
+        for e in self.local_embeddings:
+            singles.append(ColumnMove(0, source, e.out_offset, e.dim, add=False))
+            source += e.dim
+        return _strided_runs(singles, add=False)
+
     def mean_feature_by_column(self) -> torch.Tensor | None:
         """Per output column: 1 + the feature whose bag lengths divide it (MEAN), or 0
         (SUM); None when no table pools by MEAN."""
@@ -187,7 +202,8 @@ def _bucket_passes(
         return (), (0,) * len(embeddings)
     wholes = [(0, *[rows] * world_size) for rows in feature_rows]
     needed: list[list[tuple[int, ...]]] = [[] for _ in feature_rows]
-    for e in sorted(embeddings, key=lambda e: e.row_wise):  # wholes first
+    sent = [e for e in embeddings if not e.data_parallel]
+    for e in sorted(sent, key=lambda e: e.row_wise):  # wholes first
         bounds = _row_boundaries(tables[e.table]) if e.row_wise else wholes[e.feature]
         if bounds not in needed[e.feature]:
             needed[e.feature].append(bounds)
@@ -197,7 +213,9 @@ def _bucket_passes(
         for k in range(count)
     )
     embedding_pass = tuple(
-        needed[e.feature].index(
+        0
+        if e.data_parallel
+        else needed[e.feature].index(
             _row_boundaries(tables[e.table]) if e.row_wise else wholes[e.feature]
         )
         for e in embeddings
@@ -226,6 +244,7 @@ def build_routes(
                     mean=config.pooling == PoolingType.MEAN,
                     out_offset=offset,
                     row_wise=isinstance(tables[config.name].spec, RowWise),
+                    data_parallel=tables[config.name].replicated,
                 )
             )
             offset += config.embedding_dim

@@ -30,12 +30,14 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from embshard.lookup import Adagrad, FusedOptimizer, RowWiseAdagrad, build_tbe
 from embshard.plan import (
     ColumnWise,
+    DataParallel,
     RowWise,
     ShardedTable,
     TableShard,
     TableWise,
     local_shards,
 )
+from embshard.replicated import ReplicatedTables
 
 aten = torch.ops.aten
 
@@ -203,13 +205,16 @@ def table_dtensor(
 ) -> DTensor:
     """The table as a DTensor with its global shape and stride.
 
-    Table-wise: ``Replicate()`` on its owner's one-rank mesh. Row-wise: ``Shard(0)``
-    on ``mesh``. Column-wise: ``Shard(1)`` on the mesh of its owners. ``submesh(ranks)``
+    Table-wise: ``Replicate()`` on its owner's one-rank mesh. Data-parallel:
+    ``Replicate()`` on ``mesh``. Row-wise: ``Shard(0)`` on ``mesh``. Column-wise:
+    ``Shard(1)`` on the mesh of its owners. ``submesh(ranks)``
     gives the mesh of plan ranks ``ranks``. ``shape`` overrides the global shape, for
     optimizer state laid out like the table's rows.
     """
     if isinstance(table.spec, TableWise):
         table_mesh, placement = submesh((table.spec.rank,)), Replicate()
+    elif isinstance(table.spec, DataParallel):
+        table_mesh, placement = mesh, Replicate()
     elif isinstance(table.spec, RowWise):
         table_mesh, placement = mesh, Shard(0)
     elif isinstance(table.spec, ColumnWise):
@@ -232,7 +237,8 @@ def gather_table(table: DTensor, group: dist.ProcessGroup | None = None) -> torc
 
     Collective over ``group`` (default: the whole world), which must hold every rank
     that owns part of the table. Each rank writes its shards at their offsets into a
-    zero tensor and the ranks sum: shards are disjoint, so the sum is exact.
+    zero tensor and the ranks sum: shards are disjoint, so the sum is exact. A table
+    replicated over several ranks is already whole on each.
     """
     local = table.to_local()
     full = torch.zeros(table.shape, dtype=table.dtype, device=local.device)
@@ -241,7 +247,8 @@ def gather_table(table: DTensor, group: dist.ProcessGroup | None = None) -> torc
             full[tuple(slice(o, o + n) for o, n in zip(offsets, shard.shape))] = shard
     elif local.numel():
         raise TypeError("gather_table needs a DTensor whose local tensor is a LocalShardsWrapper")
-    dist.all_reduce(full, group=group)
+    if table.device_mesh.size() == 1 or not all(p.is_replicate() for p in table.placements):
+        dist.all_reduce(full, group=group)
     return full
 
 
@@ -253,9 +260,11 @@ def column_blocks(table: ShardedTable) -> list[tuple[int, int]]:
 
 @dataclass
 class LocalStorage:
-    """A rank's shards of every table, all in one TBE (none if the rank holds nothing).
+    """A rank's shards of every table: the sharded ones in one TBE (none if the rank
+    holds none), the data-parallel copies in ``replicated``'s.
 
-    TBE table ``i`` holds ``shards[i]``. ``weights`` views them per table;
+    TBE table ``i`` holds ``shards[i]``, the replicated TBE's ``copies[i]``.
+    ``weights`` views every table's local part;
     ``optimizer_state`` views the fused optimizer's state per table, with its global
     shape: Adagrad's is shaped like the table, row-wise Adagrad's is one column per
     column block (``column_blocks``), SGD has none.
@@ -263,21 +272,26 @@ class LocalStorage:
 
     tbe: SplitTableBatchedEmbeddingBagsCodegen | None
     shards: list[tuple[str, TableShard]]
+    replicated: ReplicatedTables | None
+    copies: list[tuple[str, TableShard]]
     weights: dict[str, LocalShardsWrapper]
     optimizer_state: dict[str, tuple[LocalShardsWrapper, tuple[int, int]]]
+
+    def weight_views(self) -> list[tuple[str, TableShard, torch.Tensor]]:
+        """Every local shard with its view of the TBE weights, copies included."""
+        return _local_views(self, _weights)
 
 
 def _per_table(
     tables: Mapping[str, ShardedTable],
-    shards: list[tuple[str, TableShard]],
-    views: Sequence[torch.Tensor],
+    views: Sequence[tuple[str, TableShard, torch.Tensor]],
     offset: Callable[[ShardedTable, TableShard], tuple[int, int]],
     device: torch.device,
     dtype: torch.dtype,
 ) -> dict[str, LocalShardsWrapper]:
     wrappers = {}
     for name, table in tables.items():
-        mine = [(s, v) for (n, s), v in zip(shards, views) if n == name]
+        mine = [(s, v) for n, s, v in views if n == name]
         wrappers[name] = LocalShardsWrapper(
             [v for _, v in mine],
             [offset(table, s) for s, _ in mine],
@@ -291,6 +305,28 @@ def _at_offset(table: ShardedTable, shard: TableShard) -> tuple[int, int]:
     return shard.row_offset, shard.col_offset
 
 
+def _weights(tbe: SplitTableBatchedEmbeddingBagsCodegen) -> list[torch.Tensor]:
+    return tbe.split_embedding_weights()
+
+
+def _momentum(tbe: SplitTableBatchedEmbeddingBagsCodegen) -> list[torch.Tensor]:
+    """The per-element or per-row accumulator of every TBE table, 2-D."""
+    return [st[0].view(st[0].shape[0], -1) for st in tbe.split_optimizer_states()]
+
+
+def _local_views(
+    storage: LocalStorage,
+    per_table: Callable[[SplitTableBatchedEmbeddingBagsCodegen], list[torch.Tensor]],
+) -> list[tuple[str, TableShard, torch.Tensor]]:
+    """``per_table``'s tensors of both TBEs, each with its table name and shard."""
+    replicated = storage.replicated.tbe if storage.replicated is not None else None
+    views = []
+    for tbe, shards in ((storage.tbe, storage.shards), (replicated, storage.copies)):
+        if tbe is not None:
+            views += [(n, s, v) for (n, s), v in zip(shards, per_table(tbe))]
+    return views
+
+
 def allocate_storage(
     tables: Mapping[str, ShardedTable],
     rank: int,
@@ -298,8 +334,10 @@ def allocate_storage(
     device: torch.device,
     feature_table_map: Sequence[int],
     dtype: torch.dtype = torch.float32,
+    replicated: ReplicatedTables | None = None,
 ) -> LocalStorage:
-    """Allocate only this rank's non-empty shards, in one TBE, zero-filled.
+    """Allocate only this rank's non-empty shards, in one TBE, zero-filled, and wrap
+    them with ``replicated``'s copies of the data-parallel tables.
 
     ``feature_table_map`` gives, for each TBE feature, the index of its shard in
     ``local_shards(tables, rank)``. Weights are ``dtype``, optimizer state float32.
@@ -307,27 +345,25 @@ def allocate_storage(
     shards = local_shards(tables, rank)
     shapes = [(s.rows, s.cols) for _, s in shards]
     tbe = build_tbe(shapes, optimizer, device, feature_table_map, dtype) if shards else None
-    views = tbe.split_embedding_weights() if tbe is not None else []
-    weights = _per_table(tables, shards, views, _at_offset, device, dtype)
-    state: dict[str, tuple[LocalShardsWrapper, tuple[int, int]]] = {}
+    copies = [(n, tables[n].shards_on(rank)[0]) for n in replicated.names] if replicated else []
+    storage = LocalStorage(tbe, shards, replicated, copies, {}, {})
+    storage.weights = _per_table(tables, storage.weight_views(), _at_offset, device, dtype)
     if isinstance(optimizer, Adagrad):
-        states = [st[0] for st in tbe.split_optimizer_states()] if tbe is not None else []
-        wrappers = _per_table(tables, shards, states, _at_offset, device, torch.float32)
-        state = {
+        states = _local_views(storage, _momentum)
+        wrappers = _per_table(tables, states, _at_offset, device, torch.float32)
+        storage.optimizer_state = {
             n: (w, (t.num_embeddings, t.embedding_dim))
             for (n, w), t in zip(wrappers.items(), tables.values())
         }
     elif isinstance(optimizer, RowWiseAdagrad):
-        states = (
-            [st[0].unsqueeze(1) for st in tbe.split_optimizer_states()] if tbe is not None else []
-        )
 
         def block(table: ShardedTable, s: TableShard) -> tuple[int, int]:
             return s.row_offset, column_blocks(table).index((s.col_offset, s.cols))
 
-        wrappers = _per_table(tables, shards, states, block, device, torch.float32)
-        state = {
+        states = _local_views(storage, _momentum)
+        wrappers = _per_table(tables, states, block, device, torch.float32)
+        storage.optimizer_state = {
             n: (w, (t.num_embeddings, len(column_blocks(t))))
             for (n, w), t in zip(wrappers.items(), tables.values())
         }
-    return LocalStorage(tbe, shards, weights, state)
+    return storage

@@ -16,12 +16,14 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from embshard.plan import (
     ColumnWise,
+    DataParallel,
     PlanError,
     RowWise,
     ShardingPlan,
     TableSpec,
     TableWise,
     column_wise,
+    data_parallel,
     even_row_sizes,
     plan_from_entries,
     row_wise,
@@ -32,6 +34,7 @@ _SHARDING_TYPE = {
     TableWise: ShardingType.TABLE_WISE,
     RowWise: ShardingType.ROW_WISE,
     ColumnWise: ShardingType.COLUMN_WISE,
+    DataParallel: ShardingType.DATA_PARALLEL,
 }
 
 
@@ -43,13 +46,21 @@ def to_torchrec_plan(
     device_type: str = "cpu",
     local_size: int | None = None,
 ) -> EmbeddingModuleShardingPlan:
-    """TorchRec's plan for an ``EmbeddingBagCollection`` of ``tables``, FUSED kernel.
+    """TorchRec's plan for an ``EmbeddingBagCollection`` of ``tables``, FUSED kernel
+    (data-parallel tables: TorchRec's DENSE kernel, on every rank).
 
     Wrap it as ``torchrec.distributed.types.ShardingPlan({module_path: result})``.
     """
     local_size = local_size or world_size
     module_plan = EmbeddingModuleShardingPlan()
     for name, table in plan.resolve(tables, world_size).items():
+        if table.replicated:
+            module_plan[name] = ParameterSharding(
+                sharding_type=ShardingType.DATA_PARALLEL.value,
+                compute_kernel=EmbeddingComputeKernel.DENSE.value,
+                ranks=list(range(world_size)),
+            )
+            continue
         module_plan[name] = ParameterSharding(
             sharding_type=_SHARDING_TYPE[type(table.spec)].value,
             compute_kernel=EmbeddingComputeKernel.FUSED.value,
@@ -80,6 +91,8 @@ def _spec_from_parameter_sharding(sharding: ParameterSharding) -> TableSpec:
     known = {t.value for t in _SHARDING_TYPE.values()}
     if kind not in known:
         raise PlanError(f"TorchRec sharding type {kind!r} has no embshard equivalent ({known})")
+    if kind == ShardingType.DATA_PARALLEL.value:
+        return data_parallel()
     if not isinstance(sharding.sharding_spec, EnumerableShardingSpec):
         raise PlanError("expected an EnumerableShardingSpec listing the shards")
     shards = sharding.sharding_spec.shards

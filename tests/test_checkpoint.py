@@ -21,7 +21,7 @@ from torch import nn
 from torchrec import EmbeddingBagCollection
 
 import embshard
-from embshard import ShardingPlan, column_wise, row_wise, table_wise
+from embshard import ShardingPlan, column_wise, data_parallel, row_wise, table_wise
 from embshard import checkpoint as ckpt
 from embshard.cli import main as cli
 
@@ -72,8 +72,8 @@ def full(sharded) -> dict[str, torch.Tensor]:
     return tables | state
 
 
-def save_trained(root: str, optimizer, steps: int = 2) -> dict:
-    sharded = build(dist.get_world_size(), optimizer)
+def save_trained(root: str, optimizer, steps: int = 2, plan=None) -> dict:
+    sharded = build(dist.get_world_size(), optimizer, plan=plan)
     train_steps(sharded, steps)
     ckpt.save(root, sharded, step=steps)
     return full(sharded)
@@ -119,6 +119,33 @@ def test_reshard_from_4_ranks(world, world_size, tmp_path):
             )
             torch.testing.assert_close(loaded[f"state.{t.name}"], expected, rtol=1e-6, atol=0)
             assert loaded[f"state.{t.name}"].abs().sum() > 0
+
+
+ALL_DATA_PARALLEL = {t.name: data_parallel() for t in TABLES}
+
+
+@pytest.mark.parametrize("optimizer", [embshard.Adagrad(lr=0.1), embshard.RowWiseAdagrad(lr=0.1)])
+def test_data_parallel_tables_reshard_to_and_from_every_layout(world, optimizer, tmp_path):
+    # To: data-parallel at 2 ranks from every layout at 4 (and back at 3). Row-wise
+    # Adagrad state merges the column blocks of c by their widths, as in any reshard.
+    saved = world(4).run(save_trained, str(tmp_path / "4"), optimizer)[0]
+    loaded = world(2).run(load_into, str(tmp_path / "4"), optimizer, ALL_DATA_PARALLEL)
+    again = world(2).run(save_trained, str(tmp_path / "2"), optimizer, 2, ALL_DATA_PARALLEL)[0]
+    back = world(3).run(load_into, str(tmp_path / "2"), optimizer)
+    for t in TABLES:
+        for step, tables in loaded:
+            assert step == 2
+            assert torch.equal(tables[f"weight.{t.name}"], saved[f"weight.{t.name}"]), t.name
+            state = saved[f"state.{t.name}"]
+            if isinstance(optimizer, embshard.RowWiseAdagrad):
+                state = expected_rowwise(state, blocks_of(PLANS[4][t.name]), [(0, 16)])
+            torch.testing.assert_close(tables[f"state.{t.name}"], state, rtol=1e-6, atol=0)
+        for _, tables in back:
+            assert torch.equal(tables[f"weight.{t.name}"], again[f"weight.{t.name}"]), t.name
+            state = again[f"state.{t.name}"]
+            if isinstance(optimizer, embshard.RowWiseAdagrad):
+                state = expected_rowwise(state, [(0, 16)], blocks_of(PLANS[3][t.name]))
+            torch.testing.assert_close(tables[f"state.{t.name}"], state, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torchrec import EmbeddingBagCollection
 
 import embshard
-from embshard import ShardingPlan, column_wise, row_wise, table_wise
+from embshard import ShardingPlan, column_wise, data_parallel, row_wise, table_wise
 
 aten = torch.ops.aten
 
@@ -29,6 +29,7 @@ TABLES = (
     Table("rw", 30, 12, ("f_a",)),  # f_a is whole for one table, bucketized for the other
     Table("uneven", 25, 16, ("f_c",), mean=True),
     Table("cw", 20, 16, ("f_d",)),
+    Table("dp", 12, 8, ("f_b", "f_d")),  # looked up locally
 )
 PLAN = ShardingPlan(
     {
@@ -36,6 +37,7 @@ PLAN = ShardingPlan(
         "rw": row_wise(),
         "uneven": row_wise([25, 0]),
         "cw": column_wise([1, 0, 1, 0]),
+        "dp": data_parallel(),
     }
 )
 

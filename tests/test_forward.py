@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
 
 import embshard
-from embshard import ShardingPlan, column_wise, row_wise, table_wise
+from embshard import ShardingPlan, column_wise, data_parallel, row_wise, table_wise
 from embshard.dist import Scratch
 from embshard.routes import build_routes
 
@@ -59,6 +59,15 @@ def plans(world: int) -> dict[str, ShardingPlan]:
                 "d": column_wise([last, 0, last, 0]),  # two blocks per rank, out of order
             }
         ),
+        "data_parallel": ShardingPlan({t.name: data_parallel() for t in TABLES}),
+        "mixed_data_parallel": ShardingPlan(
+            {
+                "a": data_parallel(),  # f_a feeds two data-parallel tables
+                "b": row_wise(),
+                "c": table_wise(last),
+                "d": data_parallel(),
+            }
+        ),
     }
 
 
@@ -67,8 +76,18 @@ def batch_sizes(world: int) -> tuple[int, ...]:
     return tuple([5, 0, 3, 6][:world]) if world > 1 else (4,)
 
 
+ALL_PLANS = [
+    "table_wise",
+    "row_wise",
+    "column_wise",
+    "mixed",
+    "data_parallel",
+    "mixed_data_parallel",
+]
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-@pytest.mark.parametrize("plan", ["table_wise", "row_wise", "column_wise", "mixed"])
+@pytest.mark.parametrize("plan", ALL_PLANS)
 def test_training_matches_unsharded(world, world_size, plan):
     case = Case(TABLES, plans(world_size)[plan], batch_sizes(world_size), seed=world_size)
     for worst in world(world_size).run(run_case, case):
@@ -76,23 +95,25 @@ def test_training_matches_unsharded(world, world_size, plan):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("plan", ["mixed", "mixed_data_parallel"])
 @pytest.mark.parametrize(
     "optimizer",
     [embshard.RowWiseAdagrad(lr=0.1, eps=1e-4), embshard.Adagrad(lr=0.1, eps=1e-4)],
     ids=["rowwise_adagrad", "adagrad"],
 )
-def test_adagrad_matches_unsharded(world, world_size, optimizer):
+def test_adagrad_matches_unsharded(world, world_size, plan, optimizer):
     # Column-wise row-wise Adagrad keeps one accumulator per row of each column block;
     # the oracle does the same (tests/oracle.py), every other layout per whole row.
-    case = Case(TABLES, plans(world_size)["mixed"], batch_sizes(world_size), optimizer=optimizer)
+    case = Case(TABLES, plans(world_size)[plan], batch_sizes(world_size), optimizer=optimizer)
     for worst in world(world_size).run(run_case, case):
         assert worst["forward"] < TOL and worst["weights"] < TOL, worst
 
 
 @pytest.mark.parametrize("world_size", [1, 3])
-def test_weighted_features(world, world_size):
+@pytest.mark.parametrize("plan", ["mixed", "mixed_data_parallel"])
+def test_weighted_features(world, world_size, plan):
     tables = tuple(Table(t.name, t.rows, t.dim, t.features) for t in TABLES)  # SUM only
-    case = Case(tables, plans(world_size)["mixed"], batch_sizes(world_size), weighted=True)
+    case = Case(tables, plans(world_size)[plan], batch_sizes(world_size), weighted=True)
     for worst in world(world_size).run(run_case, case):
         assert worst["forward"] < TOL and worst["weights"] < TOL, worst
 
@@ -113,11 +134,14 @@ def count_collectives(case: Case) -> list[int]:
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("plan", ["table_wise", "mixed"])
-def test_at_most_four_collectives_per_step(world, world_size, plan):
+@pytest.mark.parametrize("plan", ["table_wise", "mixed", "mixed_data_parallel", "data_parallel"])
+def test_collectives_per_step(world, world_size, plan):
+    # Counts, ids and pooled all-to-alls, the pooled rows' gradient all-to-all; and one
+    # all-reduce for all data-parallel tables' gradients.
     case = Case(TABLES, plans(world_size)[plan], batch_sizes(world_size))
+    expected = 5 if "data_parallel" in plan else 4
     for counts in world(world_size).run(count_collectives, case):
-        assert counts == [4, 4]
+        assert counts == [expected, expected]
 
 
 def strided_moves(plan_of) -> list[tuple[int, ...]]:
@@ -272,7 +296,7 @@ def random_cases(draw, world_size: int) -> Case:
         cuts = sorted(
             draw(st.lists(st.integers(0, rows), min_size=world_size - 1, max_size=world_size - 1))
         )
-        kind = draw(st.sampled_from(["tw", "rw", "uneven", "cw"]))
+        kind = draw(st.sampled_from(["tw", "rw", "uneven", "cw", "dp"]))
         dim = 4 * sum(widths) if kind == "cw" else 4 * draw(st.integers(1, 3))
         tables.append(Table(name, rows, dim, features, mean=draw(st.booleans())))
         specs[name] = {
@@ -280,6 +304,7 @@ def random_cases(draw, world_size: int) -> Case:
             "rw": row_wise(),
             "uneven": row_wise([b - a for a, b in zip([0, *cuts], [*cuts, rows])]),
             "cw": column_wise(blocks, [4 * w for w in widths]),
+            "dp": data_parallel(),
         }[kind]
     sizes = tuple(draw(st.lists(st.integers(0, 4), min_size=world_size, max_size=world_size)))
     return Case(tuple(tables), ShardingPlan(specs), sizes, steps=2, seed=draw(st.integers(0, 999)))

@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.distributed import sharding_plan as tr
-from torchrec.distributed.types import ShardingType
+from torchrec.distributed.types import ParameterSharding, ShardingType
 
 import embshard
-from embshard import PlanError, ShardingPlan, column_wise, row_wise, table_wise
+from embshard import PlanError, ShardingPlan, column_wise, data_parallel, row_wise, table_wise
 
 
 def config(name: str, rows: int, dim: int) -> EmbeddingBagConfig:
@@ -188,7 +188,8 @@ def test_yaml_plan_checked_against_the_model_lists_every_problem_at_once():
             "  table 'b': row_wise sizes [3, 3] sum to 6, not 5 rows",
             "  table 'c': rank 5 is outside the world of 4 ranks",
             "  table 'zzz': expected a mapping with type one of "
-            "['table_wise', 'row_wise', 'column_wise'], got {'type': 'diagonal'}",
+            "['table_wise', 'row_wise', 'column_wise', 'data_parallel'], "
+            "got {'type': 'diagonal'}",
             "  table 'zzz': the plan names it but the model has no such table "
             "(tables: ['a', 'b', 'c'])",
             "  table 'y': the plan names it but the model has no such table "
@@ -221,6 +222,7 @@ def test_world_size_must_be_positive():
 
 specs = st.one_of(
     st.builds(table_wise, st.integers(0, 7)),
+    st.builds(data_parallel),
     st.builds(row_wise, st.none() | st.lists(st.integers(0, 100), min_size=1, max_size=8)),
     st.builds(
         column_wise,
@@ -281,20 +283,28 @@ def test_from_yaml_errors(text, message):
 
 
 def test_to_torchrec_matches_torchrec_helpers():
-    plan = ShardingPlan({"a": column_wise([2, 0, 2, 1]), "b": row_wise(), "c": table_wise(3)})
-    converted = embshard.to_torchrec_plan(plan, TABLES, 4)
+    plan = ShardingPlan(
+        {"a": column_wise([2, 0, 2, 1]), "b": row_wise(), "c": table_wise(3), "d": data_parallel()}
+    )
+    tables = [*TABLES, config("d", 6, 8)]
+    converted = embshard.to_torchrec_plan(plan, tables, 4)
     oracle = tr.construct_module_sharding_plan(
-        EmbeddingBagCollection(tables=TABLES, device="meta"),
-        {"a": tr.column_wise(ranks=[2, 0, 2, 1]), "b": tr.row_wise(), "c": tr.table_wise(rank=3)},
+        EmbeddingBagCollection(tables=tables, device="meta"),
+        {
+            "a": tr.column_wise(ranks=[2, 0, 2, 1]),
+            "b": tr.row_wise(),
+            "c": tr.table_wise(rank=3),
+            "d": tr.data_parallel(),
+        },
         world_size=4,
         local_size=4,
         device_type="cpu",
     )
-    for name in ("a", "b", "c"):
+    for name in ("a", "b", "c", "d"):
         ours, theirs = converted[name], oracle[name]
         assert ours.sharding_type == theirs.sharding_type
         assert ours.ranks == theirs.ranks
-        assert ours.compute_kernel == "fused"
+        assert ours.compute_kernel == ("dense" if name == "d" else "fused")
         assert ours.sharding_spec == theirs.sharding_spec
 
 
@@ -316,14 +326,16 @@ def test_torchrec_round_trip(world_size):
 
 def test_from_torchrec_refuses_unknown_sharding_types():
     plan = tr.construct_module_sharding_plan(
-        EmbeddingBagCollection(tables=TABLES[:2], device="meta"),
-        {"a": tr.data_parallel(), "b": tr.table_wise(rank=0)},
+        EmbeddingBagCollection(tables=TABLES[1:2], device="meta"),
+        {"b": tr.table_wise(rank=0)},
         world_size=2,
         local_size=2,
         device_type="cpu",
     )
-    assert plan["a"].sharding_type == ShardingType.DATA_PARALLEL.value
-    with pytest.raises(PlanError, match="table 'a': TorchRec sharding type 'data_parallel'"):
+    plan["a"] = ParameterSharding(
+        sharding_type=ShardingType.TABLE_COLUMN_WISE.value, compute_kernel="fused", ranks=[0, 1]
+    )
+    with pytest.raises(PlanError, match="table 'a': TorchRec sharding type 'table_column_wise'"):
         embshard.from_torchrec_plan(plan)
 
 

@@ -1,0 +1,184 @@
+"""Data-parallel tables: a full copy on every rank, looked up in the rank's own batch.
+
+No ids or pooled rows travel for them. The copies live in one TBE of their own, so
+that the same fused optimizer as the sharded tables' updates them. Each step reads
+every row out of that TBE (one bag a row), looks the local batch up in those rows
+and, in the backward, averages the rows' gradient over the ranks with one
+all-reduce for all data-parallel tables before the TBE's fused backward applies it:
+every copy takes the same update, the one the unsharded table takes from the global
+batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    SplitTableBatchedEmbeddingBagsCodegen,
+)
+
+from embshard.inputs import LocalBatch
+from embshard.lookup import FusedOptimizer, build_tbe
+from embshard.routes import Routes
+
+# Rows are read out of the TBE in bags of one row, ``chunk`` bags a TBE feature: a
+# table of n rows takes ceil(n / chunk) features, and the padding is at most a
+# quarter of all rows on average.
+_CHUNKS_PER_TABLE = 4
+
+
+class AverageOverRanks(torch.autograd.Function):
+    """The identity forward; the backward averages the gradient over ``group``'s
+    ranks in one all-reduce, as DDP averages the dense parameters' gradients."""
+
+    @staticmethod
+    def forward(ctx, rows, group):  # type: ignore[override]
+        ctx.group = group
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.div_(dist.get_world_size(ctx.group)), None
+
+
+@dataclass
+class ReplicatedTables:
+    """A rank's copies of every data-parallel table, TBE table ``i`` holding
+    ``names[i]``, and the fixed index tensors of their per-step lookup."""
+
+    tbe: SplitTableBatchedEmbeddingBagsCodegen
+    names: list[str]
+    rows: list[int]
+    dims: list[int]
+    chunk: int
+    # Every row of every table, one bag each (TBE indices and offsets).
+    all_rows: torch.Tensor
+    all_offsets: torch.Tensor
+    # Per pass, per feature: where the feature's table starts in the stacked rows, or
+    # -1 where the pass does not look the feature up.
+    table_starts: torch.Tensor
+    # Per data-parallel embedding, in output order: (pass, feature, dim).
+    embeddings: list[tuple[int, int, int]]
+    group: dist.ProcessGroup | None
+
+    def weight_views(self) -> list[torch.Tensor]:
+        return self.tbe.split_embedding_weights()
+
+    def __call__(self, batch: LocalBatch) -> torch.Tensor:
+        """The local batch's pooled rows of every data-parallel embedding, SUM pooled,
+        side by side in output order: [local batch, their dims]."""
+        stacked = self._stacked_rows()
+        padding = stacked.shape[0] - 1
+        lengths = batch.lengths.long()
+        features, samples = lengths.shape
+        feature_of_id = torch.repeat_interleave(
+            torch.arange(features, device=lengths.device),
+            lengths.sum(1),
+            output_size=batch.values.numel(),
+        )
+        bag_offsets = F.pad(lengths.view(-1).cumsum(0), (1, 0))
+        pooled = []
+        for starts in self.table_starts:
+            start = starts[feature_of_id]
+            ids = torch.where(start >= 0, batch.values.long() + start, padding)
+            pooled.append(
+                F.embedding_bag(
+                    ids,
+                    stacked,
+                    bag_offsets,
+                    mode="sum",
+                    per_sample_weights=batch.weights,
+                    include_last_offset=True,
+                    padding_idx=padding,
+                ).view(features, samples, stacked.shape[1])
+            )
+        return torch.cat([pooled[p][f, :, :dim] for p, f, dim in self.embeddings], dim=1)
+
+    def _stacked_rows(self) -> torch.Tensor:
+        """Every table's rows, read through the TBE (so its fused backward updates
+        them), one table after another, padded to the widest dim, and one zero row
+        last for ids of other tables."""
+        out = self.tbe(self.all_rows, self.all_offsets)
+        out = AverageOverRanks.apply(out, self.group)
+        widest, tables, column = max(self.dims), [], 0
+        for rows, dim in zip(self.rows, self.dims):
+            chunks = math.ceil(rows / self.chunk)
+            blocks = out[:, column : column + chunks * dim].split(dim, dim=1)
+            tables.append(F.pad(torch.cat(blocks)[:rows], (0, widest - dim)))
+            column += chunks * dim
+        tables.append(out.new_zeros(1, widest))
+        return torch.cat(tables)
+
+
+def build_replicated(
+    routes: Routes,
+    shapes: dict[str, tuple[int, int]],
+    optimizer: FusedOptimizer,
+    device: torch.device,
+    dtype: torch.dtype,
+    group: dist.ProcessGroup | None,
+) -> ReplicatedTables | None:
+    """The data-parallel tables ``shapes`` (name: rows, dim, in the model's order) in
+    one TBE, zero-filled; None when there are none."""
+    if not shapes:
+        return None
+    names = list(shapes)
+    rows = [shapes[n][0] for n in names]
+    dims = [shapes[n][1] for n in names]
+    chunk = max(1, math.ceil(sum(rows) / (_CHUNKS_PER_TABLE * len(names))))
+    feature_table_map, ids, lengths = [], [], []
+    for table, count in enumerate(rows):
+        for start in range(0, max(count, 1), chunk):
+            feature_table_map.append(table)
+            block = torch.arange(start, min(start + chunk, count))
+            ids.append(block)
+            lengths.append(F.pad(torch.ones_like(block), (0, chunk - len(block))))
+    tbe = build_tbe(list(zip(rows, dims)), optimizer, device, feature_table_map, dtype)
+    return ReplicatedTables(
+        tbe=tbe,
+        names=names,
+        rows=rows,
+        dims=dims,
+        chunk=chunk,
+        all_rows=torch.cat(ids).to(device),
+        all_offsets=F.pad(torch.cat(lengths).cumsum(0), (1, 0)).to(device),
+        table_starts=_table_starts(routes, names, rows).to(device),
+        embeddings=_embedding_passes(routes),
+        group=group,
+    )
+
+
+def _lookups(routes: Routes) -> list[list[tuple[int, str]]]:
+    """The data-parallel (feature, table) lookups dealt into passes, each feature at
+    most once a pass: a feature feeding two such tables takes two."""
+    passes: list[list[tuple[int, str]]] = []
+    for e in routes.local_embeddings:
+        taken = next((p for p in passes if all(f != e.feature for f, _ in p)), None)
+        if taken is None:
+            passes.append(taken := [])
+        taken.append((e.feature, e.table))
+    return passes
+
+
+def _table_starts(routes: Routes, names: Sequence[str], rows: Sequence[int]) -> torch.Tensor:
+    starts = dict(zip(names, [0, *torch.tensor(rows).cumsum(0).tolist()]))
+    table_starts = torch.full((len(_lookups(routes)), len(routes.features)), -1)
+    for k, lookups in enumerate(_lookups(routes)):
+        for feature, table in lookups:
+            table_starts[k, feature] = starts[table]
+    return table_starts
+
+
+def _embedding_passes(routes: Routes) -> list[tuple[int, int, int]]:
+    passes = _lookups(routes)
+    return [
+        (next(k for k, p in enumerate(passes) if (e.feature, e.table) in p), e.feature, e.dim)
+        for e in routes.local_embeddings
+    ]
