@@ -39,12 +39,14 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from embshard.config import TableConfig, TrainConfig
 from embshard.plan import (
     ColumnWise,
+    DataParallel,
     RowWise,
     ShardedTable,
     ShardingPlan,
     TableShard,
     TableWise,
     column_wise,
+    data_parallel,
     plural,
     row_wise,
     table_wise,
@@ -64,7 +66,9 @@ _UNITS = {
     "GB": 1e9,
     "TB": 1e12,
 }
-_KINDS = ("table_wise", "row_wise", "column_wise")
+_KINDS = ("table_wise", "row_wise", "column_wise")  # what the packing cuts tables into
+_SHARDINGS = (*_KINDS, "data_parallel")
+_UNCUT = ("table_wise", "data_parallel")  # what _unsplit leaves alone
 
 
 class PlanningError(ValueError):
@@ -188,7 +192,8 @@ class Topology:
 @dataclass(frozen=True)
 class TableConstraint:
     """Limits on one table's sharding: allowed types (``table_wise``, ``row_wise``,
-    ``column_wise``), the ranks its shards may use, a fixed number of column blocks."""
+    ``column_wise``, ``data_parallel``), the ranks its shards may use, a fixed number of
+    column blocks."""
 
     types: tuple[str, ...] | None = None
     ranks: tuple[int, ...] | None = None
@@ -297,7 +302,9 @@ class CostModel:
 
         Linear in ``rows`` and ``cols``, so k pieces of a table cost ``A + B k`` in all
         however they are cut: a row piece gets its share of the ids but every bag, a
-        column piece every id and bag."""
+        column piece every id and bag. A data-parallel copy: ``replica_cost``."""
+        if kind == "data_parallel":
+            return self.replica_cost(table)
         share = rows / table.num_embeddings if kind == "row_wise" else 1.0
         ids, bags = self.ids(table) * share, self.bags(table)
         lookup = ids * cols * 4 * _PASSES / self.topology.lookup_bandwidth
@@ -307,14 +314,31 @@ class CostModel:
     def whole_cost(self, table: PlannedTable) -> float:
         return self.shard_cost(table, "table_wise", table.num_embeddings, table.embedding_dim)
 
-    def base_cost(self, tables: Sequence[PlannedTable]) -> float:
-        """What every rank pays alike: 4 collectives' latency, its own ids and rows."""
+    def requester_cost(self, table: PlannedTable) -> float:
+        """What each rank pays to have ``table`` served by others: its own ids out, its
+        pooled rows back and their gradient out."""
         world = self.topology.world_size
-        ids = sum(self.ids(t) + self.bags(t) for t in tables) / world * _ID_BYTES
-        rows = sum(self.bags(t) * t.embedding_dim for t in tables) / world * 4 * 2
-        return (
-            4 * self.topology.collective_latency() + (ids + rows) * self.topology.seconds_per_byte()
-        )
+        ids = (self.ids(table) + self.bags(table)) / world * _ID_BYTES
+        rows = self.bags(table) * table.embedding_dim / world * 4 * 2
+        return (ids + rows) * self.topology.seconds_per_byte()
+
+    def replica_cost(self, table: PlannedTable) -> float:
+        """What a data-parallel copy of ``table`` adds to each rank, net of the
+        ``requester_cost`` it saves (so it may be negative): looking up its own batch,
+        reading and updating every row through the TBE each step, and the rows'
+        gradient all-reduced (a ring: twice the bytes)."""
+        world = self.topology.world_size
+        table_bytes = table.num_embeddings * table.embedding_dim * 4
+        local_bytes = self.batch_size * table.ids_per_sample * table.embedding_dim * 4
+        lookup = (local_bytes + table_bytes) * _PASSES / self.topology.lookup_bandwidth
+        reduce = 2 * (world - 1) / world * table_bytes * self.topology.seconds_per_byte()
+        return lookup + reduce - self.requester_cost(table)
+
+    def base_cost(self, tables: Sequence[PlannedTable]) -> float:
+        """What every rank pays alike: 4 collectives' latency, its own ids and rows (a
+        plan with data-parallel copies adds its all-reduce's latency to every rank's
+        own cost, and each copy its ``replica_cost``)."""
+        return 4 * self.topology.collective_latency() + sum(self.requester_cost(t) for t in tables)
 
 
 @dataclass
@@ -388,6 +412,8 @@ def _shapes(
     ``traffic``, row blocks that each get an even share of the lookups."""
     if kind == "column_wise":
         return [(table.num_embeddings, table.embedding_dim // blocks)] * blocks
+    if kind == "data_parallel":
+        return [(table.num_embeddings, table.embedding_dim)] * blocks
     if kind == "row_wise" and traffic is not None:
         return [(rows, table.embedding_dim) for rows in balanced_sizes(traffic, blocks)]
     if kind == "row_wise":
@@ -400,16 +426,21 @@ def _biggest(table: PlannedTable, kind: str, blocks: int) -> tuple[int, int]:
     """The shape of the biggest of ``_shapes``."""
     if kind == "row_wise":
         return -(-table.num_embeddings // blocks), table.embedding_dim
+    if kind == "data_parallel":
+        return table.num_embeddings, table.embedding_dim
     return table.num_embeddings, table.embedding_dim // blocks
 
 
 def _linear(table: PlannedTable, model: CostModel, kind: str) -> tuple[float, float]:
     """``(a, b)``: a piece with a share s of the table's rows (row_wise) or columns
     (column_wise) costs ``a s + b``, as ``shard_cost`` is linear in both; so k pieces
-    cost ``a + b k`` in all, however unevenly cut. Table-wise is the one piece."""
+    cost ``a + b k`` in all, however unevenly cut. Table-wise is the one piece; a
+    data-parallel table, a copy on each rank at ``replica_cost``."""
     whole = model.whole_cost(table)
     if kind == "table_wise":
         return whole, 0.0
+    if kind == "data_parallel":
+        return 0.0, model.replica_cost(table)
     empty = (0, table.embedding_dim) if kind == "row_wise" else (table.num_embeddings, 0)
     b = model.shard_cost(table, kind, *empty)
     return whole - b, b
@@ -485,7 +516,14 @@ class _Packing:
 def _kinds(constraint: TableConstraint) -> tuple[str, ...]:
     if constraint.column_blocks:
         return ("column_wise",)
-    return tuple(constraint.types or _KINDS)
+    return tuple(constraint.types or _SHARDINGS)
+
+
+def _packed_kinds(kinds: Sequence[str], copies: bool) -> tuple[str, ...]:
+    """The kinds the packing tries: data-parallel with ``copies``, or where nothing
+    else is allowed (``plan_tables`` searches with and without copies)."""
+    cut = tuple(k for k in kinds if k != "data_parallel")
+    return tuple(kinds) if copies or not cut else cut
 
 
 def _limit(constraint: TableConstraint, world: int) -> int:
@@ -497,6 +535,8 @@ def _split_counts(table: PlannedTable, kind: str, limit: int, constraint: TableC
     (as good as whole) where whole is not allowed."""
     if kind == "table_wise":
         return [1]
+    if kind == "data_parallel":
+        return [limit]  # every rank: _table drops it where the constraint's ranks are fewer
     if kind == "column_wise" and constraint.column_blocks:
         return [constraint.column_blocks]
     counts, k = {limit}, 2
@@ -517,12 +557,16 @@ def _table(
     constraint: TableConstraint,
     world: int,
     traffic: TableTraffic | None = None,
+    copies: bool = False,
 ) -> _Table:
     kinds, limit = _kinds(constraint), _limit(constraint, world)
+    if limit < world:  # a data-parallel copy goes on every rank
+        kinds = tuple(k for k in kinds if k != "data_parallel")
     whole = model.memory(table.num_embeddings, table.embedding_dim)
     linear = {kind: _linear(table, model, kind) for kind in kinds}
     options = []
-    for kind, (a, b) in linear.items():
+    for kind in _packed_kinds(kinds, copies):
+        a, b = linear[kind]
         for blocks in _split_counts(table, kind, limit, constraint):
             if kind == "row_wise" and traffic is not None:
                 sizes = [r for r, _ in _shapes(table, kind, blocks, traffic)]
@@ -536,7 +580,7 @@ def _table(
                     else cols / table.embedding_dim
                 )
             memory = model.memory(rows, cols)
-            waste = memory * blocks - whole if kind == "column_wise" else 0
+            waste = memory * blocks - whole if kind in ("column_wise", "data_parallel") else 0
             options.append(_Option(kind, blocks, a + b * blocks, a * share + b, memory, waste))
     if not options:
         raise PlanningError(f"table {table.name!r}: its constraints allow no sharding")
@@ -567,9 +611,9 @@ def _check_constraints(
     problems = []
     for name, c in constraints.items():
         where, dim = f"constraint on table {name!r}", known[name].embedding_dim
-        bad_types = [t for t in c.types or () if t not in _KINDS]
+        bad_types = [t for t in c.types or () if t not in _SHARDINGS]
         if bad_types:
-            problems.append(f"{where}: shardings {bad_types} are none of {list(_KINDS)}")
+            problems.append(f"{where}: shardings {bad_types} are none of {list(_SHARDINGS)}")
         outside = [r for r in c.ranks or () if not (isinstance(r, int) and 0 <= r < world)]
         if outside:
             problems.append(
@@ -608,7 +652,7 @@ def _check_memory(tables: Sequence[PlannedTable], model: CostModel) -> None:
 
 
 def _ways(
-    table: PlannedTable, model: CostModel, constraint: TableConstraint
+    table: PlannedTable, model: CostModel, constraint: TableConstraint, copies: bool
 ) -> list[tuple[float, float, int]]:
     """``(a, b, most)`` for each way the table may be cut: over m ranks, m from 1 to
     ``most``, its pieces cost at least ``a + b m`` in all and the busiest of those
@@ -627,15 +671,59 @@ def _ways(
         "row_wise": min(limit, table.num_embeddings),
         "column_wise": min(limit, max(1, table.embedding_dim // 4)),
     }
-    return [(*_linear(table, model, kind), most[kind]) for kind in _kinds(constraint)]
+    ways = [(*_linear(table, model, k), most[k]) for k in _kinds(constraint) if k in most]
+    if _copied(table, model, constraint, copies):  # a copy costing less than 0: _bound_with
+        world = model.topology.world_size  # one piece on each rank, like fixed column blocks
+        ways.append((world * max(0.0, model.replica_cost(table)), 0.0, world))
+    return ways
+
+
+def _copied(
+    table: PlannedTable, model: CostModel, constraint: TableConstraint, copies: bool
+) -> bool:
+    """Whether plans may hold a data-parallel copy of ``table``: with ``copies`` where
+    its constraint allows one, else where it allows nothing else."""
+    kinds, world = _kinds(constraint), model.topology.world_size
+    if "data_parallel" not in kinds or _limit(constraint, world) < world:
+        return False
+    return copies or kinds == ("data_parallel",)
 
 
 def _lower_bound(
     tables: Sequence[PlannedTable], constraints: Mapping[str, TableConstraint], model: CostModel
 ) -> float:
-    """No plan's slowest rank costs less than this (the base apart).
+    """No plan's slowest rank costs less than this (the base apart): the lower of
+    ``_bound_with`` plans without optional copies and with them."""
+    free = TableConstraint()
+    kept = [constraints.get(t.name, free) for t in tables]
+    plain = _bound_with(tables, kept, model, copies=False)
+    if not any(
+        _copied(t, model, c, True) != _copied(t, model, c, False) for t, c in zip(tables, kept)
+    ):
+        return plain
+    return min(plain, _bound_with(tables, kept, model, copies=True))
 
-    A plan whose slowest rank costs S cuts every table some way (``_ways``) that puts
+
+def _bound_with(
+    tables: Sequence[PlannedTable], kept: Sequence[TableConstraint], model: CostModel, copies: bool
+) -> float:
+    """``_cut_bound`` less all that copies could save each rank (a copy's negative
+    ``replica_cost``), plus their all-reduce's latency where any may be copied."""
+    copied = [t for t, c in zip(tables, kept) if _copied(t, model, c, copies)]
+    if not copied:
+        return _cut_bound(tables, kept, model, copies)
+    saving = sum(max(0.0, -model.replica_cost(t)) for t in copied)
+    latency = model.topology.collective_latency()
+    return _cut_bound(tables, kept, model, copies) - saving + latency
+
+
+def _cut_bound(
+    tables: Sequence[PlannedTable],
+    kept: Sequence[TableConstraint],
+    model: CostModel,
+    copies: bool,
+) -> float:
+    """A plan whose slowest rank costs S cuts every table some way (``_ways``) that puts
     no more than S on a rank, so each table costs at least its least total at S, and
     the ranks a set of tables is kept to carry at least the sum of those: all ranks
     all tables, each constraint's ranks the tables whose constraints keep them there,
@@ -643,9 +731,8 @@ def _lower_bound(
     found by bisection, upward from the cheapest the costliest table can be cut to.
     """
     world = model.topology.world_size
-    kept = [constraints.get(t.name, TableConstraint()) for t in tables]
-    ways = [_ways(t, model, c) for t, c in zip(tables, kept)]
-    padded = [w + [(0.0, 0.0, 0)] * (len(_KINDS) - len(w)) for w in ways]  # most 0: never
+    ways = [_ways(t, model, c, copies) for t, c in zip(tables, kept)]
+    padded = [w + [(0.0, 0.0, 0)] * (len(_SHARDINGS) - len(w)) for w in ways]  # most 0: never
     a, b, most = np.array(padded, dtype=float).transpose(2, 0, 1)
     groups = [(world, np.ones(len(tables), dtype=bool))] + [
         (len(ranks), np.array([bool(c.ranks) and set(c.ranks) <= ranks for c in kept]))
@@ -843,7 +930,7 @@ def _unsplit(packing: _Packing, tables: Sequence[_Table], model: CostModel) -> d
     can be. Then why each table is sharded as it is."""
     target = packing.slowest
     split = sorted(
-        (t for t in tables if packing.layouts[t.spec.name][0] != "table_wise"),
+        (t for t in tables if packing.layouts[t.spec.name][0] not in _UNCUT),
         key=lambda t: (t.whole_memory, t.spec.name),
     )
     changed = True
@@ -869,6 +956,10 @@ def _why(table: _Table, packing: _Packing, model: CostModel) -> str:
     kind, pieces = packing.layouts[table.spec.name]
     if kind == "table_wise":
         return "whole"
+    if kind == "data_parallel" and table.kinds == ("data_parallel",):
+        return "its constraints allow only data_parallel"
+    if kind == "data_parallel":
+        return "a copy on every rank costs less than any cut of it"
     count = plural(len(pieces), "piece")
     capacity = model.topology.usable_memory
     if "table_wise" not in table.kinds:
@@ -890,23 +981,58 @@ def _rank_loads(packing: _Packing, tables: Sequence[_Table]) -> list[RankLoad]:
     loads = [
         RankLoad(r, int(m), float(c)) for r, (m, c) in enumerate(zip(packing.memory, packing.cost))
     ]
-    for table in tables:
+    copies_last = sorted(tables, key=lambda t: packing.layouts[t.spec.name][0] == "data_parallel")
+    for table in copies_last:
         kind, pieces = packing.layouts[table.spec.name]
         for i, p in enumerate(pieces):
             name = table.spec.name
-            loads[p.rank].shards.append(name if kind == "table_wise" else f"{name}[{i}]")
+            shown = {"table_wise": name, "data_parallel": f"{name} (copy)"}
+            loads[p.rank].shards.append(shown.get(kind, f"{name}[{i}]"))
     return loads
 
 
 def _spec(kind: str, pieces: list[_Piece], world: int):
     if kind == "table_wise":
         return table_wise(pieces[0].rank)
+    if kind == "data_parallel":
+        return data_parallel()
     if kind == "column_wise":
         return column_wise([p.rank for p in pieces], [p.cols for p in pieces])
     sizes = [0] * world  # pieces come in rank order: row block i on the i-th rank
     for p in pieces:
         sizes[p.rank] = p.rows
     return row_wise(sizes)
+
+
+def _packed(
+    specs: Sequence[PlannedTable],
+    constraints: Mapping[str, TableConstraint],
+    model: CostModel,
+    measured: Mapping[str, TableTraffic],
+    copies: bool,
+) -> tuple[_Packing, list[_Table], dict[str, str]]:
+    """The searched packing (data-parallel copies among the options with ``copies``),
+    its tables and why each is sharded as it is. A packing with copies carries their
+    all-reduce's latency on every rank."""
+    world, free = model.topology.world_size, TableConstraint()
+    prepared = sorted(  # the tables kept to the fewest ranks first, then costliest first
+        (
+            _table(t, model, constraints.get(t.name, free), world, measured.get(t.name), copies)
+            for t in specs
+        ),
+        key=lambda t: (
+            _limit(constraints.get(t.spec.name, free), world),
+            -t.whole_cost,
+            t.whole_memory,
+            t.spec.name,
+        ),
+    )
+    kept = [constraints.get(t.name, free) for t in specs]
+    packing = _search(prepared, model, max(_cut_bound(specs, kept, model, copies), 1e-12))
+    reasons = _unsplit(packing, prepared, model)
+    if any(kind == "data_parallel" for kind, _ in packing.layouts.values()):
+        packing.cost += model.topology.collective_latency()
+    return packing, prepared, reasons
 
 
 def plan_tables(
@@ -938,22 +1064,15 @@ def plan_tables(
     _check_constraints(constraints, specs, world)
     model = CostModel(topology, batch_size, optimizer)
     _check_memory(specs, model)
+    packing, prepared, reasons = _packed(specs, constraints, model, measured, copies=False)
     free = TableConstraint()
-    prepared = sorted(  # the tables kept to the fewest ranks first, then costliest first
-        (
-            _table(t, model, constraints.get(t.name, free), world, measured.get(t.name))
-            for t in specs
-        ),
-        key=lambda t: (
-            _limit(constraints.get(t.spec.name, free), world),
-            -t.whole_cost,
-            t.whole_memory,
-            t.spec.name,
-        ),
-    )
-    bound = _lower_bound(specs, constraints, model)
-    packing = _search(prepared, model, bound)
-    reasons = _unsplit(packing, prepared, model)
+    if any("data_parallel" in _kinds(constraints.get(t.name, free)) for t in specs):
+        try:  # the same search with copies among the options, and the better of the two
+            copied = _packed(specs, constraints, model, measured, copies=True)
+        except PlanningError:  # the copies took the room some table needed
+            copied = None
+        if copied is not None and copied[0].slowest < packing.slowest / _SAME:
+            packing, prepared, reasons = copied
     layouts = packing.layouts
     report = PlanReport(
         ranks=_rank_loads(packing, prepared),
@@ -962,7 +1081,7 @@ def plan_tables(
             for t in specs
         ],
         base_cost=model.base_cost(specs),
-        lower_bound=bound,
+        lower_bound=_lower_bound(specs, constraints, model),
         topology=topology,
     )
     return ShardingPlan({t.name: _spec(*layouts[t.name], world) for t in specs}), report
@@ -979,7 +1098,8 @@ def plan_loads(
     stats: TrafficStats | None = None,
 ) -> list[RankLoad]:
     """Per-rank memory and estimated cost of any plan, by the same cost model (row
-    blocks priced by their measured lookups, with ``stats``)."""
+    blocks priced by their measured lookups, with ``stats``; data-parallel copies with
+    their all-reduce's latency)."""
     model = CostModel(topology, batch_size, optimizer)
     resolved: dict[str, ShardedTable] = plan.resolve(
         [_as_config(t) for t in tables], topology.world_size
@@ -998,13 +1118,19 @@ def plan_loads(
                 rows = traffic.share(shard.row_offset, shard.rows) * table.num_embeddings
             load.cost += model.shard_cost(table, _kind(sharded), rows, shard.cols)
             load.shards.append(shard_name(table.name, shard))
+    if any(t.replicated for t in resolved.values()):  # the copies' gradient all-reduce
+        for load in loads:
+            load.cost += topology.collective_latency()
     return loads
 
 
 def _kind(table: ShardedTable) -> str:
-    return {TableWise: "table_wise", RowWise: "row_wise", ColumnWise: "column_wise"}[
-        type(table.spec)
-    ]
+    return {
+        TableWise: "table_wise",
+        RowWise: "row_wise",
+        ColumnWise: "column_wise",
+        DataParallel: "data_parallel",
+    }[type(table.spec)]
 
 
 def shard_name(name: str, shard: TableShard) -> str:

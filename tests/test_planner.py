@@ -21,7 +21,16 @@ import embshard
 from embshard import ShardingPlan
 from embshard.cli import main as cli
 from embshard.config import TableConfig, load_config
-from embshard.plan import ColumnWise, RowWise, TableWise, column_wise, row_wise, table_wise
+from embshard.plan import (
+    ColumnWise,
+    DataParallel,
+    RowWise,
+    TableWise,
+    column_wise,
+    data_parallel,
+    row_wise,
+    table_wise,
+)
 from embshard.planner import (
     CostModel,
     PlanningError,
@@ -66,7 +75,12 @@ def balance(plan: ShardingPlan, tables, topology: Topology, batch: int) -> float
     loads = plan_loads(plan, tables, topology, batch)
     model = CostModel(topology, batch)
     resolved = plan.resolve([t.embedding_bag_config() for t in tables], topology.world_size)
-    kinds = {TableWise: "table_wise", RowWise: "row_wise", ColumnWise: "column_wise"}
+    kinds = {
+        TableWise: "table_wise",
+        RowWise: "row_wise",
+        ColumnWise: "column_wise",
+        DataParallel: "data_parallel",
+    }
     costliest = max(
         model.shard_cost(t, kinds[type(resolved[t.name].spec)], s.rows, s.cols)
         for t in planned_tables(tables)
@@ -101,13 +115,20 @@ def lpt_table_wise(tables, topology: Topology, batch: int) -> float:
 
 def check_quality(plan, report, tables, topology: Topology, batch: int) -> None:
     """Within 10 % of the reported lower bound, a bound no lower than the mean whole
-    cost per rank, and never worse than LPT table-wise."""
+    cost per rank less what data-parallel copies could save every rank, and never
+    worse than LPT table-wise (the base included: copies add an all-reduce)."""
     ours = slowest(plan, tables, topology, batch)
     assert ours == pytest.approx(report.slowest, rel=1e-9)
-    mean = sum(whole_costs(tables, topology, batch)) / topology.world_size
-    assert report.lower_bound >= mean * (1 - 1e-6)
+    model, world = CostModel(topology, batch), topology.world_size
+    copies = [model.replica_cost(t) for t in planned_tables(tables)]
+    saved = sum(max(0.0, -c) for c in copies)
+    least = [
+        min(w, world * max(0.0, c)) for w, c in zip(whole_costs(tables, topology, batch), copies)
+    ]
+    assert report.lower_bound >= sum(least) / world * (1 - 1e-6) - saved
     assert report.lower_bound * (1 - 1e-9) <= ours <= 1.10 * report.lower_bound
-    assert ours <= lpt_table_wise(tables, topology, batch) * (1 + 1e-9)
+    lpt = lpt_table_wise(tables, topology, batch) + model.base_cost(planned_tables(tables))
+    assert ours + report.base_cost <= lpt * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("world", [8, 64, 256])
@@ -175,7 +196,7 @@ def assert_every_split_is_needed(plan, tables, topology: Topology, batch: int) -
     resolved = plan.resolve([t.embedding_bag_config() for t in tables], topology.world_size)
     for table in planned_tables(tables):
         sharded = resolved[table.name]
-        if isinstance(sharded.spec, TableWise):
+        if isinstance(sharded.spec, TableWise | DataParallel):
             continue
         kind = "row_wise" if isinstance(sharded.spec, RowWise) else "column_wise"
         cost, memory = [0.0] * topology.world_size, [0] * topology.world_size
@@ -191,23 +212,29 @@ def assert_every_split_is_needed(plan, tables, topology: Topology, batch: int) -
                 assert moved > top * (1 - 1e-9), (table.name, load.rank, moved, top)
 
 
-def test_only_the_biggest_criteo_kaggle_tables_are_split():
-    """At 8 ranks, 26 equally costly tables: 3 whole per rank, and 2 split 4 ways
-    fill the rest; the 3-, 4- and 10-row tables were once cut into columns."""
+def test_criteo_kaggle_copies_its_smallest_tables_and_cuts_only_big_ones():
+    """At 8 ranks, 26 equally costly tables: the smallest (up to a few thousand rows)
+    are copied to every rank, where the 3-, 4- and 10-row tables were once cut into
+    columns; only tables of more than 10,000 rows are cut."""
     train = load_config(ROOT / "configs" / "criteo_kaggle.yaml")
     plan, _ = plan_config(train, 8)
     rows = {t.name: t.num_embeddings for t in train.tables}
-    split = {n for n, spec in plan.tables.items() if not isinstance(spec, TableWise)}
-    assert split == {"t_cat_2", "t_cat_11"}, split  # the two with the most rows
-    assert all(len(plan.tables[n].ranks) == 4 for n in split)
-    assert sorted(rows, key=rows.get)[-2:] == ["t_cat_11", "t_cat_2"]
+    smallest = sorted(rows, key=rows.get)
+    copied = {n for n, s in plan.tables.items() if isinstance(s, DataParallel)}
+    assert copied == set(smallest[: len(copied)]), copied
+    assert {"t_cat_8", "t_cat_19", "t_cat_16"} <= copied  # 3, 4 and 10 rows
+    split = {n for n, s in plan.tables.items() if isinstance(s, RowWise | ColumnWise)}
+    assert "t_cat_2" in split and all(rows[n] > 10_000 for n in split), split
 
 
 def table_layouts(rows: int, dim: int, world: int, constraint: TableConstraint):
     """Every plan of one table on ``world`` ranks the constraint allows: whole, row
-    blocks of any sizes, column blocks of any widths (multiples of 4) on any ranks."""
+    blocks of any sizes, column blocks of any widths (multiples of 4) on any ranks, a
+    copy on every rank."""
     ranks = constraint.ranks or tuple(range(world))
-    types = constraint.types or ("table_wise", "row_wise", "column_wise")
+    types = constraint.types or ("table_wise", "row_wise", "column_wise", "data_parallel")
+    if "data_parallel" in types and len(set(ranks)) == world:
+        yield data_parallel()
     if "table_wise" in types:
         yield from (table_wise(r) for r in ranks)
     if "row_wise" in types:
@@ -224,7 +251,8 @@ def table_layouts(rows: int, dim: int, world: int, constraint: TableConstraint):
 
 
 def brute_force(tables, topology: Topology, batch: int, constraints) -> tuple[float, float]:
-    """The slowest rank of the best plan, and of the best table-wise plan."""
+    """The slowest rank of the best plan, and of the best table-wise plan. Each copy's
+    loads carry the all-reduce's latency, which a plan pays once."""
     per_table = []
     for t in tables:
         options = list(
@@ -239,12 +267,14 @@ def brute_force(tables, topology: Topology, batch: int, constraints) -> tuple[fl
             [load.cost for load in plan_loads(ShardingPlan({t.name: o}), [t], topology, batch)]
             for o in options
         ]
-        per_table.append([(isinstance(o, TableWise), ld) for o, ld in zip(options, loads)])
+        per_table.append([(o, ld) for o, ld in zip(options, loads)])
     best = best_whole = float("inf")
     for combo in itertools.product(*per_table):
-        top = max(map(sum, zip(*(ld for _, ld in combo))))
+        copies = sum(isinstance(o, DataParallel) for o, _ in combo)
+        extra = max(0, copies - 1) * topology.collective_latency()
+        top = max(map(sum, zip(*(ld for _, ld in combo)))) - extra
         best = min(best, top)
-        if all(whole for whole, _ in combo):
+        if all(isinstance(o, TableWise) for o, _ in combo):
             best_whole = min(best_whole, top)
     return best, best_whole
 
@@ -348,7 +378,7 @@ def test_bad_constraints_are_named_with_the_world():
         "constraint on table 't2': column_blocks 3 does not cut embedding_dim 128 into "
         "widths that are multiples of 4; "
         "constraint on table 't3': shardings ['rowwise'] are none of "
-        "['table_wise', 'row_wise', 'column_wise']"
+        "['table_wise', 'row_wise', 'column_wise', 'data_parallel']"
     )
 
 
@@ -624,3 +654,30 @@ def test_planning_needs_no_data_files(tmp_path):
     result = CliRunner().invoke(cli, ["plan", str(config), "-w", "2"])
     assert result.exit_code == 0, result.output
     assert "slowest rank" in result.output
+
+
+def test_copies_follow_constraints_and_memory():
+    """Tiny tables are copied to every rank; a constraint without data_parallel, or
+    ranks short of the world, keeps a table cut; one allowing only it forces it."""
+    tables = [TableConfig(f"t{i}", 50 + i, 16, [f"f{i}"]) for i in range(6)]
+    tables.append(TableConfig("big", 1_000_000, 64, ["g"]))
+    topology = Topology.cpu(4)
+    plan, report = plan_tables(tables, topology, 1024)
+    assert all(isinstance(plan.tables[f"t{i}"], DataParallel) for i in range(6)), plan
+    assert not isinstance(plan.tables["big"], DataParallel)
+    reasons = {t.table: t.reason for t in report.tables}
+    assert "copy on every rank" in reasons["t0"]
+    constraints = {
+        "t0": TableConstraint(types=("table_wise", "row_wise")),
+        "t1": TableConstraint(ranks=(0, 1, 2)),
+        "big": TableConstraint(types=("data_parallel",)),
+    }
+    plan, report = plan_tables(tables, Topology.cpu(4, memory_per_rank=64 * GiB), 1024, constraints)
+    assert isinstance(plan.tables["t0"], TableWise | RowWise)
+    assert not isinstance(plan.tables["t1"], DataParallel)
+    assert isinstance(plan.tables["big"], DataParallel)
+    assert {t.table: t.reason for t in report.tables}["big"] == (
+        "its constraints allow only data_parallel"
+    )
+    with pytest.raises(PlanningError, match="table 'big'"):  # 4 copies of 260 MiB each
+        plan_tables(tables, Topology.cpu(4, memory_per_rank=256 * 2**20), 1024, constraints)
