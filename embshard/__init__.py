@@ -17,6 +17,7 @@ _MODULES = {
     "embshard.module": ["ShardedEmbeddingBagCollection", "shard"],
     "embshard.plan": [
         "ColumnWise",
+        "Grid",
         "PlanError",
         "RowWise",
         "ShardedTable",
@@ -25,6 +26,7 @@ _MODULES = {
         "TableSpec",
         "TableWise",
         "column_wise",
+        "grid",
         "row_wise",
         "table_wise",
     ],
