@@ -39,6 +39,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from embshard.config import TableConfig, TrainConfig
 from embshard.plan import (
     ColumnWise,
+    Grid,
     RowWise,
     ShardedTable,
     ShardingPlan,
@@ -65,6 +66,7 @@ _UNITS = {
     "TB": 1e12,
 }
 _KINDS = ("table_wise", "row_wise", "column_wise")
+_ROW_SPLIT = ("row_wise", "grid")  # kinds whose pieces get the ids of their rows only
 
 
 class PlanningError(ValueError):
@@ -296,9 +298,9 @@ class CostModel:
         """Seconds per step the owner of a (rows x cols) shard of ``table`` spends.
 
         Linear in ``rows`` and ``cols``, so k pieces of a table cost ``A + B k`` in all
-        however they are cut: a row piece gets its share of the ids but every bag, a
-        column piece every id and bag."""
-        share = rows / table.num_embeddings if kind == "row_wise" else 1.0
+        however they are cut: a row piece (row-wise, or a grid's) gets its share of the
+        ids but every bag, a column piece every id and bag."""
+        share = rows / table.num_embeddings if kind in _ROW_SPLIT else 1.0
         ids, bags = self.ids(table) * share, self.bags(table)
         lookup = ids * cols * 4 * _PASSES / self.topology.lookup_bandwidth
         moved = (ids + bags) * _ID_BYTES + 2 * bags * cols * 4
@@ -994,7 +996,7 @@ def plan_loads(
             load = loads[shard.rank]
             load.memory += model.memory(shard.rows, shard.cols)
             rows = shard.rows  # priced as the rows its measured lookups would fill
-            if traffic is not None and _kind(sharded) == "row_wise":
+            if traffic is not None and _kind(sharded) in _ROW_SPLIT:
                 rows = traffic.share(shard.row_offset, shard.rows) * table.num_embeddings
             load.cost += model.shard_cost(table, _kind(sharded), rows, shard.cols)
             load.shards.append(shard_name(table.name, shard))
@@ -1002,9 +1004,8 @@ def plan_loads(
 
 
 def _kind(table: ShardedTable) -> str:
-    return {TableWise: "table_wise", RowWise: "row_wise", ColumnWise: "column_wise"}[
-        type(table.spec)
-    ]
+    kinds = {TableWise: "table_wise", RowWise: "row_wise", ColumnWise: "column_wise", Grid: "grid"}
+    return kinds[type(table.spec)]
 
 
 def shard_name(name: str, shard: TableShard) -> str:
