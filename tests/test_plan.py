@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
+import torch
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.distributed import sharding_plan as tr
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ParameterSharding, ShardingType
+from torchrec.distributed.types import ShardingPlan as TorchRecPlan
 
 import embshard
 from embshard import PlanError, ShardingPlan, column_wise, grid, row_wise, table_wise
@@ -433,6 +439,43 @@ def test_grid_converts_to_torchrec_grid_and_table_row_wise_and_back(local_size):
         assert ours.ranks == theirs.ranks
         assert ours.sharding_spec == theirs.sharding_spec
     assert embshard.from_torchrec_plan(oracle) == plan
+
+
+def torchrec_and_embshard_pool(plan: ShardingPlan) -> tuple[float, float]:
+    """The largest difference between TorchRec, sharding by the converted plan, and
+    embshard, both holding the same full tables, on this rank's batch; and embshard's
+    largest output."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    full = EmbeddingBagCollection(tables=WIDE)
+    ours = embshard.shard(copy.deepcopy(full), plan)
+    theirs = DistributedModelParallel(
+        copy.deepcopy(full),
+        device=torch.device("cpu"),
+        plan=TorchRecPlan({"": embshard.to_torchrec_plan(plan, WIDE, world)}),
+        sharders=[EmbeddingBagCollectionSharder()],
+    )
+    with torch.no_grad():
+        for key, table in theirs.state_dict().items():
+            weight = full.embedding_bags[key.split(".")[-2]].weight
+            for shard in table.local_shards():
+                (row, col), (rows, cols) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                shard.tensor.copy_(weight[row : row + rows, col : col + cols])
+    generator = torch.Generator().manual_seed(rank)
+    lengths = torch.randint(0, 4, (10,), generator=generator)
+    ids = [torch.randint(0, t.num_embeddings, (int(n),), generator=generator) for t, n in
+           zip(WIDE, lengths.view(2, 5).sum(1))]  # fmt: skip
+    batch = KeyedJaggedTensor(keys=["g", "h"], values=torch.cat(ids), lengths=lengths)
+    expected = theirs(batch)
+    expected = expected.wait() if hasattr(expected, "wait") else expected
+    pooled = ours(batch).values()
+    return float((pooled - expected.values()).abs().max()), float(pooled.abs().max())
+
+
+def test_torchrec_shards_converted_grids_and_pools_as_embshard(world):
+    plan = ShardingPlan({"g": grid(2, [[0, 1], [0, 1]]), "h": grid(1, [[0, 1]])})
+    for difference, largest in world(2).run(torchrec_and_embshard_pool, plan):
+        assert difference == 0.0 and largest > 0
 
 
 def test_uneven_torchrec_grid_reads_back_with_its_sizes_and_widths():
