@@ -194,17 +194,18 @@ def _bucket_passes(
     when every feature feeds at most one row-split block and nothing else; none when
     no table is row-wise or grid."""
     wholes = [(0, *[rows] * world_size) for rows in feature_rows]
-    bounds = {
-        (i, col): _row_boundaries(tables[e.table], col, world_size)
-        if e.row_wise
-        else wholes[e.feature]
-        for i, e in enumerate(embeddings)
-        for col in sorted({s.col_offset for s in tables[e.table].shards})
-    }
+    bounds: dict[tuple[int, int], tuple[int, ...]] = {}
+    for i, e in enumerate(embeddings):
+        table = tables[e.table]
+        for col in sorted({s.col_offset for s in table.shards}):
+            whole = wholes[e.feature]
+            bounds[i, col] = _row_boundaries(table, col, world_size) if e.row_wise else whole
     needed: list[list[tuple[int, ...]]] = [[] for _ in feature_rows]
-    for (i, _), b in sorted(bounds.items(), key=lambda kv: embeddings[kv[0][0]].row_wise):
-        if b not in needed[embeddings[i].feature]:  # wholes first
-            needed[embeddings[i].feature].append(b)
+    # Wholes first: a feature's whole boundaries, where it needs them, are pass 0's.
+    for (i, _), b in sorted(bounds.items(), key=lambda item: embeddings[item[0][0]].row_wise):
+        feature = embeddings[i].feature
+        if b not in needed[feature]:
+            needed[feature].append(b)
     block_pass = {key: needed[embeddings[key[0]].feature].index(b) for key, b in bounds.items()}
     if not any(e.row_wise for e in embeddings):
         return (), block_pass

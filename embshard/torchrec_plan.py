@@ -23,6 +23,7 @@ from embshard.plan import (
     RowWise,
     ShardedTable,
     ShardingPlan,
+    TableShard,
     TableSpec,
     TableWise,
     column_wise,
@@ -96,16 +97,16 @@ def _grid_misfit(table: ShardedTable, local_size: int) -> str | None:
     equal widths; None when it can (or the table is no grid)."""
     if not isinstance(table.spec, Grid):
         return None
-    blocks: dict[tuple[int, int], list[int]] = {}
+    blocks: dict[tuple[int, int], list[TableShard]] = {}
     for s in table.shards:
-        blocks.setdefault((s.col_offset, s.cols), []).append(s.rank)
+        blocks.setdefault((s.col_offset, s.cols), []).append(s)
     if len({cols for _, cols in blocks}) > 1:
         return "TorchRec's grid sharding needs column blocks of equal widths"
-    even = even_row_sizes(table.num_embeddings, local_size)
-    for (col, _), ranks in blocks.items():
+    even = list(even_row_sizes(table.num_embeddings, local_size))
+    for (col, _), shards in blocks.items():
+        ranks, rows = [s.rank for s in shards], [s.rows for s in shards]
         host = list(range(ranks[0], ranks[0] + local_size))
-        rows = [s.rows for s in table.shards if s.col_offset == col]
-        if ranks[0] % local_size or ranks != host or tuple(rows) != even:
+        if ranks[0] % local_size or ranks != host or rows != even:
             return (
                 f"TorchRec's grid sharding splits each column block evenly over the "
                 f"{local_size} ranks of one host; the block at column {col} has rows "
