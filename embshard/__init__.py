@@ -18,6 +18,7 @@ _MODULES = {
     "embshard.plan": [
         "ColumnWise",
         "DataParallel",
+        "Grid",
         "PlanError",
         "RowWise",
         "ShardedTable",
@@ -27,6 +28,7 @@ _MODULES = {
         "TableWise",
         "column_wise",
         "data_parallel",
+        "grid",
         "row_wise",
         "table_wise",
     ],

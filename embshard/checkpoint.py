@@ -60,7 +60,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from embshard.lookup import Adagrad, RowWiseAdagrad
 from embshard.module import ShardedEmbeddingBagCollection
-from embshard.plan import plural
+from embshard.plan import TableShard, plural
 from embshard.shards import LocalShardsWrapper, column_blocks
 
 META = "embshard"
@@ -100,6 +100,7 @@ def _describe(model: nn.Module, step: int) -> dict[str, Any]:
             tables[f"{prefix}embedding_bags.{name}"] = {
                 "rows": table.num_embeddings,
                 "dim": table.embedding_dim,
+                "layout": table.kind,
                 "shards": [
                     [s.rank, s.row_offset, s.rows, s.col_offset, s.cols] for s in table.shards
                 ],
@@ -541,15 +542,14 @@ def _rowwise_conversion(
 ) -> tuple[DTensor, Callable[[dict[str, Any]], None]]:
     """Row-wise Adagrad keeps, per row, the mean over a block's columns of the squared
     gradients. A new block's state is the width-weighted mean of the saved blocks it
-    overlaps: exact when it is a union of saved blocks (column-wise to table-wise or
-    row-wise), an approximation when it splits one (the other way round)."""
+    overlaps: exact when it is a union of saved blocks (column-wise or grid to
+    table-wise or row-wise), an approximation when it splits one (the other way round)."""
     table = module.tables[name]
-    rank = module.rank
-    ranges = sorted({(s.row_offset, s.rows) for s in table.shards_on(rank) if s.rows and s.cols})
+    spans = _row_spans(s for s in table.shards_on(module.rank) if s.rows and s.cols)
     width = len(saved_blocks)
-    shards = [torch.empty(rows, width) for _, rows in ranges]
+    shards = [torch.empty(rows, width) for _, rows in spans]
     staged = DTensor.from_local(
-        LocalShardsWrapper(shards, [(row, 0) for row, _ in ranges]),
+        LocalShardsWrapper(shards, [(row, 0) for row, _ in spans]),
         live.device_mesh,
         live.placements,
         run_check=False,
@@ -564,13 +564,28 @@ def _rowwise_conversion(
             return  # this rank holds none of the table
         for shard, (row, block) in zip(local.local_shards(), local.local_offsets()):
             start, cols = blocks[block]
-            source = shards[ranges.index((row, len(shard)))]
+            i, first = next((i, f) for i, (f, n) in enumerate(spans) if f <= row < f + n)
+            source = shards[i][row - first : row - first + len(shard)]
             weights = torch.tensor(
                 [max(0, min(start + cols, s + w) - max(start, s)) / cols for s, w in saved_blocks]
             )
             shard.copy_((source @ weights).unsqueeze(1))
 
     return staged, convert
+
+
+def _row_spans(shards: Iterable[TableShard]) -> list[tuple[int, int]]:
+    """Disjoint row ranges (offset, rows) covering the shards' rows, one staged chunk
+    each: a grid rank's blocks may hold overlapping rows, and DCP reads a chunk by its
+    offset."""
+    spans: list[tuple[int, int]] = []
+    for start, rows in sorted((s.row_offset, s.rows) for s in shards):
+        if spans and start <= spans[-1][0] + spans[-1][1]:
+            first, length = spans[-1]
+            spans[-1] = (first, max(length, start + rows - first))
+        else:
+            spans.append((start, rows))
+    return spans
 
 
 def _check(
@@ -673,6 +688,7 @@ def describe(path: str | Path) -> dict[str, Any]:
         tables[fqn] = {
             "shape": list(weight.size),
             "dtype": str(weight.properties.dtype).removeprefix("torch."),
+            "layout": table.get("layout"),  # not in checkpoints before data-parallel tables
             "shards": [
                 dict(zip(("rank", "row_offset", "rows", "col_offset", "cols"), s))
                 for s in table["shards"]

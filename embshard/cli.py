@@ -154,6 +154,10 @@ def inspect(directory: str, as_json: bool) -> None:
             f"{name}: {tuple(table['shape'])} {table['dtype']}, {table['optimizer']}"
             + (f" state {tuple(state)}" if state else "")
         )
+        if table["layout"] == "data_parallel":
+            ranks = plural(len(table["shards"]), "rank")
+            click.echo(f"    a copy on each of {ranks}: rows 0:{table['shape'][0]}, all columns")
+            continue
         for s in table["shards"]:
             if s["rows"] and s["cols"]:
                 click.echo(
@@ -343,7 +347,7 @@ def show(plan_file: str, config: str, world_size: int | None, png: str | None, w
 
 
 def _implied_world_size(sharding) -> int:
-    from embshard.plan import ColumnWise, PlanError, RowWise, TableWise
+    from embshard.plan import ColumnWise, Grid, PlanError, RowWise, TableWise
 
     sizes, highest = set(), -1
     for spec in sharding.tables.values():
@@ -351,6 +355,8 @@ def _implied_world_size(sharding) -> int:
             highest = max(highest, spec.rank)
         elif isinstance(spec, ColumnWise):
             highest = max(highest, *spec.ranks)
+        elif isinstance(spec, Grid):
+            highest = max(highest, *(r for group in spec.ranks for r in group))
         elif isinstance(spec, RowWise) and spec.sizes is not None:
             sizes.add(len(spec.sizes))
     if len(sizes) == 1:

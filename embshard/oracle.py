@@ -20,7 +20,7 @@ from torchrec.modules.embedding_configs import DataType, PoolingType
 
 from embshard.lookup import SGD, Adagrad
 from embshard.module import shard
-from embshard.plan import ColumnWise, ShardingPlan
+from embshard.plan import ShardingPlan
 from embshard.shards import gather_table
 
 
@@ -144,16 +144,11 @@ def oracle_step(ebc, case: Case, table_blocks, states) -> None:
 
 
 def column_blocks(case: Case) -> dict[str, list[tuple[int, int]]]:
-    blocks = {}
-    for t in case.tables:
-        spec = case.plan.tables[t.name]
-        if isinstance(spec, ColumnWise):
-            widths = spec.widths or [t.dim // len(spec.ranks)] * len(spec.ranks)
-            starts = [sum(widths[:i]) for i in range(len(widths))]
-            blocks[t.name] = list(zip(starts, widths))
-        else:
-            blocks[t.name] = [(0, t.dim)]
-    return blocks
+    """Each table's column blocks (start, width) under the case's plan: row-wise
+    Adagrad keeps an accumulator per row of each (one block unless column-wise or grid)."""
+    world = len(case.batch_sizes)
+    tables = case.plan.resolve([t.config() for t in case.tables], world)
+    return {name: sorted({(s.col_offset, s.cols) for s in t.shards}) for name, t in tables.items()}
 
 
 def unsharded(case: Case) -> EmbeddingBagCollection:

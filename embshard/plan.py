@@ -1,7 +1,7 @@
 """Sharding plans: which rank holds which rows and columns of every table.
 
-A plan maps table names to specs (table-wise, row-wise, column-wise, data-parallel).
-Resolving it
+A plan maps table names to specs (table-wise, row-wise, column-wise, grid,
+data-parallel). Resolving it
 against the tables' ``EmbeddingBagConfig``s and a world size gives every table's
 concrete shards. Every problem is reported at once, each naming its table: a plan
 read from YAML with the tables (and world size) at hand lists its malformed entries
@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate
+from itertools import accumulate, pairwise
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -58,7 +58,18 @@ class DataParallel:
     travel for it, and its gradient is averaged over the ranks, as DDP's are."""
 
 
-TableSpec = TableWise | RowWise | ColumnWise | DataParallel
+@dataclass(frozen=True)
+class Grid:
+    """Column blocks in column order, block ``i`` row-wise over the ranks ``ranks[i]``
+    (ascending: its rows go in rank order), even or ``sizes[i]``. ``column_blocks`` is
+    the number of equal-width blocks, or their widths."""
+
+    column_blocks: int | tuple[int, ...]
+    ranks: tuple[tuple[int, ...], ...]
+    sizes: tuple[tuple[int, ...], ...] | None = None
+
+
+TableSpec = TableWise | RowWise | ColumnWise | Grid | DataParallel
 
 
 def table_wise(rank: int) -> TableWise:
@@ -83,6 +94,24 @@ def data_parallel() -> DataParallel:
     return DataParallel()
 
 
+def grid(
+    column_blocks: int | Sequence[int],
+    ranks: Sequence[Sequence[int]],
+    sizes: Sequence[Sequence[int]] | None = None,
+) -> Grid:
+    """Split columns into ``column_blocks`` blocks (a count: equal widths; or the
+    widths), block ``i`` row-wise over the ascending ranks ``ranks[i]``: even blocks as
+    ``row_wise()`` cuts them over the group, or ``sizes[i][j]`` rows on ``ranks[i][j]``
+    (zeros allowed). With one host's ranks as every group, this is TorchRec's grid
+    sharding (table-row-wise with one block)."""
+    blocks = column_blocks if isinstance(column_blocks, int) else tuple(column_blocks)
+    return Grid(
+        column_blocks=blocks,
+        ranks=tuple(tuple(group) for group in ranks),
+        sizes=None if sizes is None else tuple(tuple(group) for group in sizes),
+    )
+
+
 @dataclass(frozen=True)
 class TableShard:
     """The rectangle ``[row_offset:row_offset+rows, col_offset:col_offset+cols]`` on ``rank``."""
@@ -96,7 +125,8 @@ class TableShard:
 
 @dataclass(frozen=True)
 class ShardedTable:
-    """A table with its resolved shards (in row, then column order)."""
+    """A table with its resolved shards: column blocks in column order, each block's
+    row blocks in row order."""
 
     name: str
     num_embeddings: int
@@ -106,6 +136,11 @@ class ShardedTable:
 
     def shards_on(self, rank: int) -> tuple[TableShard, ...]:
         return tuple(s for s in self.shards if s.rank == rank)
+
+    @property
+    def kind(self) -> str:
+        """The spec's type as plan files name it: ``table_wise``, ``grid``, ..."""
+        return _spec_to_dict(self.spec)["type"]
 
     @property
     def replicated(self) -> bool:
@@ -223,19 +258,81 @@ def _spec_problems(spec: Any) -> list[str]:
                     f"column_wise widths must be positive ints, got {list(spec.widths)}"
                 )
         return problems
+    if isinstance(spec, Grid):
+        return _grid_problems(spec)
     return [
-        "expected table_wise(...), row_wise(...), column_wise(...) or data_parallel(), "
-        f"got {spec!r}"
+        "expected table_wise(...), row_wise(...), column_wise(...), grid(...) or "
+        f"data_parallel(), got {spec!r}"
     ]
 
 
-def _column_widths(dim: int, spec: ColumnWise) -> tuple[int, ...] | None:
+def _grid_problems(spec: Grid) -> list[str]:
+    """A grid's own problems: its blocks, its groups of ranks and their sizes."""
+    problems, blocks, groups = [], spec.column_blocks, spec.ranks
+    count = None
+    if _is_int(blocks) and blocks > 0:
+        count = blocks
+    elif isinstance(blocks, tuple) and blocks and all(_is_int(w) and w > 0 for w in blocks):
+        count = len(blocks)
+    else:
+        problems.append(
+            f"grid column_blocks must be a positive int or a list of positive widths, "
+            f"got {blocks!r}"
+        )
+    if not groups:
+        problems.append("grid needs a group of ranks for every column block, got none")
+    for i, group in enumerate(groups):
+        if not group:
+            problems.append(f"grid block {i} has an empty group of ranks")
+        elif not all(_is_int(r) and r >= 0 for r in group):
+            problems.append(f"grid block {i}: ranks must be non-negative ints, got {list(group)}")
+        elif any(a >= b for a, b in pairwise(group)):
+            problems.append(
+                f"grid block {i}: ranks {list(group)} are not ascending "
+                "(a block's row blocks go to its ranks in rank order)"
+            )
+    if count is not None and groups and count != len(groups):
+        problems.append(
+            f"grid has {plural(count, 'column block')} but {plural(len(groups), 'group')} of ranks"
+        )
+    if spec.sizes is not None:
+        if len(spec.sizes) != len(groups):
+            problems.append(
+                f"grid gives {plural(len(spec.sizes), 'list')} of sizes "
+                f"for {plural(len(groups), 'group')} of ranks"
+            )
+        for i, (group, sizes) in enumerate(zip(groups, spec.sizes)):
+            if not all(_is_int(n) and n >= 0 for n in sizes):
+                problems.append(
+                    f"grid block {i}: sizes must be non-negative ints, got {list(sizes)}"
+                )
+            elif len(sizes) != len(group):
+                problems.append(
+                    f"grid block {i} gives {plural(len(sizes), 'size')} "
+                    f"for {plural(len(group), 'rank')}"
+                )
+    return problems
+
+
+def _column_widths(dim: int, spec: ColumnWise | Grid) -> tuple[int, ...] | None:
     """The column blocks' widths; None when equal widths do not split ``dim``."""
-    if spec.widths is not None:
-        return spec.widths
-    if dim % len(spec.ranks):
+    if isinstance(spec, Grid):
+        blocks = spec.column_blocks
+        widths, count = (None, blocks) if isinstance(blocks, int) else (blocks, len(blocks))
+    else:
+        widths, count = spec.widths, len(spec.ranks)
+    if widths is not None:
+        return widths
+    if dim % count:
         return None
-    return (dim // len(spec.ranks),) * len(spec.ranks)
+    return (dim // count,) * count
+
+
+def _group_sizes(rows: int, spec: Grid) -> tuple[tuple[int, ...], ...]:
+    """Each column block's row sizes over its group: given, or even over the group."""
+    if spec.sizes is not None:
+        return spec.sizes
+    return tuple(even_row_sizes(rows, len(group)) for group in spec.ranks)
 
 
 def _table_problems(
@@ -276,14 +373,23 @@ def _table_problems(
             )
         return problems
 
-    problems = out_of_world(spec.ranks)
+    kind = "grid" if isinstance(spec, Grid) else "column_wise"
+    groups = spec.ranks if isinstance(spec, Grid) else (spec.ranks,)
+    problems = out_of_world([r for group in groups for r in group])
     widths = _column_widths(dim, spec)
     if widths is None:
-        problems.append(f"embedding_dim {dim} does not split into {len(spec.ranks)} equal widths")
+        count = len(spec.ranks)
+        problems.append(f"embedding_dim {dim} does not split into {count} equal widths")
     elif sum(widths) != dim:
-        problems.append(f"column_wise widths {list(widths)} sum to {sum(widths)}, not {dim}")
+        problems.append(f"{kind} widths {list(widths)} sum to {sum(widths)}, not {dim}")
     for width in sorted(set(widths or ())):
         problems += fbgemm_dim(width, "column block width")
+    if isinstance(spec, Grid):
+        problems += [
+            f"grid block {i} sizes {list(sizes)} sum to {sum(sizes)}, not {plural(rows, 'row')}"
+            for i, sizes in enumerate(_group_sizes(rows, spec))
+            if sum(sizes) != rows
+        ]
     return problems
 
 
@@ -302,8 +408,15 @@ def _table_shards(
         return tuple(TableShard(r, offsets[r], n, 0, dim) for r, n in enumerate(sizes))
     widths = _column_widths(dim, spec)
     offsets = list(accumulate(widths, initial=0))
+    if isinstance(spec, ColumnWise):
+        return tuple(
+            TableShard(r, 0, rows, offsets[i], w)
+            for i, (r, w) in enumerate(zip(spec.ranks, widths))
+        )
     return tuple(
-        TableShard(r, 0, rows, offsets[i], w) for i, (r, w) in enumerate(zip(spec.ranks, widths))
+        TableShard(rank, row, size, col, width)
+        for group, sizes, col, width in zip(spec.ranks, _group_sizes(rows, spec), offsets, widths)
+        for rank, row, size in zip(group, accumulate(sizes, initial=0), sizes)
     )
 
 
@@ -441,6 +554,7 @@ _SPEC_FIELDS = {
     "table_wise": {"rank"},
     "row_wise": {"sizes"},
     "column_wise": {"ranks", "widths"},
+    "grid": {"column_blocks", "ranks", "sizes"},
     "data_parallel": set(),
 }
 
@@ -450,6 +564,13 @@ def _spec_to_dict(spec: TableSpec) -> dict[str, Any]:
         return {"type": "table_wise", "rank": spec.rank}
     if isinstance(spec, RowWise):
         return {"type": "row_wise"} | ({} if spec.sizes is None else {"sizes": list(spec.sizes)})
+    if isinstance(spec, Grid):
+        blocks = spec.column_blocks
+        return {
+            "type": "grid",
+            "column_blocks": blocks if isinstance(blocks, int) else list(blocks),
+            "ranks": [list(group) for group in spec.ranks],
+        } | ({} if spec.sizes is None else {"sizes": [list(s) for s in spec.sizes]})
     if isinstance(spec, DataParallel):
         return {"type": "data_parallel"}
     widths = {} if spec.widths is None else {"widths": list(spec.widths)}
@@ -472,8 +593,26 @@ def _spec_from_dict(entry: Any) -> TableSpec:
         return table_wise(entry["rank"])
     if kind == "row_wise":
         return row_wise(entry.get("sizes"))
+    if kind == "grid":
+        return _grid_from_dict(entry)
     if kind == "data_parallel":
         return data_parallel()
     if "ranks" not in entry:
         raise PlanError("column_wise needs ranks")
     return column_wise(entry["ranks"], entry.get("widths"))
+
+
+def _grid_from_dict(entry: dict[str, Any]) -> Grid:
+    missing = [key for key in ("column_blocks", "ranks") if key not in entry]
+    if missing:
+        raise PlanError(f"grid needs {' and '.join(missing)}")
+    blocks = entry["column_blocks"]
+    if not isinstance(blocks, int | list):
+        raise PlanError(f"grid column_blocks must be a count or a list of widths, got {blocks!r}")
+    for key in ("ranks", "sizes"):
+        value = entry.get(key)
+        if value is not None and not all(isinstance(v, list) for v in value):
+            raise PlanError(
+                f"grid {key} must be a list of lists, one per column block, got {value!r}"
+            )
+    return grid(blocks, entry["ranks"], entry.get("sizes"))

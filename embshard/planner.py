@@ -38,13 +38,9 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from embshard.config import TableConfig, TrainConfig
 from embshard.plan import (
-    ColumnWise,
-    DataParallel,
-    RowWise,
     ShardedTable,
     ShardingPlan,
     TableShard,
-    TableWise,
     column_wise,
     data_parallel,
     plural,
@@ -69,6 +65,7 @@ _UNITS = {
 _KINDS = ("table_wise", "row_wise", "column_wise")  # what the packing cuts tables into
 _SHARDINGS = (*_KINDS, "data_parallel")
 _UNCUT = ("table_wise", "data_parallel")  # what _unsplit leaves alone
+_ROW_SPLIT = ("row_wise", "grid")  # kinds whose pieces get the ids of their rows only
 
 
 class PlanningError(ValueError):
@@ -301,11 +298,12 @@ class CostModel:
         """Seconds per step the owner of a (rows x cols) shard of ``table`` spends.
 
         Linear in ``rows`` and ``cols``, so k pieces of a table cost ``A + B k`` in all
-        however they are cut: a row piece gets its share of the ids but every bag, a
-        column piece every id and bag. A data-parallel copy: ``replica_cost``."""
+        however they are cut: a row piece (row-wise, or a grid's) gets its share of the
+        ids but every bag, a column piece every id and bag. A data-parallel copy:
+        ``replica_cost``."""
         if kind == "data_parallel":
             return self.replica_cost(table)
-        share = rows / table.num_embeddings if kind == "row_wise" else 1.0
+        share = rows / table.num_embeddings if kind in _ROW_SPLIT else 1.0
         ids, bags = self.ids(table) * share, self.bags(table)
         lookup = ids * cols * 4 * _PASSES / self.topology.lookup_bandwidth
         moved = (ids + bags) * _ID_BYTES + 2 * bags * cols * 4
@@ -1114,23 +1112,14 @@ def plan_loads(
             load = loads[shard.rank]
             load.memory += model.memory(shard.rows, shard.cols)
             rows = shard.rows  # priced as the rows its measured lookups would fill
-            if traffic is not None and _kind(sharded) == "row_wise":
+            if traffic is not None and sharded.kind in _ROW_SPLIT:
                 rows = traffic.share(shard.row_offset, shard.rows) * table.num_embeddings
-            load.cost += model.shard_cost(table, _kind(sharded), rows, shard.cols)
+            load.cost += model.shard_cost(table, sharded.kind, rows, shard.cols)
             load.shards.append(shard_name(table.name, shard))
     if any(t.replicated for t in resolved.values()):  # the copies' gradient all-reduce
         for load in loads:
             load.cost += topology.collective_latency()
     return loads
-
-
-def _kind(table: ShardedTable) -> str:
-    return {
-        TableWise: "table_wise",
-        RowWise: "row_wise",
-        ColumnWise: "column_wise",
-        DataParallel: "data_parallel",
-    }[type(table.spec)]
 
 
 def shard_name(name: str, shard: TableShard) -> str:
@@ -1193,7 +1182,7 @@ def _given_report(plan: ShardingPlan, config: TrainConfig, topology: Topology) -
     return PlanReport(
         ranks=plan_loads(plan, config.tables, topology, model.batch_size, model.optimizer),
         tables=[
-            TableChoice(n, _kind(t), sum(1 for s in t.shards if s.rows and s.cols), _GIVEN)
+            TableChoice(n, t.kind, sum(1 for s in t.shards if s.rows and s.cols), _GIVEN)
             for n, t in resolved.items()
         ],
         base_cost=model.base_cost(specs),

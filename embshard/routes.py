@@ -5,19 +5,20 @@ up in a table (TorchRec's names: the feature, or ``feature@table`` when a featur
 feeds several tables). A *slot* is one TBE feature on a rank: an embedding looked up
 in one local shard. Every rank sends every other rank, for each of its slots in
 order, the bags of its local batch: the raw ids for table-wise and column-wise
-shards, the rebased ids of that rank's row block for row-wise shards.
+shards, the rebased ids of that rank's row block for row-wise and grid shards.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from itertools import accumulate
 
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
 
-from embshard.plan import RowWise, ShardedTable, TableShard, local_shards
+from embshard.plan import Grid, RowWise, ShardedTable, TableShard, local_shards
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class Embedding:
     dim: int
     mean: bool
     out_offset: int
-    row_wise: bool
+    row_wise: bool  # its table's column blocks are split by rows: row-wise or grid
     # Looked up in this rank's own copy of its table: none of its ids travel.
     data_parallel: bool = False
 
@@ -38,6 +39,7 @@ class Slot:
     embedding: int
     shard: TableShard
     tbe_table: int
+    bucket_pass: int  # the pass whose buckets carry its ids (see Routes.bucket_passes)
 
 
 @dataclass(frozen=True)
@@ -63,12 +65,12 @@ class Routes:
     embeddings: tuple[Embedding, ...]
     slots: tuple[tuple[Slot, ...], ...]
     # Ids are bucketized by owner before sending, all features at once, when any table
-    # is row-wise: pass k splits each feature by one set of row boundaries (world_size
-    # + 1 of them), a row-wise table's blocks or (0, rows, ..., rows), which keeps the
-    # feature whole in bucket 0. No passes: the batch's own lengths are sent.
+    # is row-wise or grid: pass k splits each feature by one set of row boundaries
+    # (world_size + 1 of them, bucket r for rank r), the row blocks of a row-wise table
+    # or of one grid column block (empty buckets for ranks outside its group), or
+    # (0, rows, ..., rows), which keeps the feature whole in bucket 0. No passes: the
+    # batch's own lengths are sent.
     bucket_passes: tuple[tuple[tuple[int, ...], ...], ...]
-    # Per embedding: the pass whose buckets carry its ids.
-    embedding_pass: tuple[int, ...]
     # Per feature: the smallest table it feeds, whose rows bound its ids.
     feature_rows: tuple[int, ...]
     feature_table: tuple[str, ...]
@@ -91,15 +93,14 @@ class Routes:
     def send_rows(self) -> torch.Tensor:
         """For every (destination, slot) in destination order, the row of the sender's
         lengths table (pass, bucket, feature) that holds its bags: bucket 0 for a
-        whole feature, the destination's bucket for a row-wise slot."""
+        whole feature, the destination's bucket for a row-wise or grid slot."""
         num_features, rows = len(self.features), []
         for dest, slots in enumerate(self.slots):
             for slot in slots:
                 embedding = self.embeddings[slot.embedding]
                 bucket = dest if embedding.row_wise else 0
-                bucket_pass = self.embedding_pass[slot.embedding]
                 rows.append(
-                    (bucket_pass * self.world_size + bucket) * num_features + embedding.feature
+                    (slot.bucket_pass * self.world_size + bucket) * num_features + embedding.feature
                 )
         return torch.tensor(rows, dtype=torch.long)
 
@@ -108,8 +109,9 @@ class Routes:
 
     def column_moves(self) -> list[ColumnMove]:
         """Where each slot's pooled columns go in the output, as few strided moves as
-        found. A row-wise table's slots on several ranks share output columns: the
-        first copies, the others add, so every copy comes before any add."""
+        found. The slots of a row-wise table, or of one grid column block, on several
+        ranks share output columns: the first copies, the others add, so every copy
+        comes before any add."""
         singles: list[ColumnMove] = []
         written = set()
         for rank, slots in enumerate(self.slots):
@@ -184,8 +186,15 @@ def _run(first: ColumnMove, partner: ColumnMove, at: dict) -> ColumnMove:
     return replace(first, count=count, source_step=source_step, target_step=target_step)
 
 
-def _row_boundaries(table: ShardedTable) -> tuple[int, ...]:
-    return (*(s.row_offset for s in table.shards), table.num_embeddings)
+def _row_boundaries(table: ShardedTable, col_offset: int, world_size: int) -> tuple[int, ...]:
+    """Bucket r, rows ``[b[r], b[r + 1])``, is rank r's row block of the column block at
+    ``col_offset`` (empty for ranks that hold none): plans put a block's rows in rank
+    order."""
+    rows = [0] * world_size
+    for s in table.shards:
+        if s.col_offset == col_offset:
+            rows[s.rank] += s.rows
+    return tuple(accumulate(rows, initial=0))
 
 
 def _bucket_passes(
@@ -193,34 +202,36 @@ def _bucket_passes(
     tables: dict[str, ShardedTable],
     feature_rows: Sequence[int],
     world_size: int,
-) -> tuple[tuple[tuple[tuple[int, ...], ...], ...], tuple[int, ...]]:
+) -> tuple[tuple[tuple[tuple[int, ...], ...], ...], dict[tuple[int, int], int]]:
     """Each feature's distinct row boundaries (whole for its table-wise and column-wise
-    tables, the blocks of each row-wise table), dealt one to a pass; and each
-    embedding's pass. One pass when every feature feeds at most one row-wise table
-    and no other; none when no table is row-wise."""
-    if not any(e.row_wise for e in embeddings):
-        return (), (0,) * len(embeddings)
+    tables, the row blocks of each row-wise table and of each grid column block),
+    dealt one to a pass; and the pass of each (embedding, column offset). One pass
+    when every feature feeds at most one row-split block and nothing else; none when
+    no table is row-wise or grid."""
     wholes = [(0, *[rows] * world_size) for rows in feature_rows]
+    bounds: dict[tuple[int, int], tuple[int, ...]] = {}
+    for i, e in enumerate(embeddings):
+        if e.data_parallel:  # looked up where it is
+            continue
+        table = tables[e.table]
+        for col in sorted({s.col_offset for s in table.shards}):
+            whole = wholes[e.feature]
+            bounds[i, col] = _row_boundaries(table, col, world_size) if e.row_wise else whole
     needed: list[list[tuple[int, ...]]] = [[] for _ in feature_rows]
-    sent = [e for e in embeddings if not e.data_parallel]
-    for e in sorted(sent, key=lambda e: e.row_wise):  # wholes first
-        bounds = _row_boundaries(tables[e.table]) if e.row_wise else wholes[e.feature]
-        if bounds not in needed[e.feature]:
-            needed[e.feature].append(bounds)
+    # Wholes first: a feature's whole boundaries, where it needs them, are pass 0's.
+    for (i, _), b in sorted(bounds.items(), key=lambda item: embeddings[item[0][0]].row_wise):
+        feature = embeddings[i].feature
+        if b not in needed[feature]:
+            needed[feature].append(b)
+    block_pass = {key: needed[embeddings[key[0]].feature].index(b) for key, b in bounds.items()}
+    if not any(e.row_wise for e in embeddings):
+        return (), block_pass
     count = max(len(n) for n in needed)
     passes = tuple(
         tuple(n[k] if k < len(n) else whole for n, whole in zip(needed, wholes))
         for k in range(count)
     )
-    embedding_pass = tuple(
-        0
-        if e.data_parallel
-        else needed[e.feature].index(
-            _row_boundaries(tables[e.table]) if e.row_wise else wholes[e.feature]
-        )
-        for e in embeddings
-    )
-    return passes, embedding_pass
+    return passes, block_pass
 
 
 def build_routes(
@@ -243,11 +254,18 @@ def build_routes(
                     dim=config.embedding_dim,
                     mean=config.pooling == PoolingType.MEAN,
                     out_offset=offset,
-                    row_wise=isinstance(tables[config.name].spec, RowWise),
+                    row_wise=isinstance(tables[config.name].spec, RowWise | Grid),
                     data_parallel=tables[config.name].replicated,
                 )
             )
             offset += config.embedding_dim
+    rows = {c.name: c.num_embeddings for c in configs}
+    smallest = [
+        min((c.name for c in configs if f in c.feature_names), key=rows.__getitem__)
+        for f in features
+    ]
+    feature_rows = [rows[t] for t in smallest]
+    passes, block_pass = _bucket_passes(embeddings, tables, feature_rows, world_size)
     slots = []
     for rank in range(world_size):
         shards = local_shards(tables, rank)
@@ -255,25 +273,17 @@ def build_routes(
         # to be contiguous in the TBE.
         slots.append(
             tuple(
-                Slot(e, shard, index)
+                Slot(e, shard, index, block_pass[e, shard.col_offset])
                 for index, (table, shard) in enumerate(shards)
                 for e, emb in enumerate(embeddings)
                 if table == emb.table
             )
         )
-    rows = {c.name: c.num_embeddings for c in configs}
-    smallest = [
-        min((c.name for c in configs if f in c.feature_names), key=rows.__getitem__)
-        for f in features
-    ]
-    feature_rows = [rows[t] for t in smallest]
-    passes, embedding_pass = _bucket_passes(embeddings, tables, feature_rows, world_size)
     return Routes(
         features=tuple(features),
         embeddings=tuple(embeddings),
         slots=tuple(slots),
         bucket_passes=passes,
-        embedding_pass=embedding_pass,
         feature_rows=tuple(feature_rows),
         feature_table=tuple(smallest),
         weighted=weighted,

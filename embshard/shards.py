@@ -31,6 +31,7 @@ from embshard.lookup import Adagrad, FusedOptimizer, RowWiseAdagrad, build_tbe
 from embshard.plan import (
     ColumnWise,
     DataParallel,
+    Grid,
     RowWise,
     ShardedTable,
     TableShard,
@@ -45,9 +46,9 @@ aten = torch.ops.aten
 class LocalShardsWrapper(torch.Tensor):
     """One table's shards on this rank, each with its offset in the global table.
 
-    The wrapper's own shape is its shards side by side along the last dim (all column
-    blocks of a table on one rank have the same rows). A rank holding nothing of a
-    table has a wrapper with no shards and shape (0, 0).
+    The wrapper's own shape is its shards side by side along the last dim, as tall as
+    the tallest (a rank's column blocks of a grid table may differ in rows). A rank
+    holding nothing of a table has a wrapper with no shards and shape (0, 0).
     """
 
     _shards: list[torch.Tensor]
@@ -66,13 +67,13 @@ class LocalShardsWrapper(torch.Tensor):
             raise ValueError(f"got {len(shards)} shards but {len(offsets)} offsets")
         if shards:
             first = shards[0]
-            if any(s.shape[:-1] != first.shape[:-1] for s in shards):
-                raise ValueError("local shards of one table must agree on all but the last dim")
+            if any(s.dim() != 2 for s in shards):
+                raise ValueError("local shards must be 2-D, rows x columns")
             if any(s.dtype != first.dtype or s.device != first.device for s in shards):
                 raise ValueError("local shards of one table must share dtype and device")
-            if any(len(o) != first.dim() for o in offsets):
-                raise ValueError("every offset needs one entry per dim of its shard")
-            shape = (*first.shape[:-1], sum(s.shape[-1] for s in shards))
+            if any(len(o) != 2 for o in offsets):
+                raise ValueError("every offset needs two entries, (row, column)")
+            shape = (max(s.shape[0] for s in shards), sum(s.shape[1] for s in shards))
             dtype, device = first.dtype, first.device
         else:
             shape = (0, 0)
@@ -158,8 +159,9 @@ def _copy_(dst: LocalShardsWrapper, src: torch.Tensor, non_blocking: bool = Fals
         if src.local_offsets() != dst.local_offsets() or src.local_sizes() != dst.local_sizes():
             raise ValueError("copy_ between LocalShardsWrappers needs the same shard layout")
         sources = src.local_shards()
-    else:
-        sources = src.split([s.shape[-1] for s in dst.local_shards()], dim=-1)
+    else:  # laid out as the wrapper's shape: side by side, each its top rows
+        columns = src.split([s.shape[1] for s in dst.local_shards()], dim=1)
+        sources = [c[: s.shape[0]] for c, s in zip(columns, dst.local_shards())]
     for shard, source in zip(dst.local_shards(), sources):
         shard.copy_(source, non_blocking=non_blocking)
     return dst
@@ -206,10 +208,11 @@ def table_dtensor(
     """The table as a DTensor with its global shape and stride.
 
     Table-wise: ``Replicate()`` on its owner's one-rank mesh. Data-parallel:
-    ``Replicate()`` on ``mesh``. Row-wise: ``Shard(0)`` on ``mesh``. Column-wise:
-    ``Shard(1)`` on the mesh of its owners. ``submesh(ranks)``
-    gives the mesh of plan ranks ``ranks``. ``shape`` overrides the global shape, for
-    optimizer state laid out like the table's rows.
+    ``Replicate()`` on ``mesh``. Row-wise: ``Shard(0)`` on ``mesh``. Column-wise and
+    grid: ``Shard(1)`` on the mesh of its owners (as TorchRec places grid tables; each
+    rank's row blocks are in its wrapper's offsets). ``submesh(ranks)`` gives the mesh
+    of plan ranks ``ranks``. ``shape`` overrides the global shape, for optimizer state
+    laid out like the table's rows.
     """
     if isinstance(table.spec, TableWise):
         table_mesh, placement = submesh((table.spec.rank,)), Replicate()
@@ -217,8 +220,8 @@ def table_dtensor(
         table_mesh, placement = mesh, Replicate()
     elif isinstance(table.spec, RowWise):
         table_mesh, placement = mesh, Shard(0)
-    elif isinstance(table.spec, ColumnWise):
-        table_mesh, placement = submesh(tuple(sorted(set(table.spec.ranks)))), Shard(1)
+    elif isinstance(table.spec, ColumnWise | Grid):
+        table_mesh, placement = submesh(tuple(sorted({s.rank for s in table.shards}))), Shard(1)
     else:
         raise TypeError(f"table {table.name!r}: unknown sharding spec {table.spec!r}")
     rows, cols = shape or (table.num_embeddings, table.embedding_dim)

@@ -6,7 +6,7 @@ import string
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from embshard.plan import ColumnWise, ShardedTable, TableShard
+from embshard.plan import ColumnWise, Grid, ShardedTable, TableShard, plural
 from embshard.planner import RankLoad, format_bytes
 
 _SYMBOLS = string.digits + string.ascii_lowercase + string.ascii_uppercase
@@ -36,18 +36,30 @@ def _bar(extents: Sequence[tuple[int, int]], total: int, width: int) -> str:
 
 
 def draw_table(table: ShardedTable, width: int = 60) -> list[str]:
-    """One bar along the split dimension (rows, or columns for column-wise), a symbol
-    per rank (0-9, a-z, A-Z, repeating), then each shard's exact rows and columns."""
+    """One bar along the split dimension (rows, or columns for column-wise; for a grid,
+    the rows of each column block), a symbol per rank (0-9, a-z, A-Z, repeating), then
+    each shard's exact rows and columns. A data-parallel table: one line."""
     by_columns = isinstance(table.spec, ColumnWise)
     kind = type(table.spec).__name__
     shards: list[TableShard] = [s for s in table.shards if s.rows and s.cols]
-    extents = [(s.rank, s.cols if by_columns else s.rows) for s in shards]
-    total = table.embedding_dim if by_columns else table.num_embeddings
-    axis = "cols" if by_columns else "rows"
-    lines = [
-        f"{table.name} ({table.num_embeddings} x {table.embedding_dim}) {kind}",
-        f"  {axis} |{_bar(extents, total, width)}|",
-    ]
+    lines = [f"{table.name} ({table.num_embeddings} x {table.embedding_dim}) {kind}"]
+    if table.replicated:
+        ranks = sorted({s.rank for s in shards})
+        lines.append(f"  every row and column on each of {plural(len(ranks), 'rank')}")
+        return lines
+    if by_columns:
+        extents = [(s.rank, s.cols) for s in shards]
+        lines.append(f"  cols |{_bar(extents, table.embedding_dim, width)}|")
+    elif isinstance(table.spec, Grid):
+        blocks = sorted({(s.col_offset, s.cols) for s in table.shards})
+        labels = [f"cols {start}:{start + cols}" for start, cols in blocks]
+        pad = max(map(len, labels))
+        for label, (start, _) in zip(labels, blocks):
+            extents = [(s.rank, s.rows) for s in shards if s.col_offset == start]
+            lines.append(f"  {label:<{pad}} rows |{_bar(extents, table.num_embeddings, width)}|")
+    else:
+        extents = [(s.rank, s.rows) for s in shards]
+        lines.append(f"  rows |{_bar(extents, table.num_embeddings, width)}|")
     lines += [
         f"    rank {s.rank}: rows {s.row_offset}:{s.row_offset + s.rows}, "
         f"cols {s.col_offset}:{s.col_offset + s.cols}"

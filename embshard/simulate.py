@@ -16,7 +16,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TypeVar
 
 import torch
@@ -28,7 +28,7 @@ from embshard.config import TrainConfig, load_config
 from embshard.data import Feed
 from embshard.dist import Counts, InputDistribution, Scratch
 from embshard.module import start_input_dist
-from embshard.plan import RowWise, ShardingPlan, TableSpec, plural
+from embshard.plan import Grid, RowWise, ShardingPlan, TableSpec, plural
 from embshard.planner import _PASSES, Topology, format_bytes, plan_config, plan_loads, topology_for
 from embshard.routes import Routes, build_routes
 from embshard.train import build_data, fused_optimizer
@@ -376,13 +376,19 @@ def _single_threaded_ops() -> Iterator[None]:
 
 def _shrunk(spec: TableSpec, rows: int, kept: int) -> TableSpec:
     """``spec`` for the table cut to ``kept`` rows: row blocks keep their shares."""
-    if not isinstance(spec, RowWise) or spec.sizes is None:
-        return spec
+    if isinstance(spec, RowWise) and spec.sizes is not None:
+        return RowWise(_shrunk_sizes(spec.sizes, rows, kept))
+    if isinstance(spec, Grid) and spec.sizes is not None:
+        return replace(spec, sizes=tuple(_shrunk_sizes(s, rows, kept) for s in spec.sizes))
+    return spec
+
+
+def _shrunk_sizes(sizes: tuple[int, ...], rows: int, kept: int) -> tuple[int, ...]:
     ends, total = [], 0
-    for size in spec.sizes:
+    for size in sizes:
         total += size
         ends.append(total * kept // rows)
-    return RowWise(tuple(b - a for a, b in zip([0, *ends], ends)))
+    return tuple(b - a for a, b in zip([0, *ends], ends))
 
 
 def _check(config: TrainConfig, plan: ShardingPlan, world_size: int, steps: int) -> Check:

@@ -21,7 +21,7 @@ from torch import nn
 from torchrec import EmbeddingBagCollection
 
 import embshard
-from embshard import ShardingPlan, column_wise, data_parallel, row_wise, table_wise
+from embshard import ShardingPlan, column_wise, data_parallel, grid, row_wise, table_wise
 from embshard import checkpoint as ckpt
 from embshard.cli import main as cli
 
@@ -48,6 +48,27 @@ PLANS = {
         "d": column_wise([0, 1, 2, 0]),
     },
 }
+GRID_PLANS = {
+    4: {
+        "a": grid(2, [[0, 1], [2, 3]]),  # TorchRec's grid, hosts of 2 ranks
+        "b": grid(2, [[1, 3], [0, 1, 2, 3]], [[10, 20], [5, 0, 15, 10]]),
+        "c": grid(4, [[3], [0, 2], [1, 2], [0]]),
+        "d": grid(1, [[2, 3]]),  # TorchRec's table-row-wise on host 1
+    },
+    3: {
+        "a": grid(2, [[0, 2], [1]], [[12, 18], [30]]),
+        "b": grid(2, [[0, 1, 2], [0, 1, 2]]),
+        "c": grid(1, [[1, 2]]),
+        "d": grid(4, [[2], [0, 1], [1], [0, 2]]),
+    },
+    2: {
+        "a": grid(1, [[0, 1]], [[30, 0]]),
+        "b": grid(2, [[0], [0, 1]]),
+        "c": grid(4, [[1], [0, 1], [0], [1]]),
+        "d": grid(2, [[0, 1], [0, 1]], [[5, 35], [35, 5]]),
+    },
+}
+LAYOUTS = {"mixed": PLANS, "grid": GRID_PLANS}
 
 
 def build(world: int, optimizer, seed: int = 0, plan=None):
@@ -98,7 +119,8 @@ def expected_rowwise(saved: torch.Tensor, saved_blocks, target_blocks) -> torch.
 
 
 def blocks_of(plan_spec, dim: int = 16) -> list[tuple[int, int]]:
-    if isinstance(plan_spec, embshard.ColumnWise):
+    """The column blocks of a spec of equal widths."""
+    if isinstance(plan_spec, embshard.ColumnWise | embshard.Grid):
         width = dim // len(plan_spec.ranks)
         return [(i * width, width) for i in range(len(plan_spec.ranks))]
     return [(0, dim)]
@@ -148,11 +170,52 @@ def test_data_parallel_tables_reshard_to_and_from_every_layout(world, optimizer,
             torch.testing.assert_close(tables[f"state.{t.name}"], state, rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_adagrad_state_reshards_exactly(world, world_size, tmp_path):
+@pytest.mark.parametrize(
+    ("saved_as", "loaded_as"),
+    [
+        (("grid", 4), ("mixed", 1)),
+        (("grid", 4), ("mixed", 2)),
+        (("mixed", 4), ("grid", 3)),
+        (("grid", 3), ("grid", 2)),
+        (("grid", 2), ("grid", 4)),
+    ],
+    ids=str,
+)
+def test_grid_reshards_to_and_from_every_layout(world, tmp_path, saved_as, loaded_as):
+    """Grid tables (uneven, overlapping groups, a rank holding different rows of two
+    blocks) to and from table-wise, row-wise, column-wise and other grids, on other
+    world sizes: weights exact, row-wise Adagrad state converted per column block."""
+    (saved_kind, saved_world), (loaded_kind, loaded_world) = saved_as, loaded_as
+    saved_plan, loaded_plan = LAYOUTS[saved_kind][saved_world], LAYOUTS[loaded_kind][loaded_world]
+    optimizer = embshard.RowWiseAdagrad(lr=0.1)
+    saved = world(saved_world).run(save_trained, str(tmp_path), optimizer, 2, saved_plan)[0]
+    for step, loaded in world(loaded_world).run(load_into, str(tmp_path), optimizer, loaded_plan):
+        assert step == 2
+        for t in TABLES:
+            assert torch.equal(loaded[f"weight.{t.name}"], saved[f"weight.{t.name}"]), t.name
+            expected = expected_rowwise(
+                saved[f"state.{t.name}"],
+                blocks_of(saved_plan[t.name]),
+                blocks_of(loaded_plan[t.name]),
+            )
+            torch.testing.assert_close(loaded[f"state.{t.name}"], expected, rtol=1e-6, atol=0)
+            assert loaded[f"state.{t.name}"].abs().sum() > 0
+    exported = tmp_path / "exported.pt"
+    ckpt.export(tmp_path, exported)
+    tables = torch.load(exported)
+    for t in TABLES:
+        assert torch.equal(tables[f"embedding_bags.{t.name}.weight"], saved[f"weight.{t.name}"])
+
+
+@pytest.mark.parametrize(
+    ("saved_kind", "loaded_kind", "world_size"),
+    [("mixed", "mixed", 2), ("mixed", "mixed", 3), ("grid", "mixed", 3), ("mixed", "grid", 2)],
+)
+def test_adagrad_state_reshards_exactly(world, saved_kind, loaded_kind, world_size, tmp_path):
     optimizer = embshard.Adagrad(lr=0.1)
-    saved = world(4).run(save_trained, str(tmp_path), optimizer)[0]
-    for _, loaded in world(world_size).run(load_into, str(tmp_path), optimizer):
+    saved = world(4).run(save_trained, str(tmp_path), optimizer, 2, LAYOUTS[saved_kind][4])[0]
+    loaded_plan = LAYOUTS[loaded_kind][world_size]
+    for _, loaded in world(world_size).run(load_into, str(tmp_path), optimizer, loaded_plan):
         for key, value in saved.items():
             assert torch.equal(loaded[key], value), key
 

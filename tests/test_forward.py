@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
 
 import embshard
-from embshard import ShardingPlan, column_wise, data_parallel, row_wise, table_wise
+from embshard import ShardingPlan, column_wise, data_parallel, grid, row_wise, table_wise
 from embshard.dist import Scratch
 from embshard.routes import build_routes
 
@@ -35,11 +35,18 @@ TABLES = (
     Table("c", 25, 16, ("f_c",), mean=True),
     Table("d", 20, 16, ("f_a", "f_d")),  # f_a feeds two tables
 )
+# Table-wise beside the grid tables of plan "grid_mixed", sharing a grid table's feature.
+E = Table("e", 15, 8, ("f_b1",))
+
+
+def tables_for(plan: str) -> tuple[Table, ...]:
+    return (*TABLES, E) if plan == "grid_mixed" else TABLES
 
 
 def plans(world: int) -> dict[str, ShardingPlan]:
     last = world - 1
     uneven = [25] if world == 1 else [10] + [0] * (world - 2) + [15]
+    everyone, ends = list(range(world)), sorted({0, last})
     return {
         "table_wise": ShardingPlan({t.name: table_wise(i % world) for i, t in enumerate(TABLES)}),
         "row_wise": ShardingPlan({t.name: row_wise() for t in TABLES}),
@@ -68,6 +75,24 @@ def plans(world: int) -> dict[str, ShardingPlan]:
                 "d": data_parallel(),
             }
         ),
+        "grid": ShardingPlan(
+            {
+                "a": grid(2, [ends, [last]]),
+                "b": grid([4, 8], [everyone, [0]]),  # one block row-wise, one whole
+                # Uneven, an empty rank in block 1: ranks hold different rows per block.
+                "c": grid(2, [ends, ends], [[10, 15], [25, 0]] if world > 1 else None),
+                "d": grid(4, [everyone, [last], ends, everyone]),  # f_a: a's and d's splits
+            }
+        ),
+        "grid_mixed": ShardingPlan(
+            {
+                "a": row_wise(),  # f_a also feeds grid table d
+                "b": grid([8, 4], [ends, [last]], [[10, 20], [30]] if world > 1 else None),
+                "c": column_wise([last, 0, last, 0]),
+                "d": grid(2, [everyone, [0]]),
+                "e": table_wise(last),  # f_b1 also feeds grid table b
+            }
+        ),
     }
 
 
@@ -81,6 +106,8 @@ ALL_PLANS = [
     "row_wise",
     "column_wise",
     "mixed",
+    "grid",
+    "grid_mixed",
     "data_parallel",
     "mixed_data_parallel",
 ]
@@ -89,28 +116,28 @@ ALL_PLANS = [
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("plan", ALL_PLANS)
 def test_training_matches_unsharded(world, world_size, plan):
-    case = Case(TABLES, plans(world_size)[plan], batch_sizes(world_size), seed=world_size)
+    case = Case(tables_for(plan), plans(world_size)[plan], batch_sizes(world_size), seed=world_size)
     for worst in world(world_size).run(run_case, case):
         assert worst["forward"] < TOL and worst["weights"] < TOL, worst
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("plan", ["mixed", "mixed_data_parallel"])
+@pytest.mark.parametrize("plan", ["mixed", "mixed_data_parallel", "grid"])
 @pytest.mark.parametrize(
     "optimizer",
     [embshard.RowWiseAdagrad(lr=0.1, eps=1e-4), embshard.Adagrad(lr=0.1, eps=1e-4)],
     ids=["rowwise_adagrad", "adagrad"],
 )
 def test_adagrad_matches_unsharded(world, world_size, plan, optimizer):
-    # Column-wise row-wise Adagrad keeps one accumulator per row of each column block;
-    # the oracle does the same (tests/oracle.py), every other layout per whole row.
+    # Column-wise and grid row-wise Adagrad keep one accumulator per row of each column
+    # block; the oracle does the same (tests/oracle.py), every other layout per whole row.
     case = Case(TABLES, plans(world_size)[plan], batch_sizes(world_size), optimizer=optimizer)
     for worst in world(world_size).run(run_case, case):
         assert worst["forward"] < TOL and worst["weights"] < TOL, worst
 
 
 @pytest.mark.parametrize("world_size", [1, 3])
-@pytest.mark.parametrize("plan", ["mixed", "mixed_data_parallel"])
+@pytest.mark.parametrize("plan", ["mixed", "mixed_data_parallel", "grid"])
 def test_weighted_features(world, world_size, plan):
     tables = tuple(Table(t.name, t.rows, t.dim, t.features) for t in TABLES)  # SUM only
     case = Case(tables, plans(world_size)[plan], batch_sizes(world_size), weighted=True)
@@ -134,11 +161,13 @@ def count_collectives(case: Case) -> list[int]:
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("plan", ["table_wise", "mixed", "mixed_data_parallel", "data_parallel"])
+@pytest.mark.parametrize(
+    "plan", ["table_wise", "mixed", "grid_mixed", "mixed_data_parallel", "data_parallel"]
+)
 def test_collectives_per_step(world, world_size, plan):
     # Counts, ids and pooled all-to-alls, the pooled rows' gradient all-to-all; and one
     # all-reduce for all data-parallel tables' gradients.
-    case = Case(TABLES, plans(world_size)[plan], batch_sizes(world_size))
+    case = Case(tables_for(plan), plans(world_size)[plan], batch_sizes(world_size))
     expected = 5 if "data_parallel" in plan else 4
     for counts in world(world_size).run(count_collectives, case):
         assert counts == [expected, expected]
@@ -164,6 +193,21 @@ def test_column_blocks_rotated_over_ranks_place_their_columns_in_two_moves_per_r
     moves = strided_moves(lambda i: column_wise([i % 2, (i + 1) % 2]))
     assert moves == [(0, 0, 0, 3, 8, 16), (0, 4, 12, 3, 8, 16),
                      (1, 0, 4, 3, 8, 16), (1, 4, 8, 3, 8, 16)]  # fmt: skip
+
+
+def bucket_passes(plan: ShardingPlan, world: int) -> list[tuple[tuple[int, ...], ...]]:
+    configs = [Table("t", 10, 8, ("f",)).config()]
+    return list(build_routes(configs, plan.resolve(configs, world), world, False).bucket_passes)
+
+
+def test_grid_blocks_bucketize_once_per_distinct_row_split():
+    """Each grid block's ids are cut by its own row blocks (bucket r for rank r, empty
+    outside its group); blocks split alike share one pass."""
+    assert bucket_passes(ShardingPlan({"t": grid(2, [[0, 1], [2, 3]])}), 4) == [
+        ((0, 5, 10, 10, 10),),
+        ((0, 0, 0, 5, 10),),
+    ]
+    assert bucket_passes(ShardingPlan({"t": grid(2, [[1, 3], [1, 3]])}), 4) == [((0, 0, 5, 5, 10),)]
 
 
 def test_scratch_hands_out_a_buffer_again_only_when_nothing_holds_it():
@@ -282,6 +326,23 @@ def test_bad_input_on_one_rank_raises_on_every_rank(world):
 
 
 @st.composite
+def grids(draw, world_size: int, rows: int, widths: list[int]):
+    """A grid of blocks ``widths`` wide, each over a random ascending group, even or cut
+    at random rows."""
+    ranks = st.integers(0, world_size - 1)
+    groups = [sorted(draw(st.sets(ranks, min_size=1))) for _ in widths]
+    sizes = None
+    if draw(st.booleans()):
+        sizes = []
+        for group in groups:
+            bound = st.integers(0, rows)
+            cuts = sorted(draw(st.lists(bound, min_size=len(group) - 1, max_size=len(group) - 1)))
+            sizes.append([b - a for a, b in zip([0, *cuts], [*cuts, rows])])
+    equal = len(set(widths)) == 1 and draw(st.booleans())
+    return grid(len(widths) if equal else widths, groups, sizes)
+
+
+@st.composite
 def random_cases(draw, world_size: int) -> Case:
     feature_pool = [f"f{i}" for i in range(5)]
     tables, specs = [], {}
@@ -296,9 +357,12 @@ def random_cases(draw, world_size: int) -> Case:
         cuts = sorted(
             draw(st.lists(st.integers(0, rows), min_size=world_size - 1, max_size=world_size - 1))
         )
-        kind = draw(st.sampled_from(["tw", "rw", "uneven", "cw", "dp"]))
-        dim = 4 * sum(widths) if kind == "cw" else 4 * draw(st.integers(1, 3))
+        kind = draw(st.sampled_from(["tw", "rw", "uneven", "cw", "grid", "dp"]))
+        dim = 4 * sum(widths) if kind in ("cw", "grid") else 4 * draw(st.integers(1, 3))
         tables.append(Table(name, rows, dim, features, mean=draw(st.booleans())))
+        if kind == "grid":
+            specs[name] = draw(grids(world_size, rows, [4 * w for w in widths]))
+            continue
         specs[name] = {
             "tw": table_wise(draw(st.integers(0, world_size - 1))),
             "rw": row_wise(),

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
+import torch
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.distributed import sharding_plan as tr
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ParameterSharding, ShardingType
+from torchrec.distributed.types import ShardingPlan as TorchRecPlan
 
 import embshard
-from embshard import PlanError, ShardingPlan, column_wise, data_parallel, row_wise, table_wise
+from embshard import PlanError, ShardingPlan, column_wise, data_parallel, grid, row_wise, table_wise
 
 
 def config(name: str, rows: int, dim: int) -> EmbeddingBagConfig:
@@ -24,12 +31,17 @@ def config(name: str, rows: int, dim: int) -> EmbeddingBagConfig:
 TABLES = [config("a", 10, 16), config("b", 5, 8), config("c", 7, 12)]
 
 
-def torchrec_shards(tables, generators, world_size):
+def torchrec_shards(tables, generators, world_size, local_size=None):
     """TorchRec's shards for ``generators`` (table -> torchrec.distributed.sharding_plan
-    generator), as {table: sorted [(rank, row_offset, rows, col_offset, cols)]}."""
+    generator), as {table: sorted [(rank, row_offset, rows, col_offset, cols)]};
+    ``local_size`` ranks a host (default: one host)."""
     ebc = EmbeddingBagCollection(tables=tables, device="meta")
     plan = tr.construct_module_sharding_plan(
-        ebc, generators, world_size=world_size, local_size=world_size, device_type="cpu"
+        ebc,
+        generators,
+        world_size=world_size,
+        local_size=local_size or world_size,
+        device_type="cpu",
     )
     return {
         name: sorted(
@@ -96,6 +108,44 @@ def test_column_wise_explicit_widths_in_column_order():
     assert [s.cols for s in shards.shards_on(1)] == [4, 4]
 
 
+# TorchRec's grid cuts columns into blocks of at least 128: a 256-wide table has two.
+WIDE = [config("g", 10, 256), config("h", 5, 16)]
+
+
+@pytest.mark.parametrize("local_size", [1, 2, 4])
+def test_grid_resolution_matches_torchrec_grid_and_table_row_wise(local_size):
+    hosts = [list(range(h * local_size, (h + 1) * local_size)) for h in range(4 // local_size)]
+    ours = ShardingPlan({"g": grid(2, [hosts[-1], hosts[0]]), "h": grid(1, [hosts[-1]])})
+    theirs = {
+        "g": tr.grid_shard(host_indexes=[len(hosts) - 1, 0]),
+        "h": tr.table_row_wise(host_index=len(hosts) - 1),
+    }
+    assert our_shards(ours, WIDE, 4) == torchrec_shards(WIDE, theirs, 4, local_size)
+
+
+def test_grid_blocks_split_rows_over_their_own_groups():
+    # Widths 4 and 12; block 0 evenly over ranks 0 and 2, block 1 unevenly over 1, 2, 3
+    # (none on 2): rank 2 holds rows of both blocks, different rows in each.
+    spec = grid([4, 12], [[0, 2], [1, 2, 3]], [[5, 5], [3, 0, 7]])
+    table = ShardingPlan({"a": spec}).resolve([TABLES[0]], 4)["a"]
+    assert [(s.rank, s.row_offset, s.rows, s.col_offset, s.cols) for s in table.shards] == [
+        (0, 0, 5, 0, 4),
+        (2, 5, 5, 0, 4),
+        (1, 0, 3, 4, 12),
+        (2, 3, 0, 4, 12),
+        (3, 3, 7, 4, 12),
+    ]
+    assert table.ranks == (0, 1, 2, 3)
+    assert [(s.row_offset, s.cols) for s in table.shards_on(2)] == [(5, 4), (3, 12)]
+    even = ShardingPlan({"b": grid(2, [[3], [0, 1, 2]])}).resolve([TABLES[1]], 4)["b"]
+    assert [(s.rank, s.row_offset, s.rows, s.col_offset) for s in even.shards] == [
+        (3, 0, 5, 0),
+        (0, 0, 2, 4),
+        (1, 2, 2, 4),
+        (2, 4, 1, 4),
+    ]
+
+
 @pytest.mark.parametrize(
     ("spec", "table", "message"),
     [
@@ -120,6 +170,15 @@ def test_column_wise_explicit_widths_in_column_order():
             "column block width 7 is not a multiple of 4",
         ),
         (table_wise(0), config("d", 5, 6), "table 'd': embedding_dim 6 is not a multiple of 4"),
+        (grid(2, [[0], [3, 4]]), TABLES[0], "table 'a': rank 4 is outside the world of 4 ranks"),
+        (grid(3, [[0], [1], [2]]), TABLES[0], "table 'a': embedding_dim 16 does not split into 3"),
+        (grid([8, 4], [[0], [1]]), TABLES[0], "table 'a': grid widths [8, 4] sum to 12, not 16"),
+        (grid([6, 10], [[0], [1]]), TABLES[0], "column block width 6 is not a multiple of 4"),
+        (
+            grid(2, [[0, 1], [2]], [[3, 3], [10]]),
+            TABLES[0],
+            "table 'a': grid block 0 sizes [3, 3] sum to 6, not 10 rows",
+        ),
     ],
 )
 def test_validation_names_table_and_problem(spec, table, message):
@@ -146,6 +205,21 @@ def test_validation_reports_missing_and_unknown_tables_together():
         (column_wise([0, 1], [8]), "column_wise gives 1 width for 2 ranks"),
         (column_wise([0], [0]), "column_wise widths must be positive ints"),
         ("row_wise", "expected table_wise"),
+        (grid(2, [[0, 1]]), "grid has 2 column blocks but 1 group of ranks"),
+        (grid([8, 8, 0], [[0], [1], [2]]), "grid column_blocks must be a positive int or a list"),
+        (grid(0, []), "grid column_blocks must be a positive int or a list"),
+        (grid(1, []), "grid needs a group of ranks for every column block, got none"),
+        (grid(2, [[0], []]), "grid block 1 has an empty group of ranks"),
+        (grid(1, [[0, -1]]), r"grid block 0: ranks must be non-negative ints, got \[0, -1\]"),
+        (
+            grid(2, [[0, 1], [3, 2]]),
+            r"grid block 1: ranks \[3, 2\] are not ascending \(a block's row blocks go to its "
+            r"ranks in rank order\)",
+        ),
+        (grid(1, [[1, 1]]), r"grid block 0: ranks \[1, 1\] are not ascending"),
+        (grid(2, [[0], [1]], [[5]]), "grid gives 1 list of sizes for 2 groups of ranks"),
+        (grid(1, [[0, 1]], [[5]]), "grid block 0 gives 1 size for 2 ranks"),
+        (grid(1, [[0, 1]], [[5, -1]]), "grid block 0: sizes must be non-negative ints"),
     ],
 )
 def test_malformed_specs_fail_at_construction(spec, message):
@@ -188,7 +262,7 @@ def test_yaml_plan_checked_against_the_model_lists_every_problem_at_once():
             "  table 'b': row_wise sizes [3, 3] sum to 6, not 5 rows",
             "  table 'c': rank 5 is outside the world of 4 ranks",
             "  table 'zzz': expected a mapping with type one of "
-            "['table_wise', 'row_wise', 'column_wise', 'data_parallel'], "
+            "['table_wise', 'row_wise', 'column_wise', 'grid', 'data_parallel'], "
             "got {'type': 'diagonal'}",
             "  table 'zzz': the plan names it but the model has no such table "
             "(tables: ['a', 'b', 'c'])",
@@ -235,6 +309,19 @@ specs = st.one_of(
             st.lists(st.integers(1, 64).map(lambda w: 4 * w), min_size=n, max_size=n),
         )
     ),
+    st.lists(st.lists(st.integers(0, 7), min_size=1, max_size=4, unique=True), min_size=1)
+    .map(lambda groups: [sorted(g) for g in groups])
+    .flatmap(
+        lambda groups: st.builds(
+            grid,
+            st.just(len(groups)) | st.just([4 * (i + 1) for i in range(len(groups))]),
+            st.just(groups),
+            st.none()
+            | st.tuples(
+                *[st.lists(st.integers(0, 50), min_size=len(g), max_size=len(g)) for g in groups]
+            ),
+        )
+    ),
 )
 plans = st.dictionaries(st.from_regex(r"[a-z][a-z0-9_]{0,8}", fullmatch=True), specs, max_size=6)
 
@@ -271,6 +358,24 @@ def test_save_and_load_file(tmp_path):
             "table 'a': column_wise ranks must be a list",
         ),
         ("tables:\n  a: {type: column_wise}", "table 'a': column_wise needs ranks"),
+        ("tables:\n  a: {type: grid}", "table 'a': grid needs column_blocks and ranks"),
+        ("tables:\n  a: {type: grid, column_blocks: 2}", "table 'a': grid needs ranks$"),
+        (
+            "tables:\n  a: {type: grid, column_blocks: '2', ranks: [[0], [1]]}",
+            "table 'a': grid column_blocks must be a count or a list of widths, got '2'",
+        ),
+        (
+            "tables:\n  a: {type: grid, column_blocks: 2, ranks: [0, 1]}",
+            r"table 'a': grid ranks must be a list of lists, one per column block, got \[0, 1\]",
+        ),
+        (
+            "tables:\n  a: {type: grid, column_blocks: 1, ranks: [[0, 1]], sizes: [5, 5]}",
+            "table 'a': grid sizes must be a list of lists",
+        ),
+        (
+            "tables:\n  a: {type: grid, column_blocks: 1, ranks: [[0]], widths: [16]}",
+            r"table 'a': unknown keys \['widths'\] for grid",
+        ),
         (
             "tables:\n  a: {type: table_wise, rank: -2}",
             "table 'a': rank must be a non-negative int",
@@ -322,6 +427,104 @@ def test_torchrec_round_trip(world_size):
     assert our_shards(back, TABLES, world_size) == our_shards(plan, TABLES, world_size)
     even = ShardingPlan({"a": column_wise([0, last], [4, 12]), "b": row_wise(), "c": row_wise()})
     assert embshard.from_torchrec_plan(embshard.to_torchrec_plan(even, TABLES, world_size)) == even
+
+
+@pytest.mark.parametrize("local_size", [1, 2, 4])
+def test_grid_converts_to_torchrec_grid_and_table_row_wise_and_back(local_size):
+    hosts = [list(range(h * local_size, (h + 1) * local_size)) for h in range(4 // local_size)]
+    plan = ShardingPlan({"g": grid(2, [hosts[-1], hosts[0]]), "h": grid(1, [hosts[0]])})
+    converted = embshard.to_torchrec_plan(plan, WIDE, 4, local_size=local_size)
+    oracle = tr.construct_module_sharding_plan(
+        EmbeddingBagCollection(tables=WIDE, device="meta"),
+        {"g": tr.grid_shard(host_indexes=[len(hosts) - 1, 0]), "h": tr.table_row_wise(0)},
+        world_size=4,
+        local_size=local_size,
+        device_type="cpu",
+    )
+    assert converted["g"].sharding_type == ShardingType.GRID_SHARD.value
+    assert converted["h"].sharding_type == ShardingType.TABLE_ROW_WISE.value
+    for name in ("g", "h"):
+        ours, theirs = converted[name], oracle[name]
+        assert ours.sharding_type == theirs.sharding_type
+        assert ours.ranks == theirs.ranks
+        assert ours.sharding_spec == theirs.sharding_spec
+    assert embshard.from_torchrec_plan(oracle) == plan
+
+
+def torchrec_and_embshard_pool(plan: ShardingPlan) -> tuple[float, float]:
+    """The largest difference between TorchRec, sharding by the converted plan, and
+    embshard, both holding the same full tables, on this rank's batch; and embshard's
+    largest output."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    full = EmbeddingBagCollection(tables=WIDE)
+    ours = embshard.shard(copy.deepcopy(full), plan)
+    theirs = DistributedModelParallel(
+        copy.deepcopy(full),
+        device=torch.device("cpu"),
+        plan=TorchRecPlan({"": embshard.to_torchrec_plan(plan, WIDE, world)}),
+        sharders=[EmbeddingBagCollectionSharder()],
+    )
+    with torch.no_grad():
+        for key, table in theirs.state_dict().items():
+            weight = full.embedding_bags[key.split(".")[-2]].weight
+            for shard in table.local_shards():
+                (row, col), (rows, cols) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                shard.tensor.copy_(weight[row : row + rows, col : col + cols])
+    generator = torch.Generator().manual_seed(rank)
+    lengths = torch.randint(0, 4, (10,), generator=generator)
+    ids = [torch.randint(0, t.num_embeddings, (int(n),), generator=generator) for t, n in
+           zip(WIDE, lengths.view(2, 5).sum(1))]  # fmt: skip
+    batch = KeyedJaggedTensor(keys=["g", "h"], values=torch.cat(ids), lengths=lengths)
+    expected = theirs(batch)
+    expected = expected.wait() if hasattr(expected, "wait") else expected
+    pooled = ours(batch).values()
+    return float((pooled - expected.values()).abs().max()), float(pooled.abs().max())
+
+
+def test_torchrec_shards_converted_grids_and_pools_as_embshard(world):
+    plan = ShardingPlan({"g": grid(2, [[0, 1], [0, 1]]), "h": grid(1, [[0, 1]])})
+    for difference, largest in world(2).run(torchrec_and_embshard_pool, plan):
+        assert difference == 0.0 and largest > 0
+
+
+def test_uneven_torchrec_grid_reads_back_with_its_sizes_and_widths():
+    shards = [  # (rank, row_offset, rows, col_offset, cols), listed out of order
+        (3, 0, 10, 128, 128),
+        (1, 3, 7, 0, 128),
+        (0, 0, 3, 0, 128),
+    ]
+    sharding = ParameterSharding(
+        sharding_type=ShardingType.GRID_SHARD.value,
+        compute_kernel="fused",
+        ranks=[r for r, *_ in shards],
+        sharding_spec=EnumerableShardingSpec(
+            [
+                ShardMetadata([row, col], [rows, cols], f"rank:{r}/cpu")
+                for r, row, rows, col, cols in shards
+            ]
+        ),
+    )
+    assert embshard.from_torchrec_plan({"g": sharding}) == ShardingPlan(
+        {"g": grid(2, [[0, 1], [3]], [[3, 7], [10]])}
+    )
+    sharding.sharding_spec.shards[0].shard_sizes[1] = 64  # the second block narrower
+    sharding.sharding_spec.shards[0].shard_offsets[1] = 192
+    assert embshard.from_torchrec_plan({"g": sharding}).tables["g"].column_blocks == (128, 64)
+
+
+def test_grids_torchrec_cannot_shard_are_refused_naming_table_and_block():
+    plan = ShardingPlan(
+        {"g": grid([64, 192], [[0, 1], [2, 3]]), "h": grid(1, [[1, 2]]), "i": row_wise()}
+    )
+    with pytest.raises(PlanError) as err:
+        embshard.to_torchrec_plan(plan, [*WIDE, config("i", 4, 8)], 4, local_size=2)
+    assert str(err.value).splitlines() == [
+        "cannot convert to a TorchRec plan:",
+        "  table 'g': TorchRec's grid sharding needs column blocks of equal widths",
+        "  table 'h': TorchRec's grid sharding splits each column block evenly over the 2 "
+        "ranks of one host; the block at column 0 has rows [3, 2] on ranks [1, 2]",
+    ]
 
 
 def test_from_torchrec_refuses_unknown_sharding_types():

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from click.testing import CliRunner
@@ -28,6 +29,7 @@ from embshard.plan import (
     TableWise,
     column_wise,
     data_parallel,
+    grid,
     row_wise,
     table_wise,
 )
@@ -42,6 +44,7 @@ from embshard.planner import (
     plan_tables,
     planned_tables,
 )
+from embshard.traffic import TableTraffic, TrafficStats
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30
@@ -574,6 +577,55 @@ def test_a_configs_own_plan_is_what_plan_reports(tmp_path):
     assert "  user: row_wise (the config's own plan)" in result.output.splitlines()
 
 
+def test_grids_are_priced_like_their_rectangles():
+    """A grid shard gets the ids of its rows (by measured lookups, with traffic stats),
+    every bag, and its columns of pooled rows: a grid of one block over every rank
+    costs what row-wise does, one of whole blocks what column-wise does, and any grid
+    holds its shards' memory."""
+    tables = [TableConfig("t", 1000, 32, ["f"], mean_pooling=3.0)]
+    topology, batch = Topology.cpu(4), 256
+    hot = TableTraffic(1000, np.array([0, 7, 600]), np.array([500, 300, 200]), 40, 40)
+
+    def loads(spec, stats=None):
+        plan = ShardingPlan({"t": spec})
+        found = plan_loads(plan, tables, topology, batch, stats=stats)
+        return [(load.memory, load.cost) for load in found]
+
+    assert loads(grid(1, [[0, 1, 2, 3]])) == loads(row_wise())
+    assert loads(grid(2, [[1], [3]])) == loads(column_wise([1, 3]))
+    sizes = [1, 9, 600, 390]
+    stats = TrafficStats({"t": hot})
+    assert loads(grid(1, [[0, 1, 2, 3]], [sizes]), stats) == loads(row_wise(sizes), stats)
+    assert loads(grid(1, [[0, 1, 2, 3]], [sizes]), stats) != loads(grid(1, [[0, 1, 2, 3]]), stats)
+    uneven = grid([8, 24], [[0, 1], [1, 2, 3]], [[100, 900], [500, 250, 250]])
+    assert [m for m, _ in loads(uneven)] == memory_per_rank(ShardingPlan({"t": uneven}), tables, 4)
+
+
+def test_a_configs_own_grid_plan_is_reported(tmp_path):
+    config = yaml.safe_load((ROOT / "configs" / "small.yaml").read_text())
+    config["plan"] = {
+        "user": {"type": "grid", "column_blocks": 2, "ranks": [[0, 1], [1]]},
+        "item": {"type": "table_wise", "rank": 1},
+        "category": {"type": "grid", "column_blocks": 1, "ranks": [[0, 1]], "sizes": [[1000, 0]]},
+        "city": {"type": "row_wise"},
+        "device": {"type": "table_wise", "rank": 0},
+    }
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    plan, report = plan_config(load_config(tmp_path / "c.yaml"), 2)
+    assert plan.tables["user"] == grid(2, [[0, 1], [1]])
+    assert [(t.table, t.sharding, t.pieces) for t in report.tables] == [
+        ("user", "grid", 3),
+        ("item", "table_wise", 1),
+        ("category", "grid", 1),
+        ("city", "row_wise", 2),
+        ("device", "table_wise", 1),
+    ]
+    result = CliRunner().invoke(cli, ["plan", str(tmp_path / "c.yaml"), "-w", "2"])
+    assert result.exit_code == 0, result.output
+    assert "  user: grid (the config's own plan)" in result.output.splitlines()
+    assert "user[50000:+50000, 0:+8]" in result.output  # rank 1's row block of block 0
+
+
 def test_plan_cli_bad_config(tmp_path):
     (tmp_path / "bad.yaml").write_text("model: {}\n")
     result = CliRunner().invoke(cli, ["plan", str(tmp_path / "bad.yaml"), "-w", "2"])
@@ -613,6 +665,31 @@ def test_show_draws_uneven_and_out_of_order_layouts(tmp_path):
     assert "  cols |2200000022|" in lines
     assert "    rank 0: rows 0:5, cols 4:12" in lines
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_show_draws_each_grid_block_split_by_rows(tmp_path):
+    config = yaml.safe_load((ROOT / "configs" / "small.yaml").read_text())
+    config["tables"] = [
+        {"name": "g", "num_embeddings": 10, "embedding_dim": 16, "features": ["a"]},
+    ]
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    plan = ShardingPlan({"g": grid([4, 12], [[0, 2], [1, 2, 3]], [[5, 5], [3, 0, 7]])})
+    plan.save(tmp_path / "p.yaml")
+    args = ["show", str(tmp_path / "p.yaml"), "--config", str(tmp_path / "c.yaml")]
+    result = CliRunner().invoke(cli, [*args, "--width", "10"])  # 4 ranks, as the plan implies
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[:7] == [
+        "g (10 x 16) Grid",
+        "  cols 0:4  rows |0000022222|",
+        "  cols 4:16 rows |1113333333|",
+        "    rank 0: rows 0:5, cols 0:4",
+        "    rank 2: rows 5:10, cols 0:4",
+        "    rank 1: rows 0:3, cols 4:16",
+        "    rank 3: rows 3:10, cols 4:16",
+    ]
+    # 7 x 12 weights and 7 row-wise Adagrad accumulators, 4 bytes each.
+    assert lines[7].startswith("most memory: rank 3 with 364 B; slowest: rank 3 at ")
 
 
 def test_show_needs_a_world_size_for_even_row_wise(tmp_path):

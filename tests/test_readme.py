@@ -24,6 +24,7 @@ import embshard
 from embshard import checkpoint
 from embshard.cli import main as cli
 from embshard.init import init_shard
+from embshard.show import draw_table
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = {
@@ -31,9 +32,15 @@ PAGES = {
 }
 README = PAGES[Path("README.md")]
 API = PAGES[Path("docs/api.md")]
+PLANNING = PAGES[Path("docs/planning.md")]
 EXAMPLES = ROOT / "examples"
 # Each example and the page that shows it.
-SHOWN_ON = {"quickstart.py": README, "shard_tables.py": API, "train_ebc.py": API}
+SHOWN_ON = {
+    "quickstart.py": README,
+    "shard_tables.py": API,
+    "train_ebc.py": API,
+    "grid_tables.py": PLANNING,
+}
 
 
 def run_example(name: str, log_dir: Path) -> list[str]:
@@ -150,6 +157,18 @@ def test_shard_tables_output_matches_docs(tmp_path):
         ln for ln in run_example("shard_tables.py", tmp_path) if ln.startswith("rank ")
     )
     assert printed == shown_rank_lines(API)
+
+
+def test_grid_example_output_and_drawing_match_docs(tmp_path):
+    printed = sorted(ln for ln in run_example("grid_tables.py", tmp_path) if ln.startswith("rank "))
+    assert printed == shown_rank_lines(PLANNING)
+    assert sum("equals unsharded: True" in ln for ln in printed) == 4
+    ads = EmbeddingBagConfig(name="ads", num_embeddings=10000, embedding_dim=64)
+    plan = embshard.ShardingPlan(
+        {"ads": embshard.grid([16, 48], [[0, 1], [1]], [[1000, 9000], [10000]])}
+    )
+    drawing = draw_table(plan.resolve([ads], 2)["ads"], 40)
+    assert "\n".join(f"    {line}" for line in drawing) in PLANNING
 
 
 def test_training_example_learns(tmp_path):

@@ -12,14 +12,14 @@ import torch
 import torch.distributed as dist
 import yaml
 from oracle import Case, Table, run_case
-from test_forward import TABLES, TOL, plans
+from test_forward import TABLES, TOL, plans, tables_for
 from torchrec import EmbeddingBagCollection
 
 import embshard
 from embshard import LocalShardsWrapper
 from embshard.config import ConfigError, load_config
 from embshard.data import Feed
-from embshard.plan import PlanError, RowWise
+from embshard.plan import PlanError, RowWise, grid
 from embshard.simulate import (
     SimulationError,
     Traffic,
@@ -43,7 +43,8 @@ def write_config(tmp_path: Path, data: dict) -> str:
 
 
 def synthetic_config(tmp_path: Path, world: int) -> str:
-    """configs/small.yaml, small batches, every kind of sharding (row-wise uneven too)."""
+    """configs/small.yaml, small batches, every kind of sharding (row-wise and grid
+    uneven too)."""
     data = yaml.safe_load((ROOT / "configs" / "small.yaml").read_text())
     last = world - 1
     data.update(batch_size=32)
@@ -52,7 +53,12 @@ def synthetic_config(tmp_path: Path, world: int) -> str:
         "item": {"type": "column_wise", "ranks": [last, 0, last, 0]},
         "category": {"type": "table_wise", "rank": last},
         "city": {"type": "row_wise", "sizes": [1000] + [0] * (world - 2) + [4000]},
-        "device": {"type": "table_wise", "rank": 0},
+        "device": {
+            "type": "grid",
+            "column_blocks": 2,
+            "ranks": [[0, last], [last]],
+            "sizes": [[50, 150], [200]],
+        },
     }
     return write_config(tmp_path, data)
 
@@ -183,10 +189,10 @@ def test_the_slowest_rank_is_the_one_holding_the_tables(tmp_path):
 
 
 @pytest.mark.parametrize("world_size", [5, 6, 7, 8])
-@pytest.mark.parametrize("plan", ["table_wise", "row_wise", "column_wise", "mixed"])
+@pytest.mark.parametrize("plan", ["table_wise", "row_wise", "column_wise", "mixed", "grid_mixed"])
 def test_oracle_cases_at_up_to_8_ranks_in_one_process(world_size, plan):
     batch_sizes = tuple([5, 0, 3, 6, 2, 7, 1, 4][:world_size])
-    case = Case(TABLES, plans(world_size)[plan], batch_sizes, seed=world_size)
+    case = Case(tables_for(plan), plans(world_size)[plan], batch_sizes, seed=world_size)
     for worst in run_ranks(world_size, run_case, case):
         assert worst["forward"] < TOL and worst["weights"] < TOL, worst
 
@@ -215,6 +221,8 @@ def test_check_runs_the_config_model_against_the_oracle(tmp_path):
 def test_a_cut_row_wise_table_keeps_its_blocks_shares():
     assert _shrunk(RowWise((10, 0, 30, 60)), 100, 20) == RowWise((2, 0, 6, 12))
     assert _shrunk(RowWise(None), 100, 20) == RowWise(None)
+    cut = _shrunk(grid(2, [[0, 2], [1]], [[10, 90], [100]]), 100, 20)
+    assert cut == grid(2, [[0, 2], [1]], [[2, 18], [20]])
 
 
 def fail_on_rank_1() -> int:

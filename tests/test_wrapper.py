@@ -96,3 +96,19 @@ def test_empty_wrapper():
     assert w.shape == (0, 0) and w.dtype == torch.float16
     assert w.__create_chunk_list__() == [] and w.__create_write_items__("t", w) == []
     assert w.detach().local_shards() == []
+
+
+def test_shards_of_different_heights_as_a_grid_rank_holds_them():
+    # Rows 5:10 of columns 0:4 and rows 0:3 of columns 4:12: two grid blocks on one rank.
+    tall, short = torch.randn(5, 4), torch.randn(3, 8)
+    w = LocalShardsWrapper([tall, short], [(5, 0), (0, 4)])
+    assert w.shape == (5, 12)
+    assert [(tuple(c.offsets), tuple(c.sizes)) for c in w.__create_chunk_list__()] == [
+        ((5, 0), (5, 4)),
+        ((0, 4), (3, 8)),
+    ]
+    source = torch.randn(5, 12)
+    w.copy_(source)  # laid out as the shape: side by side, each shard its top rows
+    assert torch.equal(tall, source[:, :4]) and torch.equal(short, source[:3, 4:])
+    with pytest.raises(ValueError, match="2-D"):
+        LocalShardsWrapper([torch.zeros(3)], [(0,)])
