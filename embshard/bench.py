@@ -1,6 +1,6 @@
 """Benchmark embshard against TorchRec's DistributedModelParallel, side by side.
 
-    embshard bench --world-sizes 2 4 --workloads a b c --json bench.json
+    embshard bench --world-sizes 2 4 --workloads a b c d --ids uniform --json bench.json
     (or .venv/bin/python tools/bench.py with the same options)
 
 For each world size it starts W gloo processes (one thread each). For every workload
@@ -13,13 +13,15 @@ are compared before anything is timed; then training steps
 (forward, backward with the fused update) alternate between the two libraries. A
 step's time is the slowest rank's. It also times the same per-rank lookups, backward
 and update in a bare TBE (the data the rank's TBE received, in one process), and the
-machine's gather bandwidth against the local lookup's.
+machine's gather bandwidth against the local lookup's, and the fraction of the ids
+each rank's TBE received that repeat within their table (what deduplicating would save).
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import itertools
 import json
 import os
 import statistics
@@ -40,15 +42,39 @@ CRITEO_KAGGLE_ROWS = [
     27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
 ]  # fmt: skip
 
+# MLPerf DLRMv2 (DCNv2 on Criteo 1TB) multi-hot sizes: ids in every bag of each of the
+# 26 features, in Criteo's feature order (facebookresearch/dlrm,
+# torchrec_dlrm/scripts/materialize_synthetic_multihot_dataset.py).
+MLPERF_MULTI_HOT_SIZES = [3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27,
+                          10, 3, 1, 1]  # fmt: skip
+
+
+def width_by_rows(rows: int) -> int:
+    """Workload (d)'s dimensions: wider for bigger tables, as production models size them."""
+    return 16 if rows < 1_000 else 32 if rows < 100_000 else 64
+
+
+# Each table is (rows, dim, pooling). Bags: "mean" draws each bag's size uniformly from
+# 1 to 2 * pooling - 1; "fixed" gives every bag exactly pooling ids (MLPerf's multi-hot).
 WORKLOADS = {
-    "a": {"shapes": [(100_000, 64)] * 8, "pooling": 20, "batch": 1024},
-    "b": {"shapes": [(10_000, 32)] * 64, "pooling": 5, "batch": 1024},
+    "a": {"tables": [(100_000, 64, 20)] * 8, "bags": "mean", "batch": 1024},
+    "b": {"tables": [(10_000, 32, 5)] * 64, "bags": "mean", "batch": 1024},
     "c": {
-        "shapes": [(min(r, 1_000_000), 64) for r in CRITEO_KAGGLE_ROWS],
-        "pooling": 1,
+        "tables": [(min(r, 1_000_000), 64, 1) for r in CRITEO_KAGGLE_ROWS],
+        "bags": "mean",
         "batch": 1024,
     },
+    "d": {
+        "tables": [
+            (min(r, 400_000), width_by_rows(r), hot)
+            for r, hot in zip(CRITEO_KAGGLE_ROWS, MLPERF_MULTI_HOT_SIZES)
+        ],
+        "bags": "fixed",
+        "batch": 512,
+    },
 }
+ID_LAWS = ["uniform", "power-law"]
+LIBRARIES = ["embshard", "torchrec"]
 PLANS = ["table_wise", "row_wise", "column_wise", "mixed"]
 COMM_PRECISIONS = ["fp32", "fp16", "bf16"]
 # Unit roundoff of the comm precisions: how far compressed outputs may drift, relatively.
@@ -62,7 +88,7 @@ def table_configs(workload: str):
         EmbeddingBagConfig(
             name=f"t{i}", num_embeddings=rows, embedding_dim=dim, feature_names=[f"f{i}"]
         )
-        for i, (rows, dim) in enumerate(WORKLOADS[workload]["shapes"])
+        for i, (rows, dim, _) in enumerate(WORKLOADS[workload]["tables"])
     ]
 
 
@@ -83,20 +109,34 @@ def make_plan(name: str, configs, world: int):
     )
 
 
-def make_inputs(workload: str, rank: int, steps: int):
+def make_inputs(workload: str, rank: int, steps: int, ids: str = "uniform"):
+    """The rank's batches: ids uniform over each table's rows, or ``"power-law"`` as
+    embshard's synthetic data draws them (low ids hot)."""
     import torch
     from torchrec import KeyedJaggedTensor
 
+    from embshard.data import power_law_ids
+
+    if ids not in ID_LAWS:
+        raise ValueError(f"ids must be one of {ID_LAWS}, got {ids!r}")
     spec = WORKLOADS[workload]
+    batch = spec["batch"]
     generator = torch.Generator().manual_seed(1000 + rank)
     batches = []
     for _ in range(steps):
         lengths, values = [], []
-        for rows, _ in spec["shapes"]:
-            bag = torch.randint(1, 2 * spec["pooling"], (spec["batch"],), generator=generator)
+        for rows, _, pooling in spec["tables"]:
+            if spec["bags"] == "fixed":
+                bag = torch.full((batch,), pooling)
+            else:
+                bag = torch.randint(1, 2 * pooling, (batch,), generator=generator)
             lengths.append(bag)
-            values.append(torch.randint(0, rows, (int(bag.sum()),), generator=generator))
-        keys = [f"f{i}" for i in range(len(spec["shapes"]))]
+            count = int(bag.sum())
+            if ids == "uniform":
+                values.append(torch.randint(0, rows, (count,), generator=generator))
+            else:
+                values.append(power_law_ids(rows, count, generator))
+        keys = [f"f{i}" for i in range(len(spec["tables"]))]
         batches.append(
             KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
         )
@@ -147,6 +187,20 @@ def build_torchrec(configs, plan, world: int, comm_precision: str = "fp32"):
         plan=ShardingPlan({"ebc": module_plan}),
         sharders=[sharder],
     )
+
+
+def build(library: str, configs, plan, world: int, comm_precision: str = "fp32"):
+    """One library's sharded module on this rank, as the bench builds it."""
+    from torchrec import EmbeddingBagCollection
+
+    import embshard
+
+    if library == "torchrec":
+        return build_torchrec(configs, plan, world, comm_precision)
+    if library != "embshard":
+        raise ValueError(f"library must be one of {LIBRARIES}, got {library!r}")
+    ebc = EmbeddingBagCollection(tables=configs, device="meta")
+    return embshard.shard(ebc, plan, comm_precision=comm_precision)
 
 
 def copy_weights(ours, theirs) -> None:
@@ -263,14 +317,9 @@ def per_step_comm(model, batch) -> tuple[int, int]:
     return sum(e.name.startswith("gloo:") for e in prof.events()), counter.bytes
 
 
-def bare_tbe_time(ours, batch, repeats: int) -> tuple[float, float]:
-    """The rank's own lookups, backward and update in a fresh TBE with the same
-    weights, on the indices its TBE received for ``batch``; and the forward's achieved
-    gather bandwidth."""
-    import torch
-
-    from embshard.lookup import SGD, build_tbe
-
+def received_ids(ours, batch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The indices and offsets this rank's TBE receives for ``batch`` in one training
+    step (collective: every rank calls it); None on a rank without a TBE."""
     captured = {}
     storage = ours._storage
     original = storage.tbe
@@ -281,9 +330,33 @@ def bare_tbe_time(ours, batch, repeats: int) -> tuple[float, float]:
 
     if original is not None:
         storage.tbe = capture
-    pooled(ours, batch).sum().backward()  # collective: every rank, TBE or not
+    pooled(ours, batch).sum().backward()
     storage.tbe = original
-    if original is None:
+    return (captured["indices"], captured["offsets"]) if original is not None else None
+
+
+def repeated_ids(ids: torch.Tensor) -> int:
+    """How many of ``ids`` repeat an earlier one: lookups deduplication would save."""
+    return ids.numel() - ids.unique().numel()
+
+
+def duplicate_fraction(indices: torch.Tensor, offsets: torch.Tensor, slots: int) -> float:
+    """Of the ids a TBE received (``slots`` table shards, TBE layout), the fraction
+    that repeat an id of the same shard."""
+    starts = offsets[:: (len(offsets) - 1) // slots].tolist()
+    repeated = sum(repeated_ids(indices[a:b]) for a, b in itertools.pairwise(starts))
+    return repeated / max(1, indices.numel())
+
+
+def bare_tbe_time(ours, received, repeats: int) -> tuple[float, float]:
+    """The rank's own lookups, backward and update in a fresh TBE with the same
+    weights, on the indices its TBE received (``received_ids``); and the forward's
+    achieved gather bandwidth."""
+    import torch
+
+    from embshard.lookup import SGD, build_tbe
+
+    if received is None:
         return 0.0, 0.0
     shards = ours._storage.shards
     tbe = build_tbe([(s.rows, s.cols) for _, s in shards], SGD(0.01), torch.device("cpu"),
@@ -293,7 +366,7 @@ def bare_tbe_time(ours, batch, repeats: int) -> tuple[float, float]:
         tbe.split_embedding_weights(), ours._storage.tbe.split_embedding_weights()
     ):
         mine.copy_(theirs)
-    indices, offsets = captured["indices"], captured["offsets"]
+    indices, offsets = received
     times, forwards = [], []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -323,24 +396,34 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def bench_case(
-    workload: str, plan_name: str, steps: int, warmup: int, comm_precision: str = "fp32"
-) -> dict:
+def per_rank(value: float) -> list[float]:
+    """Every rank's ``value``, in rank order, on every rank."""
+    import torch
     import torch.distributed as dist
 
-    import embshard
+    values = torch.zeros(dist.get_world_size(), dtype=torch.float64)
+    values[dist.get_rank()] = value
+    dist.all_reduce(values)
+    return values.tolist()
+
+
+def bench_case(
+    workload: str,
+    plan_name: str,
+    steps: int,
+    warmup: int,
+    comm_precision: str = "fp32",
+    ids: str = "uniform",
+) -> dict:
+    import torch.distributed as dist
 
     world, rank = dist.get_world_size(), dist.get_rank()
     configs = table_configs(workload)
     plan = make_plan(plan_name, configs, world)
-    from torchrec import EmbeddingBagCollection
-
-    ours = embshard.shard(
-        EmbeddingBagCollection(tables=configs, device="meta"), plan, comm_precision=comm_precision
-    )
-    theirs = build_torchrec(configs, plan, world, comm_precision)
+    ours = build("embshard", configs, plan, world, comm_precision)
+    theirs = build("torchrec", configs, plan, world, comm_precision)
     copy_weights(ours, theirs)
-    batches = make_inputs(workload, rank, warmup + steps)
+    batches = make_inputs(workload, rank, warmup + steps, ids)
     gap, scale = slowest(list(difference(ours, theirs, batches[0])))
     # Compressed, each library rounds each value a few times, in its own places.
     agree = gap <= 1e-4 + 4 * UNIT_ROUNDOFF[comm_precision] * scale
@@ -349,6 +432,7 @@ def bench_case(
         "plan": plan_name,
         "world_size": world,
         "comm_precision": comm_precision,
+        "ids": ids,
         "outputs_equal": agree,
     }
     if not agree:
@@ -363,7 +447,10 @@ def bench_case(
         theirs_times.append(train_step(theirs, batch))
     piped_times = slowest(pipelined_steps(ours, batches[warmup:]))
     ours_times, theirs_times = slowest(ours_times), slowest(theirs_times)
-    bare, bandwidth = bare_tbe_time(ours, batches[0], max(5, steps // 2))
+    received = received_ids(ours, batches[0])
+    bare, bandwidth = bare_tbe_time(ours, received, max(5, steps // 2))
+    slots = len(ours._routes.slot_dims(rank))
+    duplicates = duplicate_fraction(*received, slots) if received is not None else 0.0
     bare = slowest([bare])[0]
     bandwidth = min(-x for x in slowest([-bandwidth]))
     samples = WORKLOADS[workload]["batch"] * world
@@ -385,6 +472,7 @@ def bench_case(
     record["bare_tbe_ms"] = 1e3 * bare
     record["overhead_vs_bare_tbe"] = record["embshard"]["median_ms"] / record["bare_tbe_ms"]
     record["lookup_gather_gbps"] = bandwidth / 1e9
+    record["duplicate_id_fraction_per_rank"] = per_rank(duplicates)
     return record
 
 
@@ -398,16 +486,24 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, results)
     records = []
     for workload in args.workloads:
         for plan_name in args.plans:
-            record = bench_case(workload, plan_name, args.steps, args.warmup, args.comm_precision)
+            record = bench_case(workload, plan_name, args.steps, args.warmup,
+                                args.comm_precision, args.ids)  # fmt: skip
             records.append(record)
             if rank == 0:
                 print(summary_line(record), flush=True)
     if rank == 0:
         results.put(records)
+    leave()
+
+
+def leave() -> None:
+    """End a worker process that built TorchRec's DMP. Its gloo groups can abort the
+    process at exit with torch 2.13 ("terminate called without an active exception",
+    2 runs in 25); the work is done and reported, so leave without running C++
+    destructors."""
+    import torch.distributed as dist
+
     dist.destroy_process_group()
-    # TorchRec's DMP holds gloo groups of its own; with torch 2.13 those can abort the
-    # process at exit ("terminate called without an active exception", 2 runs in 25).
-    # The work is done and reported, so leave without running C++ destructors.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
@@ -431,7 +527,7 @@ def gather_bandwidth(rows: int = 1 << 22, dim: int = 64, ids: int = 8 * 1024 * 2
 
 
 def summary_line(r: dict) -> str:
-    head = f"W={r['world_size']} {r['workload']} {r['plan']:<12} {r['comm_precision']}"
+    head = f"W={r['world_size']} {r['workload']} {r['plan']:<12} {r['comm_precision']} {r['ids']}"
     if not r["outputs_equal"]:
         return f"{head} outputs differ by {r['max_difference']:.2e}: not timed"
     ours, theirs = r["embshard"], r["torchrec"]
@@ -442,7 +538,8 @@ def summary_line(r: dict) -> str:
         f"{theirs['collectives_per_step']} coll {theirs['bytes_sent_per_rank'] / 2**20:6.2f} MiB | "
         f"ratio {r['throughput_ratio']:.2f}x | bare TBE {r['bare_tbe_ms']:.2f} ms "
         f"(x{r['overhead_vs_bare_tbe']:.2f}) | pipelined {r['pipelined_median_ms']:.2f} ms "
-        f"(x{r['pipeline_gain']:.2f})"
+        f"(x{r['pipeline_gain']:.2f}) | repeated ids "
+        + " ".join(f"{f:.2f}" for f in r["duplicate_id_fraction_per_rank"])
     )
 
 
@@ -505,7 +602,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         default=list(WORKLOADS),
         choices=list(WORKLOADS),
         help="a: 8 tables of 100k x 64, ~20 ids a bag; b: 64 of 10k x 32, ~5 ids; "
-        "c: Criteo Kaggle's 26 (rows up to 1M) x 64, 1 id (default: all)",
+        "c: Criteo Kaggle's 26 (rows up to 1M) x 64, 1 id; d: Criteo Kaggle's 26 "
+        "(rows up to 400k) x 16, 32 or 64, MLPerf DLRMv2's 1 to 100 ids a bag, "
+        "batch 512 (default: all)",
     )
     parser.add_argument(
         "--plans",
@@ -525,6 +624,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         default="fp32",
         choices=COMM_PRECISIONS,
         help="precision of the pooled all-to-alls, both ways, in both libraries",
+    )
+    parser.add_argument(
+        "--ids",
+        default="uniform",
+        choices=ID_LAWS,
+        help="ids uniform over each table's rows, or a power law as embshard's synthetic "
+        "data draws them (low ids hot) (default: %(default)s)",
     )
     parser.add_argument(
         "--json", type=_output(), default="bench.json", help="results file (default: %(default)s)"

@@ -58,6 +58,13 @@ def _stable_seed(*parts: object) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+def power_law_ids(rows: int, count: int, generator: torch.Generator) -> torch.Tensor:
+    """``count`` ids of a table of ``rows``, ``floor(rows ** u) - 1`` with u uniform in
+    [0, 1): low ids are hot, as in recommendation data (the bench uses it too)."""
+    u = torch.rand(count, generator=generator, dtype=torch.float64)
+    return (torch.pow(float(rows), u).floor().long() - 1).clamp(0, rows - 1)
+
+
 class SyntheticData:
     """Batches that depend only on (seed, split, rank, step).
 
@@ -94,8 +101,7 @@ class SyntheticData:
         for feature, rows in self.rows.items():
             mean = torch.full((size,), float(self.pooling[feature]))
             bags = torch.poisson(mean, generator=g).clamp(min=1).long()
-            u = torch.rand(int(bags.sum()), generator=g, dtype=torch.float64)
-            ids = (torch.pow(float(rows), u).floor().long() - 1).clamp(0, rows - 1)
+            ids = power_law_ids(rows, int(bags.sum()), g)
             sample = torch.repeat_interleave(torch.arange(size), bags)
             scores = torch.zeros(size).index_add(0, sample, self._score(feature, ids))
             logit += 3 * scores / bags / math.sqrt(len(self.rows))

@@ -4,22 +4,77 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import torch
+
+import embshard
+from embshard import bench
 from embshard.bench import main
 
 
 def test_bench_smoke(tmp_path):
     out = tmp_path / "bench.json"
-    main(["--world-sizes", "2", "--workloads", "a", "--plans", "mixed", "--steps", "2",
-          "--warmup", "1", "--json", str(out)])  # fmt: skip
+    main(["--world-sizes", "2", "--workloads", "a", "d", "--plans", "mixed", "--ids", "power-law",
+          "--steps", "2", "--warmup", "1", "--json", str(out)])  # fmt: skip
     data = json.loads(out.read_text())
     assert data["gather_gbps"] > 0
-    (record,) = data["results"]
-    assert record["outputs_equal"]
-    assert record["embshard"]["collectives_per_step"] == 4
-    assert record["torchrec"]["collectives_per_step"] > 4
-    for library in ("embshard", "torchrec"):
-        figures = record[library]
-        assert figures["p10_ms"] <= figures["median_ms"] <= figures["p90_ms"]
-        assert figures["bytes_sent_per_rank"] > 0 and figures["samples_per_s"] > 0
-    assert record["bare_tbe_ms"] > 0 and record["throughput_ratio"] > 0
-    assert record["pipelined_median_ms"] > 0 and record["pipeline_gain"] > 0
+    assert [r["workload"] for r in data["results"]] == ["a", "d"]
+    for record in data["results"]:
+        assert record["outputs_equal"] and record["ids"] == "power-law"
+        assert record["embshard"]["collectives_per_step"] == 4
+        assert record["torchrec"]["collectives_per_step"] > 4
+        for library in ("embshard", "torchrec"):
+            figures = record[library]
+            assert figures["p10_ms"] <= figures["median_ms"] <= figures["p90_ms"]
+            assert figures["bytes_sent_per_rank"] > 0 and figures["samples_per_s"] > 0
+        assert record["bare_tbe_ms"] > 0 and record["throughput_ratio"] > 0
+        assert record["pipelined_median_ms"] > 0 and record["pipeline_gain"] > 0
+        assert all(0 < f < 1 for f in record["duplicate_id_fraction_per_rank"])
+
+
+@pytest.mark.parametrize(
+    "workload, values, ids",
+    [("a", 8192752860, 163325), ("b", 1637243206, 327595), ("c", 2846184787, 26624)],
+)
+def test_old_workloads_keep_their_inputs(workload, values, ids):
+    """Workloads (a) to (c) draw the same ids as when docs/bench.json was measured."""
+    (batch,) = bench.make_inputs(workload, 0, 1)
+    assert (int(batch.values().sum()), int(batch.lengths().sum())) == (values, ids)
+
+
+def test_workload_d_is_criteo_shaped_with_mlperf_bags():
+    configs = bench.table_configs("d")
+    assert [c.num_embeddings for c in configs] == [
+        min(r, 400_000) for r in bench.CRITEO_KAGGLE_ROWS
+    ]
+    assert {c.embedding_dim for c in configs} == {16, 32, 64}
+    uniform, power = (bench.make_inputs("d", 1, 1, ids)[0] for ids in bench.ID_LAWS)
+    for batch in (uniform, power):
+        assert batch.lengths().view(26, 512).unique(dim=1).flatten().tolist() == (
+            bench.MLPERF_MULTI_HOT_SIZES
+        )
+        for config, jagged in zip(configs, batch.split([1] * 26)):
+            assert jagged.values().min() >= 0 and jagged.values().max() < config.num_embeddings
+    hot = power.to_dict()["f2"].values()  # 400,000 rows: a power law puts half below 632
+    assert (hot < 632).float().mean() > 0.45
+    assert (uniform.to_dict()["f2"].values() < 632).float().mean() < 0.01
+    with pytest.raises(ValueError, match="ids must be one of"):
+        bench.make_inputs("d", 0, 1, "zipf")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("plan_name", bench.PLANS)
+def test_every_plan_fits_workload_d(world, plan_name):
+    """The mixed dimensions (16, 32, 64) shard under every plan, in both libraries."""
+    configs = bench.table_configs("d")
+    plan = bench.make_plan(plan_name, configs, world)
+    tables = plan.resolve(configs, world)
+    assert {s.rank for t in tables.values() for s in t.shards} == set(range(world))
+    assert len(embshard.to_torchrec_plan(plan, configs, world)) == len(configs)
+
+
+def test_duplicate_fraction_counts_repeats_within_each_shard():
+    # Two shards, two bags each: shard 0 gets [1, 1, 2] and [1], shard 1 [1] and [3].
+    indices = torch.tensor([1, 1, 2, 1, 1, 3])
+    offsets = torch.tensor([0, 3, 4, 5, 6])
+    assert bench.duplicate_fraction(indices, offsets, 2) == 2 / 6
