@@ -109,8 +109,9 @@ class RankReport:
     rank: int
     samples: int = 0  # its own
     ids_received: int = 0  # = the rows its TBE looks up
+    ids_local: int = 0  # its own batch's ids of data-parallel tables, looked up locally
     bags_received: int = 0  # = the pooled rows it sends back
-    lookup_bytes: int = 0  # embedding bytes those lookups read
+    lookup_bytes: int = 0  # embedding bytes all those lookups read
     counts: Traffic = Traffic()
     ids: Traffic = Traffic()
     pooled: Traffic = Traffic()  # forward
@@ -125,6 +126,7 @@ class RankReport:
     def add_step(self, step: RankReport) -> None:
         self.samples += step.samples
         self.ids_received += step.ids_received
+        self.ids_local += step.ids_local
         self.bags_received += step.bags_received
         self.lookup_bytes += step.lookup_bytes
         self.counts += step.counts
@@ -251,9 +253,11 @@ def _pair(traffic: Traffic, steps: int) -> str:
     return f"{format_bytes(traffic.sent / steps)}/{format_bytes(traffic.received / steps)}"
 
 
-def _step_report(routes: Routes, rank: int, counts: Counts, offsets: torch.Tensor) -> RankReport:
-    """What one step moved through ``rank``, from the counts exchange and the TBE
-    offsets its ids unpacked into."""
+def _step_report(
+    routes: Routes, rank: int, counts: Counts, offsets: torch.Tensor, lengths: torch.Tensor
+) -> RankReport:
+    """What one step moved through ``rank``, from the counts exchange, the TBE offsets
+    its ids unpacked into and its own batch's ``lengths`` (data-parallel lookups)."""
     world, batch = routes.world_size, sum(counts.batch_sizes)
     local = counts.batch_sizes[rank]
     dims = routes.slot_dims(rank)
@@ -262,12 +266,14 @@ def _step_report(routes: Routes, rank: int, counts: Counts, offsets: torch.Tenso
     id_bytes = routes.id_dtype.itemsize
     blocks = sum(sum(routes.slot_dims(r)) for r in range(world))
     pooled = Traffic(batch * sum(dims) * _WEIGHT_BYTES, local * blocks * _WEIGHT_BYTES)
+    copies = [(int(lengths[e.feature].sum()), e.dim) for e in routes.local_embeddings]
     step = RankReport(
         rank,
         samples=local,
         ids_received=sum(slot_ids),
+        ids_local=sum(n for n, _ in copies),
         bags_received=batch * len(dims),
-        lookup_bytes=sum(n * d for n, d in zip(slot_ids, dims)) * _WEIGHT_BYTES,
+        lookup_bytes=sum(n * d for n, d in [*zip(slot_ids, dims), *copies]) * _WEIGHT_BYTES,
         counts=Traffic(world * _COUNTS_BYTES, world * _COUNTS_BYTES),
         ids=Traffic(sum(counts.send_sizes) * id_bytes, sum(counts.recv_sizes) * id_bytes),
         pooled=pooled,
@@ -291,7 +297,8 @@ def _simulate_rank(config: TrainConfig, routes: Routes, batches: int) -> RankRep
         in_flight.work.wait()
         counts = in_flight.counts
         _, offsets, _ = input_dist.unpack(in_flight.received, counts.recv_sizes, counts.batch_sizes)
-        report.add_step(_step_report(routes, rank, counts, offsets))
+        lengths = in_flight.batch.lengths
+        report.add_step(_step_report(routes, rank, counts, offsets, lengths))
     return report
 
 

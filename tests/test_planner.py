@@ -692,6 +692,28 @@ def test_show_draws_each_grid_block_split_by_rows(tmp_path):
     assert lines[7].startswith("most memory: rank 3 with 364 B; slowest: rank 3 at ")
 
 
+def test_show_draws_a_copy_in_one_line(tmp_path):
+    plan = ShardingPlan(
+        {
+            "user": row_wise(),
+            "item": table_wise(0),
+            "category": data_parallel(),
+            "city": table_wise(1),
+            "device": data_parallel(),
+        }
+    )
+    plan.save(tmp_path / "p.yaml")
+    config = str(ROOT / "configs" / "small.yaml")
+    result = CliRunner().invoke(
+        cli, ["show", str(tmp_path / "p.yaml"), "--config", config, "-w", "2"]
+    )
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    at = lines.index("category (1000 x 16) DataParallel")
+    assert lines[at + 1] == "  every row and column on each of 2 ranks"
+    assert lines[at + 2].startswith("city ")
+
+
 def test_show_needs_a_world_size_for_even_row_wise(tmp_path):
     (tmp_path / "p.yaml").write_text("tables:\n  user: {type: row_wise}\n")
     result = CliRunner().invoke(
