@@ -47,7 +47,7 @@ class TableConfig:
     data_type: Literal["fp32", "fp16"] = "fp32"  # fp16: half the memory
     mean_pooling: float = 1.0  # mean ids per bag, for synthetic data and the planner
     # Planner constraints: allowed sharding types, ranks its shards may use, column blocks.
-    shardings: list[Literal["table_wise", "row_wise", "column_wise"]] | None = None
+    shardings: list[Literal["table_wise", "row_wise", "column_wise", "data_parallel"]] | None = None
     ranks: list[int] | None = None
     column_blocks: int | None = None
 

@@ -97,12 +97,18 @@ def test_traffic_of_another_table_shape_is_refused(tmp_path):
         plan_config(config, 2, stats=TrafficStats({"user": wrong}))
 
 
-def test_plan_command_cuts_hot_rows_from_measured_batches():
+def test_plan_command_cuts_hot_rows_from_measured_batches(tmp_path):
     from click.testing import CliRunner
 
     from embshard.cli import main as cli
 
-    config = str(Path(__file__).resolve().parents[1] / "configs" / "criteo_1tb.yaml")
+    # The 40M-row table kept row-wise: the planner would rather cut it into columns.
+    text = (Path(__file__).resolve().parents[1] / "configs" / "criteo_1tb.yaml").read_text()
+    marker = "features: [cat_20], mean_pooling: 100"
+    assert marker in text
+    config = tmp_path / "criteo_1tb.yaml"
+    config.write_text(text.replace(marker, marker + ", shardings: [row_wise]"))
+    config = str(config)
     even = CliRunner().invoke(cli, ["plan", config, "-w", "8", "--json"])
     measured = CliRunner().invoke(cli, ["plan", config, "-w", "8", "--batches", "2", "--json"])
     assert even.exit_code == 0 and measured.exit_code == 0, measured.output

@@ -5,7 +5,8 @@
 For each world size: the planner's plan without and with measured traffic
 (``measure_traffic``, 4 batches), each simulated over 2 batches of every rank's own
 data; prints the slowest rank's lookups (ids its TBE receives plus its own batch's
-ids of data-parallel tables) over the mean rank's, and the plan's copies.
+ids of data-parallel tables) and the bytes they read, each over the mean rank's, and
+how many tables the plan copies to every rank.
 """
 
 from __future__ import annotations
@@ -21,12 +22,17 @@ from embshard.simulate import simulate
 from embshard.traffic import measure_traffic
 
 
-def lookups_ratio(config_path: str, world: int, plan) -> float:
+def slowest_over_mean(values: list[int]) -> float:
+    return max(values) / (sum(values) / len(values))
+
+
+def balance(config_path: str, world: int, plan) -> tuple[float, float]:
+    """Slowest over mean rank: lookups (rows read), and the bytes they read."""
     with tempfile.TemporaryDirectory() as tmp:
         plan.save(Path(tmp) / "plan.yaml")
         report = simulate(config_path, world, str(Path(tmp) / "plan.yaml"), batches=2)
     lookups = [r.ids_received + r.ids_local for r in report.ranks]
-    return max(lookups) / (sum(lookups) / len(lookups))
+    return slowest_over_mean(lookups), slowest_over_mean([r.lookup_bytes for r in report.ranks])
 
 
 def main() -> None:
@@ -39,8 +45,11 @@ def main() -> None:
         for label, stats in (("even", None), ("traffic", measure_traffic(config, world, 4))):
             plan, _ = plan_config(config, world, stats=stats)
             copies = sum(isinstance(s, DataParallel) for s in plan.tables.values())
-            ratio = lookups_ratio(args.config, world, plan)
-            print(f"W={world} {label:<8} slowest/mean lookups {ratio:.2f} ({copies} copied tables)")
+            rows, read = balance(args.config, world, plan)
+            print(
+                f"W={world} {label:<8} slowest/mean rank: lookups {rows:.2f}, "
+                f"bytes looked up {read:.2f} ({copies} copied tables)"
+            )
 
 
 if __name__ == "__main__":
