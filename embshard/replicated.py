@@ -141,6 +141,7 @@ def build_replicated(
             ids.append(block)
             lengths.append(F.pad(torch.ones_like(block), (0, chunk - len(block))))
     tbe = build_tbe(list(zip(rows, dims)), optimizer, device, feature_table_map, dtype)
+    passes = _passes(routes)
     return ReplicatedTables(
         tbe=tbe,
         names=names,
@@ -149,13 +150,13 @@ def build_replicated(
         chunk=chunk,
         all_rows=torch.cat(ids).to(device),
         all_offsets=F.pad(torch.cat(lengths).cumsum(0), (1, 0)).to(device),
-        table_starts=_table_starts(routes, names, rows).to(device),
-        embeddings=_embedding_passes(routes),
+        table_starts=_table_starts(passes, len(routes.features), names, rows).to(device),
+        embeddings=_embedding_passes(routes, passes),
         group=group,
     )
 
 
-def _lookups(routes: Routes) -> list[list[tuple[int, str]]]:
+def _passes(routes: Routes) -> list[list[tuple[int, str]]]:
     """The data-parallel (feature, table) lookups dealt into passes, each feature at
     most once a pass: a feature feeding two such tables takes two."""
     passes: list[list[tuple[int, str]]] = []
@@ -167,17 +168,20 @@ def _lookups(routes: Routes) -> list[list[tuple[int, str]]]:
     return passes
 
 
-def _table_starts(routes: Routes, names: Sequence[str], rows: Sequence[int]) -> torch.Tensor:
+def _table_starts(
+    passes: list[list[tuple[int, str]]], features: int, names: Sequence[str], rows: Sequence[int]
+) -> torch.Tensor:
     starts = dict(zip(names, [0, *torch.tensor(rows).cumsum(0).tolist()]))
-    table_starts = torch.full((len(_lookups(routes)), len(routes.features)), -1)
-    for k, lookups in enumerate(_lookups(routes)):
+    table_starts = torch.full((len(passes), features), -1)
+    for k, lookups in enumerate(passes):
         for feature, table in lookups:
             table_starts[k, feature] = starts[table]
     return table_starts
 
 
-def _embedding_passes(routes: Routes) -> list[tuple[int, int, int]]:
-    passes = _lookups(routes)
+def _embedding_passes(
+    routes: Routes, passes: list[list[tuple[int, str]]]
+) -> list[tuple[int, int, int]]:
     return [
         (next(k for k, p in enumerate(passes) if (e.feature, e.table) in p), e.feature, e.dim)
         for e in routes.local_embeddings
