@@ -1,0 +1,193 @@
+"""Sharded EmbeddingCollection (one row per id) against the unsharded TorchRec module."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from oracle import Case, Table, global_batch, local_batches, run_sequence_case, unsharded
+from test_device_path import HostReads, SizeReads
+from torch.distributed.tensor import DTensor
+
+import embshard
+from embshard import ShardingPlan, column_wise, data_parallel, row_wise, table_wise
+from embshard.sequence import ShardedEmbeddingCollection
+
+TOL = 1e-5
+
+# TorchRec's EmbeddingCollection needs one embedding_dim for all its tables.
+TABLES = (
+    Table("a", 40, 8, ("f_a",)),
+    Table("b", 30, 8, ("f_b1", "f_b2")),  # two features share a table
+    Table("c", 25, 8, ("f_c",)),
+    Table("d", 20, 8, ("f_a", "f_d")),  # f_a feeds two tables: keys f_a@a, f_a@d
+)
+
+
+def plans(world: int) -> dict[str, ShardingPlan]:
+    last = world - 1
+    uneven = [25] if world == 1 else [10] + [0] * (world - 2) + [15]
+    return {
+        "table_wise": ShardingPlan({t.name: table_wise(i % world) for i, t in enumerate(TABLES)}),
+        "row_wise": ShardingPlan({t.name: row_wise() for t in TABLES}),
+        "row_wise_uneven": ShardingPlan(
+            {"a": row_wise(), "b": row_wise(), "c": row_wise(uneven), "d": row_wise()}
+        ),
+        # Every block 4 wide: a rank's shards share one width (FBGEMM's unpooled TBE).
+        "column_wise": ShardingPlan(
+            {t.name: column_wise([i % world, (i + 1) % world]) for i, t in enumerate(TABLES)}
+        ),
+        "mixed": ShardingPlan(
+            {
+                "a": table_wise(last),
+                "b": row_wise(),
+                "c": row_wise(uneven),  # an empty rank in the middle
+                "d": table_wise(0),  # f_a is whole for d, bucketized for nothing
+            }
+        ),
+        "mixed_row_wise": ShardingPlan(
+            {"a": row_wise(), "b": table_wise(0), "c": row_wise(uneven), "d": row_wise()}
+        ),
+    }
+
+
+def batch_sizes(world: int) -> tuple[int, ...]:
+    # Different local batch sizes, and an empty batch on rank 1.
+    return tuple([5, 0, 3, 6][:world]) if world > 1 else (4,)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("plan", list(plans(1)))
+def test_training_matches_unsharded(world, world_size, plan):
+    case = Case(
+        TABLES, plans(world_size)[plan], batch_sizes(world_size), seed=world_size, sequence=True
+    )
+    results = world(world_size).run(run_sequence_case, case)
+    for worst in results:
+        assert worst["forward"] < TOL and worst["weights"] < TOL, worst
+    assert max(worst["output"] for worst in results) > 0.1  # the rows compared are real
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("plan", ["mixed_row_wise", "column_wise"])
+@pytest.mark.parametrize(
+    "optimizer",
+    [embshard.RowWiseAdagrad(lr=0.1, eps=1e-4), embshard.Adagrad(lr=0.1, eps=1e-4)],
+    ids=["rowwise_adagrad", "adagrad"],
+)
+def test_adagrad_matches_unsharded(world, world_size, plan, optimizer):
+    case = Case(TABLES, plans(world_size)[plan], batch_sizes(world_size), optimizer, sequence=True)
+    for worst in world(world_size).run(run_sequence_case, case):
+        assert worst["forward"] < TOL and worst["weights"] < TOL, worst
+
+
+def count_syncs(case: Case) -> dict:
+    rank = dist.get_rank()
+    sharded = embshard.shard(unsharded(case), case.plan)
+    batches = local_batches(case, 0)
+    out = sharded(batches[rank])
+    sum(jt.values().sum() for jt in out.values()).backward()  # warm
+    reads, sizes = HostReads(), SizeReads()
+    with reads, sizes:
+        out = sharded(batches[rank])
+    forward = list(reads.reads), list(sizes.ops)
+    with reads, sizes:
+        sum(jt.values().sum() for jt in out.values()).backward()
+    backward = reads.reads[len(forward[0]) :], sizes.ops[len(forward[1]) :]
+    return {"forward": forward, "backward": backward}
+
+
+def test_a_step_reads_back_from_the_device_once(world):
+    case = Case(TABLES, plans(2)["mixed_row_wise"], (5, 3), sequence=True)
+    for report in world(2).run(count_syncs, case):
+        assert report["forward"] == (["tolist"], []), report
+        assert report["backward"] == ([], []), report
+
+
+def state_dict_round_trip(case: Case) -> dict:
+    """The sharded module's state dict, and a TorchRec state dict loaded into it."""
+    module = unsharded(case)
+    sharded = embshard.shard(module, case.plan)
+    state = sharded.state_dict()
+    gathered = {
+        k: torch.equal(embshard.gather_table(v), module.state_dict()[k]) for k, v in state.items()
+    }
+    other = Case(case.tables, case.plan, case.batch_sizes, seed=case.seed + 1, sequence=True)
+    source = unsharded(other)
+    sharded.load_state_dict(source.state_dict())
+    batches = local_batches(case, 0)
+    out = sharded(batches[dist.get_rank()])
+    expected = source(global_batch(batches))
+    offsets = {
+        name: [int(n.sum()) for n in jt.lengths().split(case.batch_sizes)]
+        for name, jt in expected.items()
+    }
+    rank = dist.get_rank()
+    return {
+        "keys": sorted(state),
+        "dtensors": all(isinstance(v, DTensor) for v in state.values()),
+        "gathered": gathered,
+        "loaded": max(
+            float((out[name].values() - jt.values().split(offsets[name])[rank]).abs().max())
+            if offsets[name][rank]
+            else 0.0
+            for name, jt in expected.items()
+        ),
+    }
+
+
+def test_state_dict_has_torchrec_keys_and_loads_torchrec_weights(world):
+    case = Case(TABLES, plans(2)["mixed"], (4, 3), sequence=True)
+    for report in world(2).run(state_dict_round_trip, case):
+        assert report["keys"] == [f"embeddings.{t.name}.weight" for t in TABLES]
+        assert report["dtensors"] and all(report["gathered"].values()), report
+        assert report["loaded"] == 0.0
+
+
+def shard_error(case: Case, comm_precision: str | None) -> str:
+    with pytest.raises((ValueError, TypeError)) as caught:
+        embshard.shard(unsharded(case), case.plan, comm_precision=comm_precision)
+    return str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("plan", "comm_precision", "message"),
+    [
+        (
+            ShardingPlan(
+                {
+                    "a": table_wise(0),
+                    "b": column_wise([0, 0]),
+                    "c": table_wise(0),
+                    "d": table_wise(0),
+                }
+            ),
+            None,
+            "rank 0 holds shards of different widths [(4, 'b'), (8, 'a'), (8, 'c'), (8, 'd')]",
+        ),
+        (
+            ShardingPlan({t.name: data_parallel() for t in TABLES}),
+            None,
+            "data_parallel is not supported for an EmbeddingCollection yet",
+        ),
+        (
+            ShardingPlan({t.name: table_wise(0) for t in TABLES}),
+            "fp16",
+            "comm_precision is not supported for an EmbeddingCollection yet",
+        ),
+    ],
+    ids=["mixed_widths", "data_parallel", "comm_precision"],
+)
+def test_what_is_not_supported_says_so(world, plan, comm_precision, message):
+    case = Case(TABLES, plan, (2,), sequence=True)
+    for error in world(1).run(shard_error, case, comm_precision):
+        assert message in error
+
+
+def sharded_type(case: Case) -> str:
+    return type(embshard.shard(unsharded(case), case.plan)).__name__
+
+
+def test_shard_returns_a_sharded_embedding_collection(world):
+    case = Case(TABLES, plans(1)["table_wise"], (2,), sequence=True)
+    assert world(1).run(sharded_type, case) == [ShardedEmbeddingCollection.__name__]
