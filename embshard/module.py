@@ -255,8 +255,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
             comm_precision=comm_precision,
         )
 
+    def table_key(self, table: str) -> str:
+        """Where ``table``'s entries sit in state dicts: ``embedding_bags.<table>``
+        (``embeddings.<table>`` for an EmbeddingCollection), as in TorchRec's."""
+        return f"{self._PREFIX}.{table}"
+
     def _key(self, table: str) -> str:
-        return f"{self._PREFIX}.{table}.weight"
+        return f"{self.table_key(table)}.weight"
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pool this rank's local batch; the result is that batch's rows only.
@@ -388,10 +393,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return dict(self._tables)
 
     def optimizer_state(self) -> dict[str, DTensor]:
-        """The fused optimizer's state, ``embedding_bags.<table>.momentum1``: per element
+        """The fused optimizer's state, ``<table_key>.momentum1``: per element
         (Adagrad, shaped like the table) or per row and column block (row-wise
         Adagrad, one column per block); empty for SGD. Views: writes go to the TBE."""
-        return {f"{self._PREFIX}.{n}.momentum1": s for n, s in self._optimizer_state.items()}
+        return {f"{self.table_key(n)}.momentum1": s for n, s in self._optimizer_state.items()}
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return list(self._configs)

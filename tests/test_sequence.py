@@ -10,6 +10,7 @@ from test_device_path import HostReads, SizeReads
 from torch.distributed.tensor import DTensor
 
 import embshard
+import embshard.checkpoint as ckpt
 from embshard import ShardingPlan, column_wise, data_parallel, row_wise, table_wise
 from embshard.sequence import ShardedEmbeddingCollection
 
@@ -191,3 +192,47 @@ def sharded_type(case: Case) -> str:
 def test_shard_returns_a_sharded_embedding_collection(world):
     case = Case(TABLES, plans(1)["table_wise"], (2,), sequence=True)
     assert world(1).run(sharded_type, case) == [ShardedEmbeddingCollection.__name__]
+
+
+def tables_and_state(sharded) -> dict[str, torch.Tensor]:
+    both = {**sharded.state_dict(), **sharded.optimizer_state()}
+    return {key: embshard.gather_table(value) for key, value in both.items()}
+
+
+def save_trained(case: Case, root: str) -> dict[str, torch.Tensor]:
+    sharded = embshard.shard(unsharded(case), case.plan, optimizer=case.optimizer)
+    for step in range(2):
+        out = sharded(local_batches(case, step)[dist.get_rank()])
+        sum(jt.values().sum() for jt in out.values()).backward()
+    ckpt.save(root, sharded, step=2)
+    return tables_and_state(sharded)
+
+
+def load_into(case: Case, root: str) -> tuple[int, dict[str, torch.Tensor]]:
+    other = Case(case.tables, case.plan, case.batch_sizes, seed=case.seed + 1, sequence=True)
+    sharded = embshard.shard(unsharded(other), case.plan, optimizer=case.optimizer)
+    return ckpt.load(root, sharded), tables_and_state(sharded)
+
+
+@pytest.mark.parametrize(
+    ("saved_as", "loaded_as"), [("column_wise", "row_wise_uneven"), ("mixed", "column_wise")]
+)
+def test_checkpoint_reshards_from_4_ranks_to_2(world, tmp_path, saved_as, loaded_as):
+    optimizer = embshard.Adagrad(lr=0.1)  # per element: exact under any resharding
+    saved_case = Case(TABLES, plans(4)[saved_as], batch_sizes(4), optimizer, sequence=True)
+    saved = world(4).run(save_trained, saved_case, str(tmp_path))[0]
+    assert sorted(saved) == sorted(
+        f"embeddings.{t.name}.{kind}" for t in TABLES for kind in ("weight", "momentum1")
+    )
+    assert all(saved[f"embeddings.{t.name}.momentum1"].abs().sum() > 0 for t in TABLES)
+    loaded_case = Case(TABLES, plans(2)[loaded_as], (2, 2), optimizer, sequence=True)
+    for step, loaded in world(2).run(load_into, loaded_case, str(tmp_path)):
+        assert step == 2
+        for key, value in saved.items():
+            assert torch.equal(loaded[key], value), key
+    exported = tmp_path / "exported.pt"
+    ckpt.export(tmp_path, exported)
+    module = unsharded(saved_case)  # a TorchRec EmbeddingCollection takes the export
+    module.load_state_dict(torch.load(exported))
+    for key, value in module.state_dict().items():
+        assert torch.equal(value, saved[key]), key
