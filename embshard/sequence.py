@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torch.distributed.device_mesh import DeviceMesh
-from torchrec.modules.embedding_configs import EmbeddingConfig
+from torchrec.modules.embedding_configs import DataType, EmbeddingConfig
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from embshard.dist import Counts, Scratch
@@ -112,8 +112,8 @@ def _places(
 class ShardedEmbeddingCollection(ShardedEmbeddingBagCollection):
     """The sharded form of a TorchRec ``EmbeddingCollection``; build it with ``shard()``.
 
-    Table-wise, row-wise and column-wise plans; every shard on a rank must have the
-    same number of columns (FBGEMM's unpooled TBE takes one dim). ``state_dict()``
+    Table-wise, row-wise and column-wise plans of FP32 tables; every shard on a rank
+    must have the same number of columns (FBGEMM's unpooled TBE takes one dim). ``state_dict()``
     has the unsharded module's keys (``embeddings.<table>.weight``).
     """
 
@@ -136,6 +136,11 @@ class ShardedEmbeddingCollection(ShardedEmbeddingBagCollection):
         """Check what an unpooled TBE cannot hold, and fix the rows' routes."""
         if comm_precision is not None:
             raise ValueError("comm_precision is not supported for an EmbeddingCollection yet")
+        fp16 = [c.name for c in self._configs if c.data_type != DataType.FP32]
+        if fp16:
+            raise ValueError(
+                f"tables {fp16}: only FP32 tables are supported for an EmbeddingCollection yet"
+            )
         replicated = [n for n, t in self._tables.items() if isinstance(t.spec, DataParallel)]
         if replicated:
             raise PlanError(

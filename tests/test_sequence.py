@@ -8,6 +8,8 @@ import torch.distributed as dist
 from oracle import Case, Table, global_batch, local_batches, run_sequence_case, unsharded
 from test_device_path import HostReads, SizeReads
 from torch.distributed.tensor import DTensor
+from torch.profiler import ProfilerActivity, profile
+from torchrec.modules.embedding_configs import DataType
 
 import embshard
 import embshard.checkpoint as ckpt
@@ -185,6 +187,14 @@ def test_what_is_not_supported_says_so(world, plan, comm_precision, message):
         assert message in error
 
 
+def test_fp16_tables_are_not_supported_yet(world):
+    tables = (Table("a", 40, 8, ("f_a",), data_type=DataType.FP16),)
+    case = Case(tables, ShardingPlan({"a": table_wise(0)}), (2,), sequence=True)
+    message = "tables ['a']: only FP32 tables are supported for an EmbeddingCollection yet"
+    for error in world(1).run(shard_error, case, None):
+        assert message in error
+
+
 def sharded_type(case: Case) -> str:
     return type(embshard.shard(unsharded(case), case.plan)).__name__
 
@@ -236,3 +246,21 @@ def test_checkpoint_reshards_from_4_ranks_to_2(world, tmp_path, saved_as, loaded
     module.load_state_dict(torch.load(exported))
     for key, value in module.state_dict().items():
         assert torch.equal(value, saved[key]), key
+
+
+def count_collectives(case: Case) -> list[int]:
+    """Backend collectives (gloo's own profiler events) of each forward plus backward."""
+    sharded = embshard.shard(unsharded(case), case.plan)
+    counts = []
+    for step in range(2):
+        batch = local_batches(case, step)[dist.get_rank()]
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            sum(jt.values().sum() for jt in sharded(batch).values()).backward()
+        counts.append(sum(e.name.startswith("gloo:") for e in prof.events()))
+    return counts
+
+
+def test_four_collectives_per_step(world):
+    # Counts, ids and rows all-to-alls, and the rows' gradient all-to-all.
+    case = Case(TABLES, plans(3)["mixed_row_wise"], batch_sizes(3), sequence=True)
+    assert world(3).run(count_collectives, case) == [[4, 4]] * 3
