@@ -519,7 +519,7 @@ def shard(
     """Shard ``module`` by ``plan`` over ``mesh`` (default: the whole default process group).
 
     An ``EmbeddingCollection`` gives a ``ShardedEmbeddingCollection`` (embshard.sequence):
-    one row per id, table-wise, row-wise or column-wise.
+    one row per id, table-wise, row-wise, column-wise or grid.
 
     A module on ``meta`` gets the plan-independent seeded initialization; a module with
     real weights keeps them, each rank copying only its own rows and columns. Tables
@@ -565,6 +565,8 @@ def _shard_sequence(
 ) -> ShardedEmbeddingBagCollection:
     from embshard.sequence import ShardedEmbeddingCollection  # it builds on this module
 
+    if module.need_indices():
+        raise ValueError("need_indices=True is not supported for an EmbeddingCollection yet")
     weights = {name: table.weight for name, table in module.embeddings.items()}
     on_meta = any(w.is_meta for w in weights.values())
     return ShardedEmbeddingCollection(

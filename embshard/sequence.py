@@ -112,7 +112,7 @@ def _places(
 class ShardedEmbeddingCollection(ShardedEmbeddingBagCollection):
     """The sharded form of a TorchRec ``EmbeddingCollection``; build it with ``shard()``.
 
-    Table-wise, row-wise and column-wise plans of FP32 tables; every shard on a rank
+    Table-wise, row-wise, column-wise and grid plans of FP32 tables; every shard on a rank
     must have the same number of columns (FBGEMM's unpooled TBE takes one dim). ``state_dict()``
     has the unsharded module's keys (``embeddings.<table>.weight``).
     """

@@ -9,11 +9,12 @@ from oracle import Case, Table, global_batch, local_batches, run_sequence_case, 
 from test_device_path import HostReads, SizeReads
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
+from torchrec import EmbeddingCollection, KeyedJaggedTensor
 from torchrec.modules.embedding_configs import DataType
 
 import embshard
 import embshard.checkpoint as ckpt
-from embshard import ShardingPlan, column_wise, data_parallel, row_wise, table_wise
+from embshard import ShardingPlan, column_wise, data_parallel, grid, row_wise, table_wise
 from embshard.sequence import ShardedEmbeddingCollection
 
 TOL = 1e-5
@@ -30,6 +31,7 @@ TABLES = (
 def plans(world: int) -> dict[str, ShardingPlan]:
     last = world - 1
     uneven = [25] if world == 1 else [10] + [0] * (world - 2) + [15]
+    everyone, ends = list(range(world)), sorted({0, last})
     return {
         "table_wise": ShardingPlan({t.name: table_wise(i % world) for i, t in enumerate(TABLES)}),
         "row_wise": ShardingPlan({t.name: row_wise() for t in TABLES}),
@@ -50,6 +52,16 @@ def plans(world: int) -> dict[str, ShardingPlan]:
         ),
         "mixed_row_wise": ShardingPlan(
             {"a": row_wise(), "b": table_wise(0), "c": row_wise(uneven), "d": row_wise()}
+        ),
+        # Two column blocks 4 wide each, each row-wise over its own group of ranks.
+        "grid": ShardingPlan(
+            {
+                "a": grid(2, [ends, [last]]),
+                "b": grid(2, [everyone, [0]]),
+                # Uneven, an empty rank in block 1: ranks hold different rows per block.
+                "c": grid(2, [ends, ends], [[10, 15], [25, 0]] if world > 1 else None),
+                "d": grid(2, [everyone, ends]),  # f_a: a's and d's row splits
+            }
         ),
     }
 
@@ -72,7 +84,7 @@ def test_training_matches_unsharded(world, world_size, plan):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("plan", ["mixed_row_wise", "column_wise"])
+@pytest.mark.parametrize("plan", ["mixed_row_wise", "column_wise", "grid"])
 @pytest.mark.parametrize(
     "optimizer",
     [embshard.RowWiseAdagrad(lr=0.1, eps=1e-4), embshard.Adagrad(lr=0.1, eps=1e-4)],
@@ -195,6 +207,19 @@ def test_fp16_tables_are_not_supported_yet(world):
         assert message in error
 
 
+def need_indices_error(case: Case) -> str:
+    module = EmbeddingCollection([t.config(True) for t in case.tables], need_indices=True)
+    with pytest.raises(ValueError) as caught:
+        embshard.shard(module, case.plan)
+    return str(caught.value)
+
+
+def test_need_indices_is_not_supported_yet(world):
+    case = Case(TABLES, plans(1)["table_wise"], (2,), sequence=True)
+    for error in world(1).run(need_indices_error, case):
+        assert "need_indices=True is not supported for an EmbeddingCollection yet" in error
+
+
 def sharded_type(case: Case) -> str:
     return type(embshard.shard(unsharded(case), case.plan)).__name__
 
@@ -264,3 +289,22 @@ def test_four_collectives_per_step(world):
     # Counts, ids and rows all-to-alls, and the rows' gradient all-to-all.
     case = Case(TABLES, plans(3)["mixed_row_wise"], batch_sizes(3), sequence=True)
     assert world(3).run(count_collectives, case) == [[4, 4]] * 3
+
+
+def bad_batch(case: Case) -> str:
+    sharded = embshard.shard(unsharded(case), case.plan)
+    batch = local_batches(case, 0)[dist.get_rank()]
+    if dist.get_rank() == 0:
+        values = batch.values().clone()
+        values[0] = 1000
+        batch = KeyedJaggedTensor(keys=batch.keys(), values=values, lengths=batch.lengths())
+    with pytest.raises(embshard.InputError) as caught:
+        sharded(batch)
+    return str(caught.value)
+
+
+def test_a_bad_batch_raises_the_same_error_on_every_rank(world):
+    case = Case(TABLES, plans(2)["mixed"], (3, 2), sequence=True, max_pooling=2)
+    errors = world(2).run(bad_batch, case)
+    assert errors[0] == errors[1]
+    assert "rank 0: feature 'f_a' (table 'd'): id 1000 is outside [0, 20)" in errors[0]
