@@ -33,6 +33,7 @@ _MODULES = {
         "table_wise",
     ],
     "embshard.pipeline": ["TrainPipeline", "prefetch"],
+    "embshard.sequence": ["ShardedEmbeddingCollection"],
     "embshard.planner": [
         "PlanReport",
         "PlanningError",

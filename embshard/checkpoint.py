@@ -97,7 +97,7 @@ def _describe(model: nn.Module, step: int) -> dict[str, Any]:
     tables = {}
     for prefix, module in _sharded(model).items():
         for name, table in module.tables.items():
-            tables[f"{prefix}embedding_bags.{name}"] = {
+            tables[prefix + module.table_key(name)] = {
                 "rows": table.num_embeddings,
                 "dim": table.embedding_dim,
                 "layout": table.kind,
@@ -514,11 +514,11 @@ def _targets(
     commits = []
     for prefix, module in _sharded(model).items():
         for name, table in module.tables.items():
-            key = f"{prefix}embedding_bags.{name}.momentum1"
+            key = f"{prefix}{module.table_key(name)}.momentum1"
             if key not in live["sparse_optimizer"]:
                 continue
             target = live["sparse_optimizer"][key]
-            old = saved["tables"].get(f"{prefix}embedding_bags.{name}", {})
+            old = saved["tables"].get(prefix + module.table_key(name), {})
             kind = _optimizer_kind(module)
             if old.get("optimizer") != kind:
                 commits.append(lambda _, target=target: _zero(target))
@@ -625,9 +625,9 @@ def _check(
 
 def _name(key: str) -> str:
     parts = key.split(".")
-    if "embedding_bags" in parts:
-        table = parts[parts.index("embedding_bags") + 1]
-        return f"table {table!r} ({key})"
+    for tables in ("embedding_bags", "embeddings"):  # EmbeddingBagCollection, EmbeddingCollection
+        if tables in parts[:-1]:
+            return f"table {parts[parts.index(tables) + 1]!r} ({key})"
     return key
 
 

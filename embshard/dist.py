@@ -30,6 +30,8 @@ class Counts:
     failed: bool  # some rank's batch is bad
     send_sizes: list[int]  # payload elements for each rank
     sent_ids: list[int]  # ids this rank sends each rank
+    # Sequence lookups only: ids of each feature in this rank's batch (model order).
+    ids_per_feature: list[int] = field(default_factory=list)
 
 
 def exchange_counts(
@@ -38,23 +40,27 @@ def exchange_counts(
     batch_size: int,
     valid: torch.Tensor,
     group: dist.ProcessGroup | None,
+    ids_per_feature: torch.Tensor | None = None,
 ) -> Counts:
     """Tell every rank how much this rank sends it, its batch size, and whether its
     batch is good. The step's one host sync: reading back what arrived, together with
-    ``send_sizes`` and ``sent_ids`` (per destination), which size the payload."""
+    ``send_sizes`` and ``sent_ids`` (per destination), which size the payload, and
+    ``ids_per_feature`` if given, which sizes a sequence lookup's outputs."""
     world = send_sizes.numel()
     status = torch.where(valid, _OK, _BAD).expand(world)
     counts = torch.stack([send_sizes, torch.full_like(send_sizes, batch_size), status], dim=1)
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)
-    host = torch.cat([received.view(-1), send_sizes, sent_ids]).tolist()
+    local = [] if ids_per_feature is None else [ids_per_feature.to(send_sizes.dtype)]
+    host = torch.cat([received.view(-1), send_sizes, sent_ids, *local]).tolist()
     rows = [host[3 * r : 3 * r + 3] for r in range(world)]
     return Counts(
         recv_sizes=[r[0] for r in rows],
         batch_sizes=[r[1] for r in rows],
         failed=any(r[2] != _OK for r in rows),
         send_sizes=host[3 * world : 4 * world],
-        sent_ids=host[4 * world :],
+        sent_ids=host[4 * world : 5 * world],
+        ids_per_feature=host[5 * world :],
     )
 
 
@@ -139,6 +145,8 @@ class Routed:
     weights: torch.Tensor | None
     ids_per_rank: torch.Tensor
     batch_size: int
+    # Sequence lookups only: each id's index in the batch's ids (model order).
+    positions: torch.Tensor | None = None
 
 
 class InputDistribution:
@@ -147,8 +155,18 @@ class InputDistribution:
     offsets and weights. Every tensor lives on ``device``; the only host read is the
     counts exchange between ``route`` and ``pack``."""
 
-    def __init__(self, routes: Routes, rank: int, scratch: Scratch, device: torch.device) -> None:
+    def __init__(
+        self,
+        routes: Routes,
+        rank: int,
+        scratch: Scratch,
+        device: torch.device,
+        sequence: bool = False,
+    ) -> None:
         self.routes = routes
+        # Sequence lookups (EmbeddingCollection) return a row per id, which must find
+        # its way back to the id's place in the batch: ``route`` keeps where each id was.
+        self.sequence = sequence
         self.rank = rank
         self.world = routes.world_size
         self.scratch = scratch
@@ -181,13 +199,14 @@ class InputDistribution:
         """Bucketize row-wise ids by owner (rebased into its block), and count what
         each rank gets."""
         lengths, values, weights = batch.lengths, batch.values, batch.weights
+        positions = torch.arange(values.numel(), device=self.device) if self.sequence else None
         if self.passes:
             buckets = [
                 torch.ops.fbgemm.block_bucketize_sparse_features(
                     lengths.view(-1),
                     values,
                     False,
-                    False,
+                    self.sequence,
                     block_sizes,
                     self.world,
                     weights,
@@ -201,16 +220,37 @@ class InputDistribution:
             lengths = torch.cat([b[0] for b in buckets]).view(table_rows, batch.batch_size)
             values = _cat([b[1] for b in buckets])
             weights = None if weights is None else _cat([b[2] for b in buckets])
+            if positions is not None:  # b[4][i]: where id i went in its pass's buckets
+                ids = positions
+                positions = _cat(
+                    [torch.empty_like(ids).scatter_(0, b[4].long(), ids) for b in buckets]
+                )
         per_slot = lengths.index_select(0, self.send_rows).sum(1)
         ids_per_rank = torch.zeros(self.world, dtype=torch.long, device=self.device)
         ids_per_rank.index_add_(0, self.slot_rank, per_slot)
-        return Routed(lengths, values, weights, ids_per_rank, batch.batch_size)
+        return Routed(lengths, values, weights, ids_per_rank, batch.batch_size, positions)
 
     def nothing(self) -> Routed:
         """The route of a batch that cannot be sent: nothing for anyone."""
         zeros = torch.zeros(self.world, dtype=torch.long, device=self.device)
         empty = torch.zeros(0, dtype=self.routes.id_dtype, device=self.device)
         return Routed(empty.view(0, 0), empty, None, zeros, 0)
+
+    def sent_positions(
+        self, routed: Routed, ids_per_rank: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """For every id sent, in payload order: its index in the batch's ids, and the
+        row of ``routes.send_rows()`` (destination and slot) it travels in."""
+        total = sum(ids_per_rank)
+        lengths, positions, _ = torch.ops.fbgemm.permute_2D_sparse_data(
+            self.send_rows, routed.lengths, routed.positions, None, total
+        )
+        send_row = torch.repeat_interleave(
+            torch.arange(len(self.send_rows), device=self.device),
+            lengths.sum(1),
+            output_size=total,
+        )
+        return positions, send_row
 
     def send_sizes(self, routed: Routed) -> torch.Tensor:
         """Payload elements for each rank: its slots' lengths, then ids (and weights)."""
@@ -249,6 +289,40 @@ class InputDistribution:
         self, received: torch.Tensor, recv_sizes: list[int], batch_sizes: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """TBE input for the global batch: every slot's bags, sources in rank order."""
+        bag_lengths, values, bag_weights = self._received_bags(received, recv_sizes, batch_sizes)
+        if self.world > 1:
+            order = self._slot_major(batch_sizes)
+            bag_lengths, values, bag_weights = torch.ops.fbgemm.permute_1D_sparse_data(
+                order, bag_lengths, values, bag_weights, values.numel()
+            )
+        offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(bag_lengths)
+        return values, offsets, bag_weights
+
+    def unpack_sequence(
+        self, received: torch.Tensor, recv_sizes: list[int], batch_sizes: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``unpack``'s ids and offsets, and for each id the index it arrived at (ids of
+        all sources in rank order): where its row goes back."""
+        bag_lengths, values, _ = self._received_bags(received, recv_sizes, batch_sizes)
+        arrived = torch.arange(values.numel(), device=self.device)
+        if self.world > 1:
+            order = self._slot_major(batch_sizes)
+            _, arrived, _ = torch.ops.fbgemm.permute_1D_sparse_data(
+                order, bag_lengths, arrived, None, values.numel()
+            )
+            bag_lengths, values, _ = torch.ops.fbgemm.permute_1D_sparse_data(
+                order, bag_lengths, values, None, values.numel()
+            )
+        offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(bag_lengths)
+        return values, offsets, arrived
+
+    def _slot_major(self, batch_sizes: list[int]) -> torch.Tensor:
+        return _slot_major_order(self.slots_per_rank[self.rank], batch_sizes, self.device)
+
+    def _received_bags(
+        self, received: torch.Tensor, recv_sizes: list[int], batch_sizes: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Bag lengths, ids and weights as they arrived: (source, slot, sample)."""
         slots = self.slots_per_rank[self.rank]
         lengths, ids, weights = [], [], []
         for chunk, size, batch_size in zip(received.split(recv_sizes), recv_sizes, batch_sizes):
@@ -258,15 +332,8 @@ class InputDistribution:
             ids.append(chunk[start : start + count])
             if self.routes.weighted:
                 weights.append(_from_bits(chunk[start + count :]))
-        bag_lengths, values = torch.cat(lengths), torch.cat(ids)
         bag_weights = torch.cat(weights) if self.routes.weighted else None
-        if self.world > 1:
-            order = _slot_major_order(slots, batch_sizes, self.device)
-            bag_lengths, values, bag_weights = torch.ops.fbgemm.permute_1D_sparse_data(
-                order, bag_lengths, values, bag_weights, values.numel()
-            )
-        offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(bag_lengths)
-        return values, offsets, bag_weights
+        return torch.cat(lengths), torch.cat(ids), bag_weights
 
 
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -20,11 +20,17 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_configs import (
+    BaseEmbeddingConfig,
+    DataType,
+    EmbeddingBagConfig,
+    PoolingType,
+)
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from embshard.dist import (
@@ -66,10 +72,6 @@ def _silence_fx_tracing_notice() -> None:
 _silence_fx_tracing_notice()
 
 
-def _key(table: str) -> str:
-    return f"embedding_bags.{table}.weight"
-
-
 @functools.cache
 def _submesh(mesh: DeviceMesh, ranks: tuple[int, ...]) -> DeviceMesh:
     """The mesh of plan ranks ``ranks`` (positions in ``mesh``), built once per process.
@@ -103,6 +105,8 @@ class InputInFlight:
     received: torch.Tensor | None = None
     work: dist.Work | None = None
     error: InputError | None = None
+    # Sequence lookups only: InputDistribution.sent_positions of the ids sent.
+    sent: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class Pooled(NamedTuple):
@@ -127,7 +131,7 @@ def _check_mesh(mesh: DeviceMesh) -> None:
 _WEIGHT_DTYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16}
 
 
-def _check_configs(configs: Sequence[EmbeddingBagConfig], weighted: bool) -> torch.dtype:
+def _check_configs(configs: Sequence[BaseEmbeddingConfig], weighted: bool) -> torch.dtype:
     """The tables' one weight dtype, once every config is found usable. A rank's tables
     share one TBE, which has one weight precision: FP32 and FP16 tables go in separate
     EmbeddingBagCollections."""
@@ -138,6 +142,8 @@ def _check_configs(configs: Sequence[EmbeddingBagConfig], weighted: bool) -> tor
                 f"table {c.name!r}: embshard stores FP32 or FP16 tables, got {c.data_type}"
             )
         by_type.setdefault(c.data_type, []).append(c.name)
+        if not isinstance(c, EmbeddingBagConfig):  # unpooled: an EmbeddingCollection's
+            continue
         if weighted and c.pooling != PoolingType.SUM:
             raise ValueError(
                 f"table {c.name!r}: weighted features need SUM pooling, as in TorchRec"
@@ -162,9 +168,13 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
 class ShardedEmbeddingBagCollection(nn.Module):
     """The sharded form of a TorchRec ``EmbeddingBagCollection``; build it with ``shard()``."""
 
+    # The unsharded module's attribute holding the tables: state dict keys start so.
+    _PREFIX = "embedding_bags"
+    _POOLING = PoolingMode.SUM
+
     def __init__(
         self,
-        configs: Sequence[EmbeddingBagConfig],
+        configs: Sequence[BaseEmbeddingConfig],
         plan: ShardingPlan,
         mesh: DeviceMesh,
         optimizer: FusedOptimizer,
@@ -185,6 +195,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._rank = mesh.get_coordinate()[0]
         self._device = _mesh_device(mesh)
         self._routes = build_routes(self._configs, self._tables, mesh.size(), is_weighted)
+        scratch = Scratch()
+        self._output_layout = self._output_stage(scratch, comm_precision)
         copies = {n: (t.num_embeddings, t.embedding_dim) for n, t in self._tables.items()}
         replicated = build_replicated(
             self._routes,
@@ -194,17 +206,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
             dtype,
             self._group,
         )
-        scratch = Scratch()
-        self._input_dist = InputDistribution(self._routes, self._rank, scratch, self._device)
-        self._output_layout = OutputLayout(
-            block_dims=[sum(self._routes.slot_dims(r)) for r in range(mesh.size())],
-            moves=self._routes.column_moves(),
-            local_moves=self._routes.local_moves(),
-            output_dim=self._routes.output_dim,
-            rank=self._rank,
-            group=self._group,
-            scratch=scratch,
-            comm_precision=comm_precision,
+        self._input_dist = InputDistribution(
+            self._routes,
+            self._rank,
+            scratch,
+            self._device,
+            sequence=self._POOLING == PoolingMode.NONE,
         )
         self._keys = [e.name for e in self._routes.embeddings]
         self._dims = [e.dim for e in self._routes.embeddings]
@@ -214,7 +221,14 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._prefetched: list[tuple[KeyedJaggedTensor, InputInFlight]] = []
         feature_table_map = [s.tbe_table for s in self._routes.slots[self._rank]]
         self._storage = allocate_storage(
-            self._tables, self._rank, optimizer, self._device, feature_table_map, dtype, replicated
+            self._tables,
+            self._rank,
+            optimizer,
+            self._device,
+            feature_table_map,
+            dtype,
+            replicated,
+            self._POOLING,
         )
         self._fill(seed, weights)
         submesh = functools.partial(_submesh, mesh)
@@ -226,6 +240,28 @@ class ShardedEmbeddingBagCollection(nn.Module):
             name: table_dtensor(self._tables[name], wrapper, mesh, submesh, shape)
             for name, (wrapper, shape) in self._storage.optimizer_state.items()
         }
+
+    def _output_stage(self, scratch: Scratch, comm_precision: str | None) -> OutputLayout:
+        """What the output distribution needs, fixed at sharding (routes and tables
+        known, storage not yet allocated)."""
+        return OutputLayout(
+            block_dims=[sum(self._routes.slot_dims(r)) for r in range(self._mesh.size())],
+            moves=self._routes.column_moves(),
+            local_moves=self._routes.local_moves(),
+            output_dim=self._routes.output_dim,
+            rank=self._rank,
+            group=self._group,
+            scratch=scratch,
+            comm_precision=comm_precision,
+        )
+
+    def table_key(self, table: str) -> str:
+        """Where ``table``'s entries sit in state dicts: ``embedding_bags.<table>``
+        (``embeddings.<table>`` for an EmbeddingCollection), as in TorchRec's."""
+        return f"{self._PREFIX}.{table}"
+
+    def _key(self, table: str) -> str:
+        return f"{self.table_key(table)}.weight"
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pool this rank's local batch; the result is that batch's rows only.
@@ -357,17 +393,17 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return dict(self._tables)
 
     def optimizer_state(self) -> dict[str, DTensor]:
-        """The fused optimizer's state, ``embedding_bags.<table>.momentum1``: per element
+        """The fused optimizer's state, ``<table_key>.momentum1``: per element
         (Adagrad, shaped like the table) or per row and column block (row-wise
         Adagrad, one column per block); empty for SGD. Views: writes go to the TBE."""
-        return {f"embedding_bags.{n}.momentum1": s for n, s in self._optimizer_state.items()}
+        return {f"{self.table_key(n)}.momentum1": s for n, s in self._optimizer_state.items()}
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return list(self._configs)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[override]
         for name, weight in self._weights.items():
-            destination[prefix + _key(name)] = weight
+            destination[prefix + self._key(name)] = weight
 
     def _load_from_state_dict(  # type: ignore[override]
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
@@ -379,7 +415,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         are gathered one table at a time: a collective, as loading a sharded module is
         on every rank.
         """
-        ours = {prefix + _key(name): name for name in self._tables}
+        ours = {prefix + self._key(name): name for name in self._tables}
         missing = [k for k in ours if k not in state_dict]
         unexpected = [k for k in state_dict if k.startswith(prefix) and k not in ours]
         missing_keys.extend(missing)
@@ -418,6 +454,13 @@ def start_input_dist(
     exchange counts (the one host sync), and start the ids all-to-all. Needs only the
     input distribution, no tables: ``embshard simulate`` runs it too."""
     batch, routed, problem = _route(features, stage)
+    ids_per_feature = None
+    if stage.sequence:
+        ids_per_feature = (
+            batch.lengths.sum(1)
+            if batch is not None
+            else torch.zeros(len(stage.routes.features), dtype=torch.long, device=stage.device)
+        )
     counts = exchange_counts(
         stage.send_sizes(routed),
         routed.ids_per_rank,
@@ -426,13 +469,15 @@ def start_input_dist(
         if batch is not None
         else torch.zeros((), dtype=torch.bool, device=stage.device),
         group,
+        ids_per_feature,
     )
     if counts.failed:
         problem = _problem(features, stage.routes, batch, problem)
         return InputInFlight(error=gather_input_error(problem, group))
     payload = stage.pack(routed, counts.sent_ids)
     received, work = stage.exchange(payload, counts.send_sizes, counts.recv_sizes, group)
-    return InputInFlight(counts, batch, received, work)
+    sent = stage.sent_positions(routed, counts.sent_ids) if stage.sequence else None
+    return InputInFlight(counts, batch, received, work, sent=sent)
 
 
 def _route(
@@ -473,6 +518,9 @@ def shard(
 ) -> ShardedEmbeddingBagCollection:
     """Shard ``module`` by ``plan`` over ``mesh`` (default: the whole default process group).
 
+    An ``EmbeddingCollection`` gives a ``ShardedEmbeddingCollection`` (embshard.sequence):
+    one row per id, table-wise, row-wise, column-wise or grid.
+
     A module on ``meta`` gets the plan-independent seeded initialization; a module with
     real weights keeps them, each rank copying only its own rows and columns. Tables
     keep their ``data_type``: FP32, or FP16 (half the memory; every table of the
@@ -482,12 +530,17 @@ def shard(
     gradients in that precision, half the bytes of the default ``None`` (``"fp32"``);
     the output stays float32.
     """
-    if not isinstance(module, EmbeddingBagCollection):
-        raise TypeError(f"shard() takes a TorchRec EmbeddingBagCollection, got {type(module)}")
+    if not isinstance(module, EmbeddingBagCollection | EmbeddingCollection):
+        raise TypeError(
+            "shard() takes a TorchRec EmbeddingBagCollection or EmbeddingCollection, "
+            f"got {type(module)}"
+        )
     if not dist.is_initialized():
         raise RuntimeError("shard() needs torch.distributed initialized (init_process_group)")
     if mesh is None:
         mesh = world_mesh()
+    if isinstance(module, EmbeddingCollection):
+        return _shard_sequence(module, plan, mesh, optimizer, seed, comm_precision)
     weights = {name: bag.weight for name, bag in module.embedding_bags.items()}
     on_meta = any(w.is_meta for w in weights.values())
     return ShardedEmbeddingBagCollection(
@@ -498,5 +551,30 @@ def shard(
         seed,
         weights=None if on_meta else {n: w.detach() for n, w in weights.items()},
         is_weighted=module.is_weighted(),
+        comm_precision=comm_precision,
+    )
+
+
+def _shard_sequence(
+    module: EmbeddingCollection,
+    plan: ShardingPlan,
+    mesh: DeviceMesh,
+    optimizer: FusedOptimizer,
+    seed: int,
+    comm_precision: str | None,
+) -> ShardedEmbeddingBagCollection:
+    from embshard.sequence import ShardedEmbeddingCollection  # it builds on this module
+
+    if module.need_indices():
+        raise ValueError("need_indices=True is not supported for an EmbeddingCollection yet")
+    weights = {name: table.weight for name, table in module.embeddings.items()}
+    on_meta = any(w.is_meta for w in weights.values())
+    return ShardedEmbeddingCollection(
+        module.embedding_configs(),
+        plan,
+        mesh,
+        optimizer,
+        seed,
+        weights=None if on_meta else {n: w.detach() for n, w in weights.items()},
         comm_precision=comm_precision,
     )

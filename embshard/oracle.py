@@ -1,6 +1,7 @@
 """The oracle for the sharded forward, backward and fused optimizers.
 
-Every rank builds the same unsharded TorchRec EmbeddingBagCollection and the same
+Every rank builds the same unsharded TorchRec EmbeddingBagCollection (or, for a
+``sequence`` case, EmbeddingCollection) and the same
 batches for all ranks, so it can run the oracle on the global batch (the ranks'
 local batches concatenated) next to its own sharded step, and compare. The tests
 use it, and so does ``embshard simulate --check``, whose ranks are threads of one
@@ -15,7 +16,14 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torch import nn
+from torchrec import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
+    KeyedJaggedTensor,
+)
 from torchrec.modules.embedding_configs import DataType, PoolingType
 
 from embshard.lookup import SGD, Adagrad
@@ -33,7 +41,16 @@ class Table:
     mean: bool = False
     data_type: DataType = DataType.FP32
 
-    def config(self) -> EmbeddingBagConfig:
+    def config(self, sequence: bool = False) -> EmbeddingBagConfig | EmbeddingConfig:
+        """The table's TorchRec config: an EmbeddingCollection's for ``sequence``."""
+        if sequence:
+            return EmbeddingConfig(
+                name=self.name,
+                num_embeddings=self.rows,
+                embedding_dim=self.dim,
+                feature_names=list(self.features),
+                data_type=self.data_type,
+            )
         return EmbeddingBagConfig(
             name=self.name,
             num_embeddings=self.rows,
@@ -55,6 +72,7 @@ class Case:
     seed: int = 0
     max_pooling: int = 4
     comm_precision: str | None = None
+    sequence: bool = False  # an EmbeddingCollection: one row per id, no pooling
 
 
 def features_of(tables) -> list[str]:
@@ -116,11 +134,18 @@ def upstream(case: Case, step: int, rows: int, cols: int, rank: int) -> torch.Te
     return torch.randn(rows, cols, generator=generator)
 
 
+def tables_of(module: nn.Module) -> nn.ModuleDict:
+    """The unsharded module's tables: an EmbeddingBagCollection's or EmbeddingCollection's."""
+    if isinstance(module, EmbeddingCollection):
+        return module.embeddings
+    return module.embedding_bags
+
+
 def oracle_step(ebc, case: Case, table_blocks, states) -> None:
     """The fused optimizers' update on the unsharded module's gradients."""
     opt = case.optimizer
     with torch.no_grad():
-        for name, bag in ebc.embedding_bags.items():
+        for name, bag in tables_of(ebc).items():
             weight, grad = bag.weight, bag.weight.grad
             bag.weight.grad = None
             if isinstance(opt, SGD):
@@ -147,23 +172,26 @@ def column_blocks(case: Case) -> dict[str, list[tuple[int, int]]]:
     """Each table's column blocks (start, width) under the case's plan: row-wise
     Adagrad keeps an accumulator per row of each (one block unless column-wise or grid)."""
     world = len(case.batch_sizes)
-    tables = case.plan.resolve([t.config() for t in case.tables], world)
+    tables = case.plan.resolve([t.config(case.sequence) for t in case.tables], world)
     return {name: sorted({(s.col_offset, s.cols) for s in t.shards}) for name, t in tables.items()}
 
 
-def unsharded(case: Case) -> EmbeddingBagCollection:
+def unsharded(case: Case) -> EmbeddingBagCollection | EmbeddingCollection:
     """The oracle module, with TorchRec's initial distribution (uniform within
     1/sqrt(rows)) drawn from the case's own generator: the same weights on every
     rank, threads included."""
     generator = torch.Generator().manual_seed(case.seed)
-    ebc = EmbeddingBagCollection(
-        tables=[t.config() for t in case.tables], is_weighted=case.weighted, device="meta"
-    ).to_empty(device="cpu")
+    configs = [t.config(case.sequence) for t in case.tables]
+    if case.sequence:
+        module = EmbeddingCollection(tables=configs, device="meta")
+    else:
+        module = EmbeddingBagCollection(tables=configs, is_weighted=case.weighted, device="meta")
+    module = module.to_empty(device="cpu")
     with torch.no_grad():
         for t in case.tables:
             bound = t.rows**-0.5
-            ebc.embedding_bags[t.name].weight.uniform_(-bound, bound, generator=generator)
-    return ebc
+            tables_of(module)[t.name].weight.uniform_(-bound, bound, generator=generator)
+    return module
 
 
 def float32_twin(module: EmbeddingBagCollection) -> EmbeddingBagCollection:
@@ -241,10 +269,44 @@ def run_case(case: Case) -> dict[str, float]:
     return worst
 
 
+def run_sequence_case(case: Case) -> dict[str, float]:
+    """``run_case`` for an EmbeddingCollection (``case.sequence``, FP32 tables): every
+    id's row compared, and the weights after the fused updates."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert case.sequence and world == len(case.batch_sizes)
+    oracle = unsharded(case)
+    sharded = shard(copy.deepcopy(oracle), case.plan, optimizer=case.optimizer)
+    blocks, states = column_blocks(case), {}
+    worst = {"forward": 0.0, "weights": 0.0, "output": 0.0}
+    for step in range(case.steps):
+        batches = local_batches(case, step)
+        out = sharded(batches[rank])
+        expected = oracle(global_batch(batches))
+        assert list(out) == list(expected)
+        loss, mine = [], torch.zeros(())
+        for f, (name, jt) in enumerate(expected.items()):
+            # Rank r's ids of a feature follow those of the ranks before it.
+            ids = [int(n.sum()) for n in jt.lengths().split(list(case.batch_sizes))]
+            for r, part in enumerate(jt.values().split(ids)):
+                grad = upstream(case, step * len(expected) + f, len(part), part.shape[1], r)
+                loss.append((part * grad).sum())
+                if r == rank:
+                    assert out[name].values().shape == part.shape
+                    assert torch.equal(out[name].lengths(), jt.lengths().split(case.batch_sizes)[r])
+                    worst["forward"] = max(worst["forward"], max_diff(out[name].values(), part))
+                    worst["output"] = max(worst["output"], max_abs(part))
+                    mine = mine + (out[name].values() * grad).sum()
+        mine.backward()  # collective: every rank's sum holds its (maybe empty) outputs
+        (sum(loss) / world).backward()
+        oracle_step(oracle, case, blocks, states)
+    worst["weights"] = weight_gap(sharded, oracle)
+    return worst
+
+
 def weight_gap(sharded, oracle) -> float:
     """The largest difference between any sharded table, gathered, and the oracle's."""
     return max(
-        max_diff(gather_table(weight), oracle.embedding_bags[name].weight)
+        max_diff(gather_table(weight), tables_of(oracle)[name].weight)
         for name, weight in sharded.weights.items()
     )
 

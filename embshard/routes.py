@@ -15,7 +15,11 @@ from dataclasses import dataclass, replace
 from itertools import accumulate
 
 import torch
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import (
+    BaseEmbeddingConfig,
+    EmbeddingBagConfig,
+    PoolingType,
+)
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
 
 from embshard.plan import Grid, RowWise, ShardedTable, TableShard, local_shards
@@ -235,7 +239,7 @@ def _bucket_passes(
 
 
 def build_routes(
-    configs: Sequence[EmbeddingBagConfig],
+    configs: Sequence[BaseEmbeddingConfig],
     tables: dict[str, ShardedTable],
     world_size: int,
     weighted: bool,
@@ -252,7 +256,8 @@ def build_routes(
                     feature=features.index(feature),
                     table=config.name,
                     dim=config.embedding_dim,
-                    mean=config.pooling == PoolingType.MEAN,
+                    mean=isinstance(config, EmbeddingBagConfig)
+                    and config.pooling == PoolingType.MEAN,
                     out_offset=offset,
                     row_wise=isinstance(tables[config.name].spec, RowWise | Grid),
                     data_parallel=tables[config.name].replicated,

@@ -1,0 +1,232 @@
+"""ShardedEmbeddingCollection: a TorchRec EmbeddingCollection sharded over a mesh.
+
+An EmbeddingCollection returns one row per id (``Dict[str, JaggedTensor]``), not a
+pooled row per bag. The data path is the EmbeddingBagCollection's (module.py) with an
+unpooled TBE: the same checked batch, routing and ids all-to-all, then one TBE call
+in ``PoolingMode.NONE`` (one row per id received) and one all-to-all of those rows
+back to their requesters, each landing in its id's place and its shard's columns.
+FBGEMM's unpooled TBE takes one embedding dim for all its tables, so every shard on
+a rank must have the same number of columns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+from torch.distributed.device_mesh import DeviceMesh
+from torchrec.modules.embedding_configs import DataType, EmbeddingConfig
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
+
+from embshard.dist import Counts, Scratch
+from embshard.lookup import FusedOptimizer
+from embshard.module import InputInFlight, ShardedEmbeddingBagCollection
+from embshard.plan import DataParallel, PlanError, ShardingPlan
+
+
+@dataclass(frozen=True)
+class SequenceLayout:
+    """What the rows' all-to-all needs besides the batch, fixed at sharding: every
+    rank's shard width, the embeddings' dim and features, and per row of
+    ``Routes.send_rows()`` (destination, slot) its embedding, feature and first
+    output column."""
+
+    widths: list[int]
+    dim: int
+    embedding_feature: list[int]
+    send_row_embedding: list[int]
+    send_row_feature: list[int]
+    send_row_column: torch.Tensor
+    rank: int
+    slots: int  # this rank's
+    group: dist.ProcessGroup | None
+
+
+class Rows(NamedTuple):
+    """The lookup's result: a row per id received, in TBE order, and for each the
+    index it arrived at (ids of all sources in rank order)."""
+
+    rows: torch.Tensor
+    arrived: torch.Tensor
+
+
+class RowsAllToAll(torch.autograd.Function):
+    """Each id's row goes back to the rank that sent the id, into its place in that
+    rank's output [ids of every embedding, dim], at its shard's columns.
+
+    Backward: each requester sends every row's gradient back to its owner, which
+    puts them in TBE order for the fused backward, divided by the world size (the
+    loss is averaged over ranks, as for the pooled all-to-all).
+    """
+
+    @staticmethod
+    def forward(ctx, anchor, rows, arrived, targets, columns, out_rows, counts, layout):  # type: ignore[override]
+        width = layout.widths[layout.rank]
+        came = [ids * width for ids in _ids_from(counts, layout.slots)]
+        sent = [ids * w for ids, w in zip(counts.sent_ids, layout.widths)]
+        send = rows.new_empty(rows.shape).index_copy_(0, arrived, rows)
+        received = rows.new_empty(sum(sent))
+        dist.all_to_all_single(received, send.view(-1), sent, came, group=layout.group)
+        out = rows.new_zeros(out_rows, layout.dim)
+        places = _places(targets, columns, counts.sent_ids, layout.widths)
+        for chunk, (ids, cols) in zip(received.split(sent), places):
+            out[ids[:, None], cols] = chunk.view(cols.shape)
+        ctx.save_for_backward(anchor, arrived)
+        ctx.places, ctx.splits, ctx.shape, ctx.layout = places, (sent, came), rows.shape, layout
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        _, arrived = ctx.saved_tensors
+        sent, came = ctx.splits
+        send = torch.cat([grad[ids[:, None], cols].reshape(-1) for ids, cols in ctx.places])
+        received = grad.new_empty(sum(came))
+        dist.all_to_all_single(received, send, came, sent, group=ctx.layout.group)
+        grad_rows = received.view(ctx.shape).index_select(0, arrived)
+        grad_rows.div_(dist.get_world_size(ctx.layout.group))
+        return None, grad_rows, None, None, None, None, None, None
+
+
+def _ids_from(counts: Counts, slots: int) -> list[int]:
+    """Ids received from each rank: its payload less the lengths of this rank's
+    ``slots`` (an EmbeddingCollection has no weights)."""
+    return [size - slots * b for size, b in zip(counts.recv_sizes, counts.batch_sizes)]
+
+
+def _places(
+    targets: torch.Tensor, columns: torch.Tensor, sent_ids: list[int], widths: list[int]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per destination rank: the output rows of the ids sent to it, and for each id
+    the output columns of its shard ([ids, width])."""
+    places = []
+    for ids, cols, width in zip(targets.split(sent_ids), columns.split(sent_ids), widths):
+        span = torch.arange(width, device=cols.device)
+        places.append((ids, cols[:, None] + span))
+    return places
+
+
+class ShardedEmbeddingCollection(ShardedEmbeddingBagCollection):
+    """The sharded form of a TorchRec ``EmbeddingCollection``; build it with ``shard()``.
+
+    Table-wise, row-wise, column-wise and grid plans of FP32 tables; every shard on a rank
+    must have the same number of columns (FBGEMM's unpooled TBE takes one dim). ``state_dict()``
+    has the unsharded module's keys (``embeddings.<table>.weight``).
+    """
+
+    _PREFIX = "embeddings"
+    _POOLING = PoolingMode.NONE
+
+    def __init__(
+        self,
+        configs: Sequence[EmbeddingConfig],
+        plan: ShardingPlan,
+        mesh: DeviceMesh,
+        optimizer: FusedOptimizer,
+        seed: int = 0,
+        weights: Mapping[str, torch.Tensor] | None = None,
+        comm_precision: str | None = None,
+    ) -> None:
+        super().__init__(configs, plan, mesh, optimizer, seed, weights, False, comm_precision)
+
+    def _output_stage(self, scratch: Scratch, comm_precision: str | None) -> SequenceLayout:
+        """Check what an unpooled TBE cannot hold, and fix the rows' routes."""
+        if comm_precision is not None:
+            raise ValueError("comm_precision is not supported for an EmbeddingCollection yet")
+        fp16 = [c.name for c in self._configs if c.data_type != DataType.FP32]
+        if fp16:
+            raise ValueError(
+                f"tables {fp16}: only FP32 tables are supported for an EmbeddingCollection yet"
+            )
+        replicated = [n for n, t in self._tables.items() if isinstance(t.spec, DataParallel)]
+        if replicated:
+            raise PlanError(
+                f"tables {replicated}: data_parallel is not supported for an "
+                "EmbeddingCollection yet"
+            )
+        routes, widths = self._routes, []
+        for rank, slots in enumerate(routes.slots):
+            cols = sorted({s.shard.cols for s in slots})
+            if len(cols) > 1:
+                held = sorted({(s.shard.cols, routes.embeddings[s.embedding].table) for s in slots})
+                raise PlanError(
+                    f"rank {rank} holds shards of different widths {held}: FBGEMM's unpooled "
+                    "TBE takes one dim, so every shard of an EmbeddingCollection on a rank "
+                    "must have the same number of columns"
+                )
+            widths.append(cols[0] if cols else 0)
+        send = [(rank, s) for rank, slots in enumerate(routes.slots) for s in slots]
+        return SequenceLayout(
+            widths=widths,
+            dim=self._configs[0].embedding_dim if self._configs else 0,
+            embedding_feature=[e.feature for e in routes.embeddings],
+            send_row_embedding=[s.embedding for _, s in send],
+            send_row_feature=[routes.embeddings[s.embedding].feature for _, s in send],
+            send_row_column=torch.tensor(
+                [s.shard.col_offset for _, s in send], dtype=torch.long, device=self._device
+            ),
+            rank=self._rank,
+            slots=len(routes.slots[self._rank]),
+            group=self._group,
+        )
+
+    def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:  # type: ignore[override]
+        """Every id's row of this rank's local batch, per embedding, as the unsharded
+        EmbeddingCollection returns them. Collective, with one host sync, as the
+        EmbeddingBagCollection's forward."""
+        in_flight = self._take_prefetched(features) or self.input_dist(features)
+        return self.output_dist(self.lookup(in_flight), in_flight)
+
+    def lookup(self, in_flight: InputInFlight) -> Rows:  # type: ignore[override]
+        """Stage 2: wait for the ids, and look up a row for each in one TBE call."""
+        if in_flight.error is not None:
+            raise in_flight.error
+        in_flight.work.wait()
+        counts = in_flight.counts
+        ids, offsets, arrived = self._input_dist.unpack_sequence(
+            in_flight.received, counts.recv_sizes, counts.batch_sizes
+        )
+        in_flight.received = None  # its buffer may serve the next batch
+        if self._storage.tbe is None:
+            return Rows(torch.zeros(0, 0, device=self._device), arrived)
+        return Rows(self._storage.tbe(ids, offsets), arrived)
+
+    def output_dist(  # type: ignore[override]
+        self, looked_up: Rows, in_flight: InputInFlight
+    ) -> dict[str, JaggedTensor]:
+        """Stage 3 (collective): the rows home, each in its id's place."""
+        layout, counts, batch = self._output_layout, in_flight.counts, in_flight.batch
+        positions, send_row = in_flight.sent
+        per_feature = counts.ids_per_feature
+        per_embedding = [per_feature[f] for f in layout.embedding_feature]
+        feature_start = [sum(per_feature[:f]) for f in range(len(per_feature))]
+        embedding_start = [sum(per_embedding[:e]) for e in range(len(per_embedding))]
+        shift = torch.tensor(
+            [
+                embedding_start[e] - feature_start[f]
+                for e, f in zip(layout.send_row_embedding, layout.send_row_feature)
+            ],
+            dtype=torch.long,
+            device=self._device,
+        )
+        out = RowsAllToAll.apply(
+            self._anchor,
+            looked_up.rows,
+            looked_up.arrived,
+            positions + shift[send_row],
+            layout.send_row_column[send_row],
+            sum(per_embedding),
+            counts,
+            layout,
+        )
+        lengths = batch.lengths.long()
+        return {
+            e.name: JaggedTensor(values=values, lengths=lengths[e.feature])
+            for e, values in zip(self._routes.embeddings, out.split(per_embedding))
+        }
+
+    def embedding_configs(self) -> list[EmbeddingConfig]:
+        return list(self._configs)
