@@ -45,14 +45,16 @@ class LocalBatch:
 def check_batch(features: object, routes: Routes, feature_rows: torch.Tensor) -> LocalBatch | str:
     """The batch in model order with its validity flag, or a message saying what is
     wrong with its structure. ``feature_rows`` holds ``routes.feature_rows`` on the
-    batch's device, or one bound when all are the same. Reads nothing back to the
-    host."""
+    batch's device, or one bound when all are the same. Features the model does not
+    use are left out, as TorchRec's modules ignore them; that costs one host read (of
+    the kept ids' count), the only one here."""
     problem = _structure_problem(features, routes)
     if problem:
         return problem
     assert isinstance(features, KeyedJaggedTensor)
     values, lengths = features.values(), features.lengths()
-    lengths = lengths.view(len(routes.features), lengths.numel() // len(routes.features))
+    keys = len(features.keys())
+    lengths = lengths.view(keys, lengths.numel() // keys)
     lengths_ok = (lengths >= 0).all() & (lengths.sum() == values.numel())
     lengths = _trusted(lengths, lengths_ok, values.numel())
     lengths, values, weights = _in_model_order(features, routes, lengths)
@@ -89,12 +91,12 @@ def _structure_problem(features: object, routes: Routes) -> str | None:
     if not isinstance(features, KeyedJaggedTensor):
         return f"expected a KeyedJaggedTensor, got {type(features).__name__}"
     keys = features.keys()
-    unknown = [k for k in keys if k not in routes.features]
     missing = [f for f in routes.features if f not in keys]
-    if unknown or missing or len(set(keys)) != len(keys):
+    if missing or len(set(keys)) != len(keys):
+        repeated = sorted({k for k in keys if keys.count(k) > 1})
         return (
-            f"feature keys {keys} do not match the model's {list(routes.features)}"
-            f" (unknown: {unknown}, missing: {missing})"
+            f"feature keys {keys} do not hold the model's {list(routes.features)}"
+            f" (missing: {missing}, repeated: {repeated})"
         )
     values, lengths = features.values(), features.lengths()
     if values.dtype not in _INDEX_DTYPES or lengths.dtype not in _INDEX_DTYPES:
@@ -126,15 +128,16 @@ def _in_model_order(
     features: KeyedJaggedTensor, routes: Routes, lengths: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``lengths`` ([features, batch], adding up to the ids), the ids and the weights
-    with the features in the model's order."""
+    of the model's features, in its order."""
     keys, values = features.keys(), features.values()
     weights = features.weights_or_none() if routes.weighted else None
     order = [keys.index(f) for f in routes.features]
     if order == list(range(len(keys))):
         return lengths, values, weights
     perm = torch.tensor(order, dtype=torch.int32, device=values.device)
-    # Sized by the ids: no host read.
-    return torch.ops.fbgemm.permute_2D_sparse_data(perm, lengths, values, weights, values.numel())
+    # Sized by the ids (no host read) unless some features are left out.
+    kept = values.numel() if len(order) == len(keys) else int(lengths[order].sum())
+    return torch.ops.fbgemm.permute_2D_sparse_data(perm, lengths, values, weights, kept)
 
 
 def _ids_in_range(lengths: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Sharding whole TorchRec models: every EmbeddingBagCollection sharded, the rest DDP."""
+"""Sharding whole TorchRec models: every EmbeddingBagCollection and EmbeddingCollection
+sharded, the rest DDP."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from embshard.lookup import SGD, FusedOptimizer
 from embshard.module import ShardedEmbeddingBagCollection, shard, world_mesh
@@ -30,9 +31,18 @@ DDP_DEFAULTS: Mapping[str, Any] = {
 }
 
 
-def embedding_bag_collections(model: nn.Module) -> dict[str, EmbeddingBagCollection]:
-    """Every EmbeddingBagCollection in ``model``, by module path."""
-    return {path: m for path, m in model.named_modules() if isinstance(m, EmbeddingBagCollection)}
+Collection = EmbeddingBagCollection | EmbeddingCollection
+
+
+def embedding_bag_collections(model: nn.Module) -> dict[str, Collection]:
+    """Every EmbeddingBagCollection and EmbeddingCollection in ``model``, by path."""
+    return {path: m for path, m in model.named_modules() if isinstance(m, Collection)}
+
+
+def _configs(collection: Collection) -> list:
+    if isinstance(collection, EmbeddingCollection):
+        return collection.embedding_configs()
+    return collection.embedding_bag_configs()
 
 
 def shard_model(
@@ -47,9 +57,10 @@ def shard_model(
     data_parallel_wrapper: Callable[[nn.Module], nn.Module] | None = None,
     comm_precision: str | None = None,
 ) -> nn.Module:
-    """Shard every EmbeddingBagCollection of ``model`` by ``plan`` (one plan naming the
-    tables of all of them) and wrap the model in DDP, which then holds only the dense
-    parameters: the sharded tables are trained by their fused optimizer.
+    """Shard every EmbeddingBagCollection and EmbeddingCollection of ``model`` by
+    ``plan`` (one plan naming the tables of all of them) and wrap the model in DDP,
+    which then holds only the dense parameters: the sharded tables are trained by
+    their fused optimizer.
 
     ``device`` is where everything goes: the tables (FBGEMM's TBE in device memory on
     CUDA), the routing and collectives, and the dense parameters, which are moved
@@ -71,8 +82,8 @@ def shard_model(
     broadcast, seed the dense initialization alike on every rank.
 
     ``comm_precision`` (``"fp16"``, ``"bf16"``; default float32) is every sharded
-    collection's all-to-all precision for pooled rows and their gradients: see
-    ``shard``.
+    EmbeddingBagCollection's all-to-all precision for pooled rows and their
+    gradients: see ``shard``.
     """
     if data_parallel_wrapper is not None and not callable(data_parallel_wrapper):
         raise TypeError(
@@ -86,27 +97,31 @@ def shard_model(
         )
     collections = embedding_bag_collections(model)
     if not collections:
-        raise ValueError(f"{type(model).__name__} holds no EmbeddingBagCollection to shard")
-    configs = [c for ebc in collections.values() for c in ebc.embedding_bag_configs()]
+        raise ValueError(
+            f"{type(model).__name__} holds no EmbeddingBagCollection or EmbeddingCollection "
+            "to shard"
+        )
+    configs = [c for collection in collections.values() for c in _configs(collection)]
     names = [c.name for c in configs]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
-        raise ValueError(f"table names {repeated} appear in more than one EmbeddingBagCollection")
+        raise ValueError(f"table names {repeated} appear in more than one embedding collection")
     plan.resolve(configs, dist.get_world_size())  # one error naming every problem
     device = _device(device, mesh)
     mesh = world_mesh(device.type) if mesh is None else mesh
     if mesh.device_type != device.type:
         raise ValueError(f"device {device} does not match the mesh's {mesh.device_type!r}")
-    for path, ebc in collections.items():
-        own = {c.name for c in ebc.embedding_bag_configs()}
+    for path, collection in collections.items():
+        own = {c.name for c in _configs(collection)}
         sub_plan = ShardingPlan({n: s for n, s in plan.tables.items() if n in own})
+        pooled = isinstance(collection, EmbeddingBagCollection)
         sharded = shard(
-            ebc,
+            collection,
             sub_plan,
             mesh=mesh,
             optimizer=optimizer,
             seed=seed,
-            comm_precision=comm_precision,
+            comm_precision=comm_precision if pooled else None,
         )
         _replace(model, path, sharded)
     _place_dense(model, device)

@@ -281,7 +281,7 @@ def bad_batches(case: Case) -> dict[str, KeyedJaggedTensor]:
         ),
         "id 25 is outside [0, 25)": KeyedJaggedTensor(keys, out_of_range, lengths=lengths),
         "id -3 is outside [0, 20)": KeyedJaggedTensor(keys, negative, lengths=lengths),
-        "unknown: ['f_x'], missing: ['f_d']": KeyedJaggedTensor(
+        "missing: ['f_d'], repeated: []": KeyedJaggedTensor(
             [*keys[:-1], "f_x"], values, lengths=lengths
         ),
         f"lengths add up to {int(lengths.sum())} but there are {len(values) - 1} ids": (

@@ -294,3 +294,71 @@ def test_data_parallel_arguments_checked_first():
             ddp_kwargs={"static_graph": False},
             data_parallel_wrapper=nn.Identity(),
         )
+
+
+def train_mixed_sparse_arch(steps: int, lr: float):
+    """TorchRec's TestMixedEmbeddingSparseArch (an EmbeddingBagCollection and an
+    EmbeddingCollection, each given every feature) sharded by shard_model next to the
+    unsharded model trained on the global batches."""
+    from torchrec import EmbeddingConfig
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tables = [
+        EmbeddingBagConfig(name="bag_0", num_embeddings=40, embedding_dim=8, feature_names=["f0"]),
+        EmbeddingBagConfig(name="bag_1", num_embeddings=30, embedding_dim=16, feature_names=["f1"]),
+        EmbeddingConfig(name="seq_0", num_embeddings=50, embedding_dim=8, feature_names=["s0"]),
+        EmbeddingConfig(name="seq_1", num_embeddings=20, embedding_dim=8, feature_names=["s1"]),
+    ]
+    torch.manual_seed(0)
+    oracle = torchrec_test_model.TestMixedEmbeddingSparseArch(
+        tables=tables, num_float_features=FLOATS
+    )
+    plan = ShardingPlan(
+        {
+            "bag_0": table_wise(world - 1),
+            "bag_1": column_wise([world - 1, 0]),
+            "seq_0": row_wise(),
+            "seq_1": table_wise(0),
+        }
+    )
+    initial = copy.deepcopy(oracle)
+    model = embshard.shard_model(copy.deepcopy(oracle), plan, optimizer=embshard.SGD(lr=lr))
+    dense_opt = torch.optim.SGD(model.parameters(), lr=lr)
+    oracle_opt = torch.optim.SGD(oracle.parameters(), lr=lr)
+    worst = 0.0
+    for step in range(steps):
+        global_input, local_inputs = torchrec_test_model.ModelInput.generate(
+            batch_size=BATCH,
+            world_size=world,
+            num_float_features=FLOATS,
+            tables=tables,
+            weighted_tables=[],
+            random_seed=step,
+            max_feature_lengths=[20] * len(tables),
+        )
+        loss, pred = model(local_inputs[rank])
+        loss.backward()
+        dense_opt.step()
+        dense_opt.zero_grad()
+        oracle_loss, oracle_pred = oracle(global_input)
+        oracle_loss.backward()
+        oracle_opt.step()
+        oracle_opt.zero_grad()
+        mine = oracle_pred[rank * BATCH : (rank + 1) * BATCH]
+        worst = max(worst, (pred - mine).abs().max().item())
+    trained = dict(oracle.named_parameters())
+    moved = {
+        n.split(".")[-2]: (p - trained[n]).abs().max().item()
+        for n, p in initial.named_parameters()
+        if n.startswith(("ebc.", "ec."))
+    }
+    return worst, model_gap(model.module, oracle), moved
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_torchrec_mixed_bag_and_sequence_model_trains_like_unsharded(world, size):
+    for pred_gap, gap, moved in world(size).run(train_mixed_sparse_arch, 3, 0.5):
+        assert pred_gap < TOL and gap < TOL, (pred_gap, gap)
+        # Every table, pooled and sequence, learned well past the tolerance.
+        assert sorted(moved) == ["bag_0", "bag_1", "seq_0", "seq_1"], moved
+        assert min(moved.values()) > 10 * TOL, moved
