@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -70,6 +70,8 @@ def _silence_fx_tracing_notice() -> None:
 
 
 _silence_fx_tracing_notice()
+
+T = TypeVar("T")
 
 
 @functools.cache
@@ -197,10 +199,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._routes = build_routes(self._configs, self._tables, mesh.size(), is_weighted)
         scratch = Scratch()
         self._output_layout = self._output_stage(scratch, comm_precision)
-        copies = {n: (t.num_embeddings, t.embedding_dim) for n, t in self._tables.items()}
         replicated = build_replicated(
             self._routes,
-            {n: shape for n, shape in copies.items() if self._tables[n].replicated},
+            {
+                n: (t.num_embeddings, t.embedding_dim)
+                for n, t in self._tables.items()
+                if t.replicated
+            },
             optimizer,
             self._device,
             dtype,
@@ -296,15 +301,21 @@ class ShardedEmbeddingBagCollection(nn.Module):
             if replicated is not None
             else torch.zeros(batch.batch_size, 0, device=self._device)
         )
+        indices, offsets, weights = self._arrived(in_flight, self._input_dist.unpack)
+        if self._storage.tbe is None:
+            batch_size = sum(in_flight.counts.batch_sizes)
+            return Pooled(torch.zeros(batch_size, 0, device=self._device), local)
+        return Pooled(self._storage.tbe(indices, offsets, per_sample_weights=weights), local)
+
+    @staticmethod
+    def _arrived(in_flight: InputInFlight, unpack: Callable[..., T]) -> T:
+        """Wait for the ids all-to-all and ``unpack`` what arrived for the TBE; its
+        buffer may then serve the next batch."""
         in_flight.work.wait()
         counts = in_flight.counts
-        indices, offsets, weights = self._input_dist.unpack(
-            in_flight.received, counts.recv_sizes, counts.batch_sizes
-        )
-        in_flight.received = None  # its buffer may serve the next batch
-        if self._storage.tbe is None:
-            return Pooled(torch.zeros(sum(counts.batch_sizes), 0, device=self._device), local)
-        return Pooled(self._storage.tbe(indices, offsets, per_sample_weights=weights), local)
+        unpacked = unpack(in_flight.received, counts.recv_sizes, counts.batch_sizes)
+        in_flight.received = None
+        return unpacked
 
     def output_dist(self, pooled: Pooled, in_flight: InputInFlight) -> KeyedTensor:
         """Stage 3 (collective): the pooled rows home to their requesters, in their
@@ -541,18 +552,25 @@ def shard(
         mesh = world_mesh()
     if isinstance(module, EmbeddingCollection):
         return _shard_sequence(module, plan, mesh, optimizer, seed, comm_precision)
-    weights = {name: bag.weight for name, bag in module.embedding_bags.items()}
-    on_meta = any(w.is_meta for w in weights.values())
     return ShardedEmbeddingBagCollection(
         module.embedding_bag_configs(),
         plan,
         mesh,
         optimizer,
         seed,
-        weights=None if on_meta else {n: w.detach() for n, w in weights.items()},
+        weights=_given_weights(module.embedding_bags),
         is_weighted=module.is_weighted(),
         comm_precision=comm_precision,
     )
+
+
+def _given_weights(tables: nn.ModuleDict) -> dict[str, torch.Tensor] | None:
+    """The tables' weights to copy into the shards, or None for a module on ``meta``
+    (the seeded initialization)."""
+    weights = {name: table.weight for name, table in tables.items()}
+    if any(w.is_meta for w in weights.values()):
+        return None
+    return {name: w.detach() for name, w in weights.items()}
 
 
 def _shard_sequence(
@@ -567,14 +585,12 @@ def _shard_sequence(
 
     if module.need_indices():
         raise ValueError("need_indices=True is not supported for an EmbeddingCollection yet")
-    weights = {name: table.weight for name, table in module.embeddings.items()}
-    on_meta = any(w.is_meta for w in weights.values())
     return ShardedEmbeddingCollection(
         module.embedding_configs(),
         plan,
         mesh,
         optimizer,
         seed,
-        weights=None if on_meta else {n: w.detach() for n, w in weights.items()},
+        weights=_given_weights(module.embeddings),
         comm_precision=comm_precision,
     )

@@ -68,9 +68,6 @@ class ReplicatedTables:
     embeddings: list[tuple[int, int, int]]
     group: dist.ProcessGroup | None
 
-    def weight_views(self) -> list[torch.Tensor]:
-        return self.tbe.split_embedding_weights()
-
     def __call__(self, batch: LocalBatch) -> torch.Tensor:
         """The local batch's pooled rows of every data-parallel embedding, SUM pooled,
         side by side in output order: [local batch, their dims]."""

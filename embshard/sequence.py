@@ -184,12 +184,7 @@ class ShardedEmbeddingCollection(ShardedEmbeddingBagCollection):
         """Stage 2: wait for the ids, and look up a row for each in one TBE call."""
         if in_flight.error is not None:
             raise in_flight.error
-        in_flight.work.wait()
-        counts = in_flight.counts
-        ids, offsets, arrived = self._input_dist.unpack_sequence(
-            in_flight.received, counts.recv_sizes, counts.batch_sizes
-        )
-        in_flight.received = None  # its buffer may serve the next batch
+        ids, offsets, arrived = self._arrived(in_flight, self._input_dist.unpack_sequence)
         if self._storage.tbe is None:
             return Rows(torch.zeros(0, 0, device=self._device), arrived)
         return Rows(self._storage.tbe(ids, offsets), arrived)
