@@ -167,38 +167,15 @@ def sparsenn_plan(world: int, names: set[str]) -> ShardingPlan:
     return ShardingPlan({n: s for n, s in specs.items() if n in names})
 
 
-def train_sparsenn(weighted: bool, ddp_kwargs, steps: int, lr: float):
-    """TestSparseNN sharded next to the unsharded one trained on the global batches.
-
-    With equal local batches the global mean loss is the mean of the ranks' losses, so
-    its gradients are the averaged ones that DDP and embshard's sparse backward apply.
-    """
+def train_side_by_side(model, oracle, inputs, lr: float) -> tuple[list, float]:
+    """One SGD step per (global, per-rank) input pair of TorchRec's ``ModelInput``: the
+    sharded model on this rank's batch, the unsharded oracle on the global one. The
+    ranks' mean losses beside the oracle's, and the largest prediction gap."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    tables, weighted_tables, groups = sparsenn_tables(weighted)
-    torch.manual_seed(0)
-    oracle = torchrec_test_model.TestSparseNN(
-        tables=tables,
-        weighted_tables=weighted_tables,
-        num_float_features=FLOATS,
-        embedding_groups=groups,
-    )
-    initial = copy.deepcopy(oracle)
-    plan = sparsenn_plan(world, {t.name for t in tables + weighted_tables})
-    model = embshard.shard_model(
-        copy.deepcopy(oracle), plan, optimizer=embshard.SGD(lr=lr), ddp_kwargs=ddp_kwargs
-    )
     dense_opt = torch.optim.SGD(model.parameters(), lr=lr)
     oracle_opt = torch.optim.SGD(oracle.parameters(), lr=lr)
     curves, pred_gap = [], 0.0
-    for step in range(steps):
-        global_input, local_inputs = torchrec_test_model.ModelInput.generate(
-            batch_size=BATCH,
-            world_size=world,
-            num_float_features=FLOATS,
-            tables=tables,
-            weighted_tables=weighted_tables,
-            random_seed=step,
-        )
+    for global_input, local_inputs in inputs:
         loss, pred = model(local_inputs[rank])
         loss.backward()
         dense_opt.step()
@@ -213,6 +190,41 @@ def train_sparsenn(weighted: bool, ddp_kwargs, steps: int, lr: float):
         curves.append((mean_loss.item() / world, oracle_loss.item()))
         mine = oracle_pred[rank * BATCH : (rank + 1) * BATCH]
         pred_gap = max(pred_gap, (pred - mine).abs().max().item())
+    return curves, pred_gap
+
+
+def train_sparsenn(weighted: bool, ddp_kwargs, steps: int, lr: float):
+    """TestSparseNN sharded next to the unsharded one trained on the global batches.
+
+    With equal local batches the global mean loss is the mean of the ranks' losses, so
+    its gradients are the averaged ones that DDP and embshard's sparse backward apply.
+    """
+    world = dist.get_world_size()
+    tables, weighted_tables, groups = sparsenn_tables(weighted)
+    torch.manual_seed(0)
+    oracle = torchrec_test_model.TestSparseNN(
+        tables=tables,
+        weighted_tables=weighted_tables,
+        num_float_features=FLOATS,
+        embedding_groups=groups,
+    )
+    initial = copy.deepcopy(oracle)
+    plan = sparsenn_plan(world, {t.name for t in tables + weighted_tables})
+    model = embshard.shard_model(
+        copy.deepcopy(oracle), plan, optimizer=embshard.SGD(lr=lr), ddp_kwargs=ddp_kwargs
+    )
+    inputs = (
+        torchrec_test_model.ModelInput.generate(
+            batch_size=BATCH,
+            world_size=world,
+            num_float_features=FLOATS,
+            tables=tables,
+            weighted_tables=weighted_tables,
+            random_seed=step,
+        )
+        for step in range(steps)
+    )
+    curves, pred_gap = train_side_by_side(model, oracle, inputs, lr)
     trained = dict(oracle.named_parameters())
     unmoved = sorted(
         n for n, p in initial.named_parameters() if (p - trained[n]).abs().max() < 10 * TOL
@@ -302,7 +314,7 @@ def train_mixed_sparse_arch(steps: int, lr: float):
     unsharded model trained on the global batches."""
     from torchrec import EmbeddingConfig
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     tables = [
         EmbeddingBagConfig(name="bag_0", num_embeddings=40, embedding_dim=8, feature_names=["f0"]),
         EmbeddingBagConfig(name="bag_1", num_embeddings=30, embedding_dim=16, feature_names=["f1"]),
@@ -323,11 +335,8 @@ def train_mixed_sparse_arch(steps: int, lr: float):
     )
     initial = copy.deepcopy(oracle)
     model = embshard.shard_model(copy.deepcopy(oracle), plan, optimizer=embshard.SGD(lr=lr))
-    dense_opt = torch.optim.SGD(model.parameters(), lr=lr)
-    oracle_opt = torch.optim.SGD(oracle.parameters(), lr=lr)
-    worst = 0.0
-    for step in range(steps):
-        global_input, local_inputs = torchrec_test_model.ModelInput.generate(
+    inputs = (
+        torchrec_test_model.ModelInput.generate(
             batch_size=BATCH,
             world_size=world,
             num_float_features=FLOATS,
@@ -336,16 +345,9 @@ def train_mixed_sparse_arch(steps: int, lr: float):
             random_seed=step,
             max_feature_lengths=[20] * len(tables),
         )
-        loss, pred = model(local_inputs[rank])
-        loss.backward()
-        dense_opt.step()
-        dense_opt.zero_grad()
-        oracle_loss, oracle_pred = oracle(global_input)
-        oracle_loss.backward()
-        oracle_opt.step()
-        oracle_opt.zero_grad()
-        mine = oracle_pred[rank * BATCH : (rank + 1) * BATCH]
-        worst = max(worst, (pred - mine).abs().max().item())
+        for step in range(steps)
+    )
+    _, worst = train_side_by_side(model, oracle, inputs, lr)
     trained = dict(oracle.named_parameters())
     moved = {
         n.split(".")[-2]: (p - trained[n]).abs().max().item()
