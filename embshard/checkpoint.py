@@ -59,7 +59,7 @@ from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
 from embshard.lookup import Adagrad, RowWiseAdagrad
-from embshard.module import ShardedEmbeddingBagCollection
+from embshard.module import ShardedCollection
 from embshard.plan import TableShard, plural
 from embshard.shards import LocalShardsWrapper, column_blocks
 
@@ -80,16 +80,16 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
-def _sharded(model: nn.Module) -> dict[str, ShardedEmbeddingBagCollection]:
+def _sharded(model: nn.Module) -> dict[str, ShardedCollection]:
     """Every sharded collection, by the prefix of its keys in the model's state dict."""
     return {
         f"{path}." if path else "": m
         for path, m in _unwrap(model).named_modules()
-        if isinstance(m, ShardedEmbeddingBagCollection)
+        if isinstance(m, ShardedCollection)
     }
 
 
-def _optimizer_kind(module: ShardedEmbeddingBagCollection) -> str | None:
+def _optimizer_kind(module: ShardedCollection) -> str | None:
     return {Adagrad: "adagrad", RowWiseAdagrad: "rowwise_adagrad"}.get(type(module.fused_optimizer))
 
 
@@ -538,7 +538,7 @@ def _zero(value: DTensor) -> None:
 
 
 def _rowwise_conversion(
-    module: ShardedEmbeddingBagCollection, name: str, saved_blocks: list, live: DTensor
+    module: ShardedCollection, name: str, saved_blocks: list, live: DTensor
 ) -> tuple[DTensor, Callable[[dict[str, Any]], None]]:
     """Row-wise Adagrad keeps, per row, the mean over a block's columns of the squared
     gradients. A new block's state is the width-weighted mean of the saved blocks it

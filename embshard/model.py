@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from embshard.lookup import SGD, FusedOptimizer
-from embshard.module import ShardedEmbeddingBagCollection, shard, world_mesh
+from embshard.module import ShardedCollection, shard, world_mesh
 from embshard.plan import ShardingPlan
 
 # TorchRec's DistributedModelParallel wraps the dense part in DDP with these settings
@@ -147,10 +147,8 @@ def _device(device: torch.device | str | None, mesh: DeviceMesh | None) -> torch
     return current
 
 
-def sharded_collections(model: nn.Module) -> dict[str, ShardedEmbeddingBagCollection]:
-    return {
-        path: m for path, m in model.named_modules() if isinstance(m, ShardedEmbeddingBagCollection)
-    }
+def sharded_collections(model: nn.Module) -> dict[str, ShardedCollection]:
+    return {path: m for path, m in model.named_modules() if isinstance(m, ShardedCollection)}
 
 
 def _ddp_settings(ddp_kwargs: Mapping[str, Any]) -> dict[str, Any]:

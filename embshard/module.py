@@ -31,7 +31,7 @@ from torchrec.modules.embedding_configs import (
     PoolingType,
 )
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 from embshard.dist import (
     Counts,
@@ -167,12 +167,16 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
-class ShardedEmbeddingBagCollection(nn.Module):
-    """The sharded form of a TorchRec ``EmbeddingBagCollection``; build it with ``shard()``."""
+class ShardedCollection(nn.Module):
+    """What a sharded EmbeddingBagCollection and EmbeddingCollection share: the plan
+    resolved to shards, the routes, the local shards in one FBGEMM TBE exposed as
+    DTensors, the input distribution (stage 1) with its prefetching, and state dicts
+    under the unsharded module's keys. The subclass gives the pooling, the output
+    layout (``_output_stage``) and stages 2 and 3."""
 
     # The unsharded module's attribute holding the tables: state dict keys start so.
-    _PREFIX = "embedding_bags"
-    _POOLING = PoolingMode.SUM
+    _PREFIX: str
+    _POOLING: PoolingMode
 
     def __init__(
         self,
@@ -218,10 +222,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
             self._device,
             sequence=self._POOLING == PoolingMode.NONE,
         )
-        self._keys = [e.name for e in self._routes.embeddings]
-        self._dims = [e.dim for e in self._routes.embeddings]
-        mean_feature = self._routes.mean_feature_by_column()
-        self._mean_feature = None if mean_feature is None else mean_feature.to(self._device)
         self._anchor = torch.zeros(0, device=self._device, requires_grad=True)
         self._prefetched: list[tuple[KeyedJaggedTensor, InputInFlight]] = []
         feature_table_map = [s.tbe_table for s in self._routes.slots[self._rank]]
@@ -246,20 +246,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
             for name, (wrapper, shape) in self._storage.optimizer_state.items()
         }
 
-    def _output_stage(self, scratch: Scratch, comm_precision: str | None) -> OutputLayout:
-        """What the output distribution needs, fixed at sharding (routes and tables
-        known, storage not yet allocated)."""
-        return OutputLayout(
-            block_dims=[sum(self._routes.slot_dims(r)) for r in range(self._mesh.size())],
-            moves=self._routes.column_moves(),
-            local_moves=self._routes.local_moves(),
-            output_dim=self._routes.output_dim,
-            rank=self._rank,
-            group=self._group,
-            scratch=scratch,
-            comm_precision=comm_precision,
-        )
-
     def table_key(self, table: str) -> str:
         """Where ``table``'s entries sit in state dicts: ``embedding_bags.<table>``
         (``embeddings.<table>`` for an EmbeddingCollection), as in TorchRec's."""
@@ -268,8 +254,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def _key(self, table: str) -> str:
         return f"{self.table_key(table)}.weight"
 
-    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        """Pool this rank's local batch; the result is that batch's rows only.
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor | dict[str, JaggedTensor]:
+        """This rank's local batch looked up: only that batch's rows, as the unsharded
+        module returns them (a KeyedTensor of pooled bags, or each id's row by feature).
 
         Collective: every rank of the mesh must call it, each with its own batch (batch
         sizes may differ, and may be zero). A bad batch on any rank raises the same
@@ -290,23 +277,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """Stage 1 (collective): see ``start_input_dist``."""
         return start_input_dist(features, self._input_dist, self._group)
 
-    def lookup(self, in_flight: InputInFlight) -> Pooled:
-        """Stage 2: wait for the ids, and pool every local shard's rows for the global
-        batch in one TBE call; pool the data-parallel tables' rows for the local batch."""
-        if in_flight.error is not None:
-            raise in_flight.error
-        batch, replicated = in_flight.batch, self._storage.replicated
-        local = (
-            replicated(batch)
-            if replicated is not None
-            else torch.zeros(batch.batch_size, 0, device=self._device)
-        )
-        indices, offsets, weights = self._arrived(in_flight, self._input_dist.unpack)
-        if self._storage.tbe is None:
-            batch_size = sum(in_flight.counts.batch_sizes)
-            return Pooled(torch.zeros(batch_size, 0, device=self._device), local)
-        return Pooled(self._storage.tbe(indices, offsets, per_sample_weights=weights), local)
-
     @staticmethod
     def _arrived(in_flight: InputInFlight, unpack: Callable[..., T]) -> T:
         """Wait for the ids all-to-all and ``unpack`` what arrived for the TBE; its
@@ -316,22 +286,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
         unpacked = unpack(in_flight.received, counts.recv_sizes, counts.batch_sizes)
         in_flight.received = None
         return unpacked
-
-    def output_dist(self, pooled: Pooled, in_flight: InputInFlight) -> KeyedTensor:
-        """Stage 3 (collective): the pooled rows home to their requesters, in their
-        output columns beside the local lookup's, as the unsharded module's KeyedTensor."""
-        gathered = PooledAllToAll.apply(
-            self._anchor,
-            pooled.sharded,
-            pooled.local,
-            in_flight.counts.batch_sizes,
-            self._output_layout,
-        )
-        return KeyedTensor(
-            keys=self._keys,
-            length_per_key=self._dims,
-            values=self._mean_pool(gathered, in_flight.batch.lengths),
-        )
 
     def drop_prefetched(self) -> None:
         """Wait for the input distributions started ahead and forget them: nothing may
@@ -356,14 +310,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 del self._prefetched[: i + 1]
                 return in_flight
         return None
-
-    def _mean_pool(self, out: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """MEAN-pooled features divided by the requester's own bag lengths."""
-        if self._mean_feature is None:
-            return out
-        ones = torch.ones(1, lengths.shape[1], dtype=lengths.dtype, device=lengths.device)
-        divisors = torch.cat([ones, lengths.clamp(min=1)])[self._mean_feature]
-        return out / divisors.t().to(out.dtype)
 
     def _fill(self, seed: int, weights: Mapping[str, torch.Tensor] | None) -> None:
         """Write each local shard: from ``weights`` (full tables) or the seeded init."""
@@ -409,9 +355,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
         Adagrad, one column per block); empty for SGD. Views: writes go to the TBE."""
         return {f"{self.table_key(n)}.momentum1": s for n, s in self._optimizer_state.items()}
 
-    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
-        return list(self._configs)
-
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[override]
         for name, weight in self._weights.items():
             destination[prefix + self._key(name)] = weight
@@ -456,6 +399,88 @@ class ShardedEmbeddingBagCollection(nn.Module):
             for shard, (row, col) in zip(wrapper.local_shards(), wrapper.local_offsets()):
                 rows, cols = shard.shape
                 shard.copy_(full[row : row + rows, col : col + cols])
+
+
+class ShardedEmbeddingBagCollection(ShardedCollection):
+    """The sharded form of a TorchRec ``EmbeddingBagCollection``; build it with ``shard()``."""
+
+    _PREFIX = "embedding_bags"
+    _POOLING = PoolingMode.SUM
+
+    def __init__(
+        self,
+        configs: Sequence[EmbeddingBagConfig],
+        plan: ShardingPlan,
+        mesh: DeviceMesh,
+        optimizer: FusedOptimizer,
+        seed: int = 0,
+        weights: Mapping[str, torch.Tensor] | None = None,
+        is_weighted: bool = False,
+        comm_precision: str | None = None,
+    ) -> None:
+        super().__init__(configs, plan, mesh, optimizer, seed, weights, is_weighted, comm_precision)
+        self._keys = [e.name for e in self._routes.embeddings]
+        self._dims = [e.dim for e in self._routes.embeddings]
+        mean_feature = self._routes.mean_feature_by_column()
+        self._mean_feature = None if mean_feature is None else mean_feature.to(self._device)
+
+    def _output_stage(self, scratch: Scratch, comm_precision: str | None) -> OutputLayout:
+        """What the output distribution needs, fixed at sharding (routes and tables
+        known, storage not yet allocated)."""
+        return OutputLayout(
+            block_dims=[sum(self._routes.slot_dims(r)) for r in range(self._mesh.size())],
+            moves=self._routes.column_moves(),
+            local_moves=self._routes.local_moves(),
+            output_dim=self._routes.output_dim,
+            rank=self._rank,
+            group=self._group,
+            scratch=scratch,
+            comm_precision=comm_precision,
+        )
+
+    def lookup(self, in_flight: InputInFlight) -> Pooled:
+        """Stage 2: wait for the ids, and pool every local shard's rows for the global
+        batch in one TBE call; pool the data-parallel tables' rows for the local batch."""
+        if in_flight.error is not None:
+            raise in_flight.error
+        batch, replicated = in_flight.batch, self._storage.replicated
+        local = (
+            replicated(batch)
+            if replicated is not None
+            else torch.zeros(batch.batch_size, 0, device=self._device)
+        )
+        indices, offsets, weights = self._arrived(in_flight, self._input_dist.unpack)
+        if self._storage.tbe is None:
+            batch_size = sum(in_flight.counts.batch_sizes)
+            return Pooled(torch.zeros(batch_size, 0, device=self._device), local)
+        return Pooled(self._storage.tbe(indices, offsets, per_sample_weights=weights), local)
+
+    def output_dist(self, pooled: Pooled, in_flight: InputInFlight) -> KeyedTensor:
+        """Stage 3 (collective): the pooled rows home to their requesters, in their
+        output columns beside the local lookup's, as the unsharded module's KeyedTensor."""
+        gathered = PooledAllToAll.apply(
+            self._anchor,
+            pooled.sharded,
+            pooled.local,
+            in_flight.counts.batch_sizes,
+            self._output_layout,
+        )
+        return KeyedTensor(
+            keys=self._keys,
+            length_per_key=self._dims,
+            values=self._mean_pool(gathered, in_flight.batch.lengths),
+        )
+
+    def _mean_pool(self, out: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """MEAN-pooled features divided by the requester's own bag lengths."""
+        if self._mean_feature is None:
+            return out
+        ones = torch.ones(1, lengths.shape[1], dtype=lengths.dtype, device=lengths.device)
+        divisors = torch.cat([ones, lengths.clamp(min=1)])[self._mean_feature]
+        return out / divisors.t().to(out.dtype)
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return list(self._configs)
 
 
 def start_input_dist(
@@ -526,7 +551,7 @@ def shard(
     optimizer: FusedOptimizer = SGD(lr=0.01),
     seed: int = 0,
     comm_precision: str | None = None,
-) -> ShardedEmbeddingBagCollection:
+) -> ShardedCollection:
     """Shard ``module`` by ``plan`` over ``mesh`` (default: the whole default process group).
 
     An ``EmbeddingCollection`` gives a ``ShardedEmbeddingCollection`` (embshard.sequence):
@@ -580,7 +605,7 @@ def _shard_sequence(
     optimizer: FusedOptimizer,
     seed: int,
     comm_precision: str | None,
-) -> ShardedEmbeddingBagCollection:
+) -> ShardedCollection:
     from embshard.sequence import ShardedEmbeddingCollection  # it builds on this module
 
     if module.need_indices():

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from embshard.module import ShardedEmbeddingBagCollection
+from embshard.module import ShardedCollection
 
 
 def prefetch(model: nn.Module, batch: Any) -> list[tuple[str, KeyedJaggedTensor]]:
@@ -24,16 +24,18 @@ def prefetch(model: nn.Module, batch: Any) -> list[tuple[str, KeyedJaggedTensor]
     ``model`` (a collective: every rank calls it with its own batch).
 
     Each collection takes the KeyedJaggedTensor of ``batch`` (found in dataclass
-    fields, tuples, lists and dict values) whose keys are its features; the model's
+    fields, tuples, lists and dict values) with the fewest keys that hold all its
+    features (TorchRec models hand every collection the whole batch); the model's
     forward must then hand it that very object. Returns what was started: (module
     path, features).
     """
     found = _jagged_tensors(batch)
     started = []
     for path, module in model.named_modules():
-        if not isinstance(module, ShardedEmbeddingBagCollection):
+        if not isinstance(module, ShardedCollection):
             continue
-        features = next((f for f in found if set(f.keys()) == module.feature_names), None)
+        holding = [f for f in found if module.feature_names <= set(f.keys())]
+        features = min(holding, key=lambda f: len(f.keys()), default=None)
         if features is not None:
             module.prefetch(features)
             started.append((path, features))
@@ -44,7 +46,7 @@ def drain(model: nn.Module) -> None:
     """Wait for every batch's input distribution started ahead, and drop them: before
     the process group is destroyed, or when the batches taken ahead will not be used."""
     for module in model.modules():
-        if isinstance(module, ShardedEmbeddingBagCollection):
+        if isinstance(module, ShardedCollection):
             module.drop_prefetched()
 
 

@@ -20,11 +20,11 @@ import torch.distributed as dist
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torch.distributed.device_mesh import DeviceMesh
 from torchrec.modules.embedding_configs import DataType, EmbeddingConfig
-from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
+from torchrec.sparse.jagged_tensor import JaggedTensor
 
 from embshard.dist import Counts, Scratch
 from embshard.lookup import FusedOptimizer
-from embshard.module import InputInFlight, ShardedEmbeddingBagCollection
+from embshard.module import InputInFlight, ShardedCollection
 from embshard.plan import DataParallel, PlanError, ShardingPlan
 
 
@@ -109,7 +109,7 @@ def _places(
     return places
 
 
-class ShardedEmbeddingCollection(ShardedEmbeddingBagCollection):
+class ShardedEmbeddingCollection(ShardedCollection):
     """The sharded form of a TorchRec ``EmbeddingCollection``; build it with ``shard()``.
 
     Table-wise, row-wise, column-wise and grid plans of FP32 tables; every shard on a rank
@@ -172,13 +172,6 @@ class ShardedEmbeddingCollection(ShardedEmbeddingBagCollection):
             slots=len(routes.slots[self._rank]),
             group=self._group,
         )
-
-    def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:  # type: ignore[override]
-        """Every id's row of this rank's local batch, per embedding, as the unsharded
-        EmbeddingCollection returns them. Collective, with one host sync, as the
-        EmbeddingBagCollection's forward."""
-        in_flight = self._take_prefetched(features) or self.input_dist(features)
-        return self.output_dist(self.lookup(in_flight), in_flight)
 
     def lookup(self, in_flight: InputInFlight) -> Rows:  # type: ignore[override]
         """Stage 2: wait for the ids, and look up a row for each in one TBE call."""

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from oracle import Case, Table, local_batches
 from torch import nn
-from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
+from torchrec import EmbeddingBagCollection, EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 
 import embshard
 from embshard import ShardingPlan, column_wise, row_wise, table_wise
@@ -21,7 +21,10 @@ TABLES = (
     Table("b", 30, 12, ("f_b",), mean=True),
     Table("c", 25, 16, ("f_a", "f_c")),
 )
-PLAN = ShardingPlan({"a": table_wise(1), "b": row_wise(), "c": column_wise([1, 0, 1, 0])})
+SEQUENCE = EmbeddingConfig(name="s", num_embeddings=40, embedding_dim=4, feature_names=["f_a"])
+PLAN = ShardingPlan(
+    {"a": table_wise(1), "b": row_wise(), "c": column_wise([1, 0, 1, 0]), "s": row_wise()}
+)
 STEPS = 4
 
 
@@ -32,18 +35,25 @@ class Batch:
 
 
 class Ranker(nn.Module):
-    """Pooled embeddings into a linear head; returns (loss, output) as TorchRec's
-    pipelines expect."""
+    """Pooled embeddings and a sequence feature's rows (summed per sample) into a linear
+    head; returns (loss, output) as TorchRec's pipelines expect. Both collections get
+    the whole batch, as in TorchRec's models."""
 
     def __init__(self, transform=None) -> None:
         super().__init__()
         self.ebc = EmbeddingBagCollection(tables=[t.config() for t in TABLES], device="meta")
-        self.head = nn.Linear(sum(t.dim * len(t.features) for t in TABLES), 1)
+        self.ec = EmbeddingCollection(tables=[SEQUENCE], device="meta")
+        dims = sum(t.dim * len(t.features) for t in TABLES) + SEQUENCE.embedding_dim
+        self.head = nn.Linear(dims, 1)
         self.transform = transform
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         features = self.transform(batch.features) if self.transform else batch.features
-        logits = self.head(self.ebc(features).values()).squeeze(1)
+        rows = self.ec(features)["f_a"]
+        samples = torch.arange(len(rows.lengths())).repeat_interleave(rows.lengths())
+        history = rows.values().new_zeros(len(rows.lengths()), SEQUENCE.embedding_dim)
+        history.index_add_(0, samples, rows.values())
+        logits = self.head(torch.cat([self.ebc(features).values(), history], 1)).squeeze(1)
         return F.binary_cross_entropy_with_logits(logits, batch.labels), logits
 
 
@@ -79,7 +89,11 @@ def pipeline_and_plain_loop(case: Case) -> dict:
                 # The next batch's input distribution is under way before its step.
                 ahead = data[step + 1].features if step + 1 < STEPS else None
                 results.setdefault("ahead", []).append(
-                    ahead is None or model.module.ebc.is_prefetched(ahead)
+                    ahead is None
+                    or (
+                        model.module.ebc.is_prefetched(ahead)
+                        and model.module.ec.is_prefetched(ahead)
+                    )
                 )
             with pytest.raises(StopIteration):
                 pipeline.progress()
@@ -90,7 +104,11 @@ def pipeline_and_plain_loop(case: Case) -> dict:
                 loss.backward()
                 optimizer.step()
                 outputs.append(output.detach())
-        tables = {k: embshard.gather_table(v) for k, v in model.module.ebc.state_dict().items()}
+        tables = {
+            k: embshard.gather_table(v)
+            for collection in (model.module.ebc, model.module.ec)
+            for k, v in collection.state_dict().items()
+        }
         results[how] = (outputs, tables, model.module.head.weight.detach().clone())
     return results
 
