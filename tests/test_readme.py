@@ -40,6 +40,7 @@ SHOWN_ON = {
     "shard_tables.py": API,
     "train_ebc.py": API,
     "grid_tables.py": PLANNING,
+    "shard_sequences.py": README,
 }
 
 
@@ -68,8 +69,12 @@ def run_example(name: str, log_dir: Path) -> list[str]:
     ]
 
 
-def shown_rank_lines(page: str) -> list[str]:
-    return re.findall(r"^    (rank \d .*)$", page, flags=re.M)
+def shown_rank_lines(page: str, example: str) -> list[str]:
+    """The rank lines ``page`` shows as ``example``'s output: after its code, before
+    the next code block or section."""
+    after = page.split(f"```python\n{(EXAMPLES / example).read_text()}```", 1)[1]
+    end = re.search(r"^```python|^## ", after, flags=re.M)
+    return re.findall(r"^    (rank \d .*)$", after[: end.start() if end else None], flags=re.M)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +98,9 @@ def test_every_example_is_shown_and_run():
 
 def test_quickstart_output_matches_readme(quickstart):
     lines, _ = quickstart
-    assert sorted(ln for ln in lines if ln.startswith("rank ")) == shown_rank_lines(README)
+    assert sorted(ln for ln in lines if ln.startswith("rank ")) == shown_rank_lines(
+        README, "quickstart.py"
+    )
 
 
 def _quickstart_oracle() -> tuple[EmbeddingBagCollection, KeyedJaggedTensor]:
@@ -156,12 +163,12 @@ def test_shard_tables_output_matches_docs(tmp_path):
     printed = sorted(
         ln for ln in run_example("shard_tables.py", tmp_path) if ln.startswith("rank ")
     )
-    assert printed == shown_rank_lines(API)
+    assert printed == shown_rank_lines(API, "shard_tables.py")
 
 
 def test_grid_example_output_and_drawing_match_docs(tmp_path):
     printed = sorted(ln for ln in run_example("grid_tables.py", tmp_path) if ln.startswith("rank "))
-    assert printed == shown_rank_lines(PLANNING)
+    assert printed == shown_rank_lines(PLANNING, "grid_tables.py")
     assert sum("equals unsharded: True" in ln for ln in printed) == 4
     ads = EmbeddingBagConfig(name="ads", num_embeddings=10000, embedding_dim=64)
     plan = embshard.ShardingPlan(
@@ -169,6 +176,18 @@ def test_grid_example_output_and_drawing_match_docs(tmp_path):
     )
     drawing = draw_table(plan.resolve([ads], 2)["ads"], 40)
     assert "\n".join(f"    {line}" for line in drawing) in PLANNING
+
+
+def test_sequence_example_output_matches_readme_and_learns(tmp_path):
+    printed = sorted(
+        ln for ln in run_example("shard_sequences.py", tmp_path) if ln.startswith("rank ")
+    )
+    assert printed == shown_rank_lines(README, "shard_sequences.py")
+    # Both steps equal the unsharded EmbeddingCollection's, and the first step's update
+    # lowered every rank's loss.
+    assert len(printed) == 4 and all(ln.endswith("same: True") for ln in printed)
+    losses = [float(re.search(r"loss ([0-9.]+)", ln)[1]) for ln in printed]
+    assert losses[1] < losses[0] / 2 and losses[3] < losses[2] / 2
 
 
 def test_training_example_learns(tmp_path):
