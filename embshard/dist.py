@@ -30,8 +30,10 @@ class Counts:
     failed: bool  # some rank's batch is bad
     send_sizes: list[int]  # payload elements for each rank
     sent_ids: list[int]  # ids this rank sends each rank
-    # Sequence lookups only: ids of each feature in this rank's batch (model order).
+    # Sequence lookups only: ids of each feature in this rank's batch (model order), and
+    # how many of them each rank serves (``sent_ids`` counts their distinct ids only).
     ids_per_feature: list[int] = field(default_factory=list)
+    rows_per_rank: list[int] = field(default_factory=list)
 
 
 def exchange_counts(
@@ -40,27 +42,29 @@ def exchange_counts(
     batch_size: int,
     valid: torch.Tensor,
     group: dist.ProcessGroup | None,
-    ids_per_feature: torch.Tensor | None = None,
+    sequence: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Counts:
     """Tell every rank how much this rank sends it, its batch size, and whether its
     batch is good. The step's one host sync: reading back what arrived, together with
-    ``send_sizes`` and ``sent_ids`` (per destination), which size the payload, and
-    ``ids_per_feature`` if given, which sizes a sequence lookup's outputs."""
+    ``send_sizes`` and ``sent_ids`` (per destination), which size the payload, and for
+    a sequence lookup its ids per feature and per destination, which size its outputs."""
     world = send_sizes.numel()
     status = torch.where(valid, _OK, _BAD).expand(world)
     counts = torch.stack([send_sizes, torch.full_like(send_sizes, batch_size), status], dim=1)
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)
-    local = [] if ids_per_feature is None else [ids_per_feature.to(send_sizes.dtype)]
+    local = [] if sequence is None else [t.to(send_sizes.dtype) for t in sequence]
     host = torch.cat([received.view(-1), send_sizes, sent_ids, *local]).tolist()
     rows = [host[3 * r : 3 * r + 3] for r in range(world)]
+    features = len(host) - 6 * world if sequence is not None else 0
     return Counts(
         recv_sizes=[r[0] for r in rows],
         batch_sizes=[r[1] for r in rows],
         failed=any(r[2] != _OK for r in rows),
         send_sizes=host[3 * world : 4 * world],
         sent_ids=host[4 * world : 5 * world],
-        ids_per_feature=host[5 * world :],
+        ids_per_feature=host[5 * world : 5 * world + features],
+        rows_per_rank=host[5 * world + features :],
     )
 
 
@@ -145,8 +149,35 @@ class Routed:
     weights: torch.Tensor | None
     ids_per_rank: torch.Tensor
     batch_size: int
-    # Sequence lookups only: each id's index in the batch's ids (model order).
-    positions: torch.Tensor | None = None
+    # Sequence lookups only: every id routed, of which lengths and values hold the
+    # distinct ones.
+    sequence: SequenceIds | None = None
+
+
+@dataclass(frozen=True)
+class SequenceIds:
+    """A sequence lookup sends each row of the lengths table's distinct ids only, all in
+    the row's first bag: the owner looks each up once, and its row goes back once.
+    Every id routed, in ``lengths``' order: its index in the batch's ids (model order)
+    and the index of its distinct id among all rows' (``row_starts``: each row's
+    first); and how many ids (not distinct) each rank serves."""
+
+    lengths: torch.Tensor
+    positions: torch.Tensor
+    distinct: torch.Tensor
+    row_starts: torch.Tensor
+    ids_per_rank: torch.Tensor
+
+
+@dataclass(frozen=True)
+class SentIds:
+    """Every id a sequence lookup sent, in payload order (destination, slot, sample): its
+    index in the batch's ids, the row of ``Routes.send_rows()`` it went in, and which of
+    the distinct ids its destination received is its."""
+
+    positions: torch.Tensor
+    send_row: torch.Tensor
+    distinct: torch.Tensor
 
 
 class InputDistribution:
@@ -194,6 +225,11 @@ class InputDistribution:
             for bounds in routes.bucket_passes
         ]
         self.ids_per_element = 2 if routes.weighted else 1
+        # Above every id a lengths-table row holds (rebased into its block or not).
+        self.id_bound = max(routes.feature_rows, default=0) + 1
+        per_dest = torch.zeros(self.world, dtype=torch.long, device=device)
+        per_dest.index_add_(0, self.slot_rank, torch.ones_like(self.slot_rank))
+        self.first_send_row = (torch.cumsum(per_dest, 0) - per_dest)[self.slot_rank]
 
     def route(self, batch: LocalBatch) -> Routed:
         """Bucketize row-wise ids by owner (rebased into its block), and count what
@@ -225,10 +261,57 @@ class InputDistribution:
                 positions = _cat(
                     [torch.empty_like(ids).scatter_(0, b[4].long(), ids) for b in buckets]
                 )
+        if positions is None:
+            return Routed(lengths, values, weights, self._per_rank(lengths), batch.batch_size)
+        distinct_lengths, distinct_values, sequence = self._distinct(lengths, values, positions)
+        return Routed(
+            distinct_lengths,
+            distinct_values,
+            None,
+            self._per_rank(distinct_lengths),
+            batch.batch_size,
+            sequence,
+        )
+
+    def _per_rank(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Ids each rank gets from the lengths table ``lengths``."""
         per_slot = lengths.index_select(0, self.send_rows).sum(1)
         ids_per_rank = torch.zeros(self.world, dtype=torch.long, device=self.device)
-        ids_per_rank.index_add_(0, self.slot_rank, per_slot)
-        return Routed(lengths, values, weights, ids_per_rank, batch.batch_size, positions)
+        return ids_per_rank.index_add_(0, self.slot_rank, per_slot)
+
+    def _distinct(
+        self, lengths: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, SequenceIds]:
+        """Each lengths-table row's distinct ids, in its first bag (values past the
+        last row's are left over: the payload reads rows by their lengths), and the
+        SequenceIds that bring every id's row back. Sorting keys of (row, id) finds
+        them without reading anything back to the host."""
+        rows, count = lengths.shape[0], values.numel()
+        row_of = torch.repeat_interleave(
+            torch.arange(rows, device=self.device), lengths.sum(1), output_size=count
+        )
+        if rows * self.id_bound < 2**63:  # one sort of combined keys
+            key = row_of * self.id_bound + values.long()
+            key, order = torch.sort(key)
+            first = torch.ones_like(key, dtype=torch.bool)
+            first[1:] = key[1:] != key[:-1]
+        else:  # rows, then ids within a row: two stable sorts
+            order = torch.sort(values, stable=True)[1]
+            order = order[torch.sort(row_of[order], stable=True)[1]]
+            ids, row = values[order], row_of[order]
+            first = torch.ones_like(ids, dtype=torch.bool)
+            first[1:] = (ids[1:] != ids[:-1]) | (row[1:] != row[:-1])
+        index = torch.cumsum(first, 0) - 1  # each sorted id's distinct id
+        distinct = torch.empty_like(index).scatter_(0, order, index)
+        distinct_values = torch.empty_like(values).scatter_(0, index, values[order])
+        per_row = torch.zeros(rows, dtype=torch.long, device=self.device)
+        per_row.index_add_(0, row_of[order], first.long())
+        distinct_lengths = torch.zeros_like(lengths)
+        if lengths.shape[1]:
+            distinct_lengths[:, 0] = per_row
+        starts = torch.cumsum(per_row, 0) - per_row
+        ids = SequenceIds(lengths, positions, distinct, starts, self._per_rank(lengths))
+        return distinct_lengths, distinct_values, ids
 
     def nothing(self) -> Routed:
         """The route of a batch that cannot be sent: nothing for anyone."""
@@ -236,21 +319,27 @@ class InputDistribution:
         empty = torch.zeros(0, dtype=self.routes.id_dtype, device=self.device)
         return Routed(empty.view(0, 0), empty, None, zeros, 0)
 
-    def sent_positions(
-        self, routed: Routed, ids_per_rank: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """For every id sent, in payload order: its index in the batch's ids, and the
-        row of ``routes.send_rows()`` (destination and slot) it travels in."""
-        total = sum(ids_per_rank)
+    def sent_ids(self, routed: Routed, rows_per_rank: list[int]) -> SentIds:
+        """Where every id of a sequence lookup went (see SentIds): ``rows_per_rank``
+        ids, not distinct, to each rank."""
+        total, ids = sum(rows_per_rank), routed.sequence
         lengths, positions, _ = torch.ops.fbgemm.permute_2D_sparse_data(
-            self.send_rows, routed.lengths, routed.positions, None, total
+            self.send_rows, ids.lengths, ids.positions, None, total
+        )
+        _, distinct, _ = torch.ops.fbgemm.permute_2D_sparse_data(
+            self.send_rows, ids.lengths, ids.distinct, None, total
         )
         send_row = torch.repeat_interleave(
             torch.arange(len(self.send_rows), device=self.device),
             lengths.sum(1),
             output_size=total,
         )
-        return positions, send_row
+        # A send row's distinct ids follow those of the rows before it to its destination.
+        sent = routed.lengths.index_select(0, self.send_rows).sum(1)
+        starts = torch.cumsum(sent, 0) - sent
+        starts = starts - starts[self.first_send_row]
+        rebase = starts - ids.row_starts[self.send_rows.long()]
+        return SentIds(positions, send_row, distinct + rebase[send_row])
 
     def send_sizes(self, routed: Routed) -> torch.Tensor:
         """Payload elements for each rank: its slots' lengths, then ids (and weights)."""

@@ -40,6 +40,7 @@ from embshard.dist import (
     PooledAllToAll,
     Routed,
     Scratch,
+    SentIds,
     exchange_counts,
     gather_input_error,
 )
@@ -107,8 +108,8 @@ class InputInFlight:
     received: torch.Tensor | None = None
     work: dist.Work | None = None
     error: InputError | None = None
-    # Sequence lookups only: InputDistribution.sent_positions of the ids sent.
-    sent: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Sequence lookups only: where the ids sent went.
+    sent: SentIds | None = None
 
 
 class Pooled(NamedTuple):
@@ -490,12 +491,15 @@ def start_input_dist(
     exchange counts (the one host sync), and start the ids all-to-all. Needs only the
     input distribution, no tables: ``embshard simulate`` runs it too."""
     batch, routed, problem = _route(features, stage)
-    ids_per_feature = None
-    if stage.sequence:
-        ids_per_feature = (
-            batch.lengths.sum(1)
+    sequence = None
+    if stage.sequence:  # ids per feature, and per destination: the outputs' sizes
+        sequence = (
+            (batch.lengths.sum(1), routed.sequence.ids_per_rank)
             if batch is not None
-            else torch.zeros(len(stage.routes.features), dtype=torch.long, device=stage.device)
+            else (
+                torch.zeros(len(stage.routes.features), dtype=torch.long, device=stage.device),
+                torch.zeros(stage.world, dtype=torch.long, device=stage.device),
+            )
         )
     counts = exchange_counts(
         stage.send_sizes(routed),
@@ -505,14 +509,14 @@ def start_input_dist(
         if batch is not None
         else torch.zeros((), dtype=torch.bool, device=stage.device),
         group,
-        ids_per_feature,
+        sequence,
     )
     if counts.failed:
         problem = _problem(features, stage.routes, batch, problem)
         return InputInFlight(error=gather_input_error(problem, group))
     payload = stage.pack(routed, counts.sent_ids)
     received, work = stage.exchange(payload, counts.send_sizes, counts.recv_sizes, group)
-    sent = stage.sent_positions(routed, counts.sent_ids) if stage.sequence else None
+    sent = stage.sent_ids(routed, counts.rows_per_rank) if stage.sequence else None
     return InputInFlight(counts, batch, received, work, sent=sent)
 
 

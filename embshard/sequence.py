@@ -55,16 +55,18 @@ class Rows(NamedTuple):
 
 
 class RowsAllToAll(torch.autograd.Function):
-    """Each id's row goes back to the rank that sent the id, into its place in that
-    rank's output [ids of every embedding, dim], at its shard's columns.
+    """Each distinct id's row goes back once to the rank that sent the id, and from there
+    into the place of every id it stands for in that rank's output [ids of every
+    embedding, dim], at its shard's columns.
 
-    Backward: each requester sends every row's gradient back to its owner, which
-    puts them in TBE order for the fused backward, divided by the world size (the
-    loss is averaged over ranks, as for the pooled all-to-all).
+    Backward: each requester sums the gradients of the ids a distinct id stands for and
+    sends them back to its owner, which puts them in TBE order for the fused backward,
+    divided by the world size (the loss is averaged over ranks, as for the pooled
+    all-to-all).
     """
 
     @staticmethod
-    def forward(ctx, anchor, rows, arrived, targets, columns, out_rows, counts, layout):  # type: ignore[override]
+    def forward(ctx, anchor, rows, arrived, targets, columns, distinct, out_rows, counts, layout):  # type: ignore[override]
         width = layout.widths[layout.rank]
         came = [ids * width for ids in _ids_from(counts, layout.slots)]
         sent = [ids * w for ids, w in zip(counts.sent_ids, layout.widths)]
@@ -72,23 +74,30 @@ class RowsAllToAll(torch.autograd.Function):
         received = rows.new_empty(sum(sent))
         dist.all_to_all_single(received, send.view(-1), sent, came, group=layout.group)
         out = rows.new_zeros(out_rows, layout.dim)
-        places = _places(targets, columns, counts.sent_ids, layout.widths)
-        for chunk, (ids, cols) in zip(received.split(sent), places):
-            out[ids[:, None], cols] = chunk.view(cols.shape)
+        places = _places(targets, columns, distinct, counts.rows_per_rank, layout.widths)
+        for chunk, ids, (places_, cols, which), w in zip(
+            received.split(sent), counts.sent_ids, places, layout.widths
+        ):
+            out[places_[:, None], cols] = chunk.view(ids, w)[which]
         ctx.save_for_backward(anchor, arrived)
-        ctx.places, ctx.splits, ctx.shape, ctx.layout = places, (sent, came), rows.shape, layout
+        ctx.places, ctx.splits, ctx.shape = places, (sent, came), rows.shape
+        ctx.distinct, ctx.layout = counts.sent_ids, layout
         return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         _, arrived = ctx.saved_tensors
         sent, came = ctx.splits
-        send = torch.cat([grad[ids[:, None], cols].reshape(-1) for ids, cols in ctx.places])
+        summed = [
+            grad.new_zeros(ids, w).index_add_(0, which, grad[places[:, None], cols])
+            for ids, w, (places, cols, which) in zip(ctx.distinct, ctx.layout.widths, ctx.places)
+        ]
+        send = torch.cat([g.view(-1) for g in summed])
         received = grad.new_empty(sum(came))
         dist.all_to_all_single(received, send, came, sent, group=ctx.layout.group)
         grad_rows = received.view(ctx.shape).index_select(0, arrived)
         grad_rows.div_(dist.get_world_size(ctx.layout.group))
-        return None, grad_rows, None, None, None, None, None, None
+        return None, grad_rows, None, None, None, None, None, None, None
 
 
 def _ids_from(counts: Counts, slots: int) -> list[int]:
@@ -98,14 +107,24 @@ def _ids_from(counts: Counts, slots: int) -> list[int]:
 
 
 def _places(
-    targets: torch.Tensor, columns: torch.Tensor, sent_ids: list[int], widths: list[int]
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per destination rank: the output rows of the ids sent to it, and for each id
-    the output columns of its shard ([ids, width])."""
+    targets: torch.Tensor,
+    columns: torch.Tensor,
+    distinct: torch.Tensor,
+    rows_per_rank: list[int],
+    widths: list[int],
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per destination rank, for the ids sent to it: their output rows, the output
+    columns of their shards ([ids, width]) and their distinct ids' rows among those
+    it returns."""
     places = []
-    for ids, cols, width in zip(targets.split(sent_ids), columns.split(sent_ids), widths):
+    for ids, cols, which, width in zip(
+        targets.split(rows_per_rank),
+        columns.split(rows_per_rank),
+        distinct.split(rows_per_rank),
+        widths,
+    ):
         span = torch.arange(width, device=cols.device)
-        places.append((ids, cols[:, None] + span))
+        places.append((ids, cols[:, None] + span, which))
     return places
 
 
@@ -187,7 +206,8 @@ class ShardedEmbeddingCollection(ShardedCollection):
     ) -> dict[str, JaggedTensor]:
         """Stage 3 (collective): the rows home, each in its id's place."""
         layout, counts, batch = self._output_layout, in_flight.counts, in_flight.batch
-        positions, send_row = in_flight.sent
+        sent = in_flight.sent
+        positions, send_row = sent.positions, sent.send_row
         per_feature = counts.ids_per_feature
         per_embedding = [per_feature[f] for f in layout.embedding_feature]
         feature_start = [sum(per_feature[:f]) for f in range(len(per_feature))]
@@ -206,6 +226,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
             looked_up.arrived,
             positions + shift[send_row],
             layout.send_row_column[send_row],
+            sent.distinct,
             sum(per_embedding),
             counts,
             layout,

@@ -119,6 +119,36 @@ def test_a_step_reads_back_from_the_device_once(world):
         assert report["backward"] == ([], []), report
 
 
+def looked_up_ids(case: Case) -> dict:
+    """How many ids this rank's TBE looked up in one forward, and how many distinct ids
+    of each table's features the ranks' batches hold for it (table-wise plans)."""
+    rank = dist.get_rank()
+    sharded = embshard.shard(unsharded(case), case.plan)
+    seen = []
+    if sharded._storage.tbe is not None:
+        sharded._storage.tbe.register_forward_pre_hook(lambda _, args: seen.append(len(args[0])))
+    batches = local_batches(case, 0)
+    sharded(batches[rank])
+    tables = [t for t in case.tables if case.plan.tables[t.name].rank == rank]
+    served = [
+        batch[feature].values() for batch in batches for t in tables for feature in t.features
+    ]
+    return {
+        "looked_up": sum(seen),
+        "distinct": sum(len(ids.unique()) for ids in served),
+        "ids": sum(len(ids) for ids in served),
+    }
+
+
+def test_each_distinct_id_travels_and_is_looked_up_once(world):
+    plan = plans(2)["table_wise"]
+    case = Case(TABLES, plan, (6, 4), max_pooling=6, sequence=True)
+    for report in world(2).run(looked_up_ids, case):
+        assert report["looked_up"] == report["distinct"], report
+        # The batches repeat ids (tables of 20 to 40 rows): far fewer lookups than ids.
+        assert report["looked_up"] < 0.8 * report["ids"], report
+
+
 def state_dict_round_trip(case: Case) -> dict:
     """The sharded module's state dict, and a TorchRec state dict loaded into it."""
     module = unsharded(case)
