@@ -343,22 +343,35 @@ def grids(draw, world_size: int, rows: int, widths: list[int]):
 
 
 @st.composite
-def random_cases(draw, world_size: int) -> Case:
+def random_cases(draw, world_size: int, sequence: bool = False) -> Case:
+    """Random tables, plans and batches. For an EmbeddingCollection (``sequence``) every
+    table is 8 wide and every shard on a rank must have one width: whole tables only,
+    or column blocks 4 wide only."""
     feature_pool = [f"f{i}" for i in range(5)]
     tables, specs = [], {}
+    kinds = ["tw", "rw", "uneven", "cw", "grid", "dp"]
+    if sequence:
+        kinds = ["cw", "grid"] if draw(st.booleans()) else ["tw", "rw", "uneven"]
     for i in range(draw(st.integers(1, 4))):
         name = f"t{i}"
         features = tuple(
             draw(st.lists(st.sampled_from(feature_pool), min_size=1, max_size=2, unique=True))
         )
         rows = draw(st.integers(1, 30))
-        blocks = draw(st.lists(st.integers(0, world_size - 1), min_size=1, max_size=3))
-        widths = draw(st.lists(st.integers(1, 2), min_size=len(blocks), max_size=len(blocks)))
+        count = (2, 2) if sequence else (1, 3)
+        blocks = draw(
+            st.lists(st.integers(0, world_size - 1), min_size=count[0], max_size=count[1])
+        )
+        widths = (
+            [1] * len(blocks)
+            if sequence
+            else draw(st.lists(st.integers(1, 2), min_size=len(blocks), max_size=len(blocks)))
+        )
         cuts = sorted(
             draw(st.lists(st.integers(0, rows), min_size=world_size - 1, max_size=world_size - 1))
         )
-        kind = draw(st.sampled_from(["tw", "rw", "uneven", "cw", "grid", "dp"]))
-        dim = 4 * sum(widths) if kind in ("cw", "grid") else 4 * draw(st.integers(1, 3))
+        kind = draw(st.sampled_from(kinds))
+        dim = 4 * sum(widths) if kind in ("cw", "grid") or sequence else 4 * draw(st.integers(1, 3))
         tables.append(Table(name, rows, dim, features, mean=draw(st.booleans())))
         if kind == "grid":
             specs[name] = draw(grids(world_size, rows, [4 * w for w in widths]))
@@ -371,7 +384,10 @@ def random_cases(draw, world_size: int) -> Case:
             "dp": data_parallel(),
         }[kind]
     sizes = tuple(draw(st.lists(st.integers(0, 4), min_size=world_size, max_size=world_size)))
-    return Case(tuple(tables), ShardingPlan(specs), sizes, steps=2, seed=draw(st.integers(0, 999)))
+    if sequence and not any(sizes):  # TorchRec's EmbeddingCollection fails on no samples
+        sizes = (1, *sizes[1:])
+    seed = draw(st.integers(0, 999))
+    return Case(tuple(tables), ShardingPlan(specs), sizes, steps=2, seed=seed, sequence=sequence)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

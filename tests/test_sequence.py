@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
 from oracle import Case, Table, global_batch, local_batches, run_sequence_case, unsharded
 from test_device_path import HostReads, SizeReads
+from test_forward import random_cases
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 from torchrec import EmbeddingCollection, KeyedJaggedTensor
@@ -94,6 +96,17 @@ def test_adagrad_matches_unsharded(world, world_size, plan, optimizer):
     case = Case(TABLES, plans(world_size)[plan], batch_sizes(world_size), optimizer, sequence=True)
     for worst in world(world_size).run(run_sequence_case, case):
         assert worst["forward"] < TOL and worst["weights"] < TOL, worst
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_random_plans_tables_and_batches(world, world_size):
+    @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(random_cases(world_size, sequence=True))
+    def check(case):
+        for worst in world(world_size).run(run_sequence_case, case):
+            assert worst["forward"] < TOL and worst["weights"] < TOL, worst
+
+    check()
 
 
 def count_syncs(case: Case) -> dict:
