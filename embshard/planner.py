@@ -6,15 +6,18 @@ Costs are seconds per training step on the rank that owns a shard:
   written backward (3 passes), over the rank's gather bandwidth;
 - communication, priced alpha-beta (bytes over the bandwidth of the links the
   all-to-alls cross): the ids and bag lengths it receives, and the pooled rows it
-  sends forward and whose gradients it receives backward.
+  sends forward and whose gradients it receives backward: one per bag, or for a
+  sequence table (an EmbeddingCollection's) one per id it received.
 
 Every rank also pays the same base: four collectives' latency and its own batch's
 ids and pooled rows; it is reported, not balanced. Memory is weights plus the fused
 optimizer's state, within each rank's memory less what is reserved for buffers,
 activations and (on GPU) the CUDA context.
 
-``plan_tables`` takes TorchRec's ``EmbeddingBagConfig``s with each feature's mean
-pooling beside them (or embshard's config ``TableConfig``s, which carry their own).
+``plan_tables`` takes TorchRec's ``EmbeddingBagConfig``s and ``EmbeddingConfig``s
+(sequence tables) with each feature's mean pooling beside them (or embshard's config
+``TableConfig``s, which carry their own). Sequence tables are never copied, and the
+sequence pieces on a rank all have one width (FBGEMM's unpooled TBE takes one dim).
 Splitting a table adds traffic, so it splits only where that lowers the slowest rank.
 A greedy packing places the tables (those kept to the fewest ranks first, then the
 costliest first) each in its cheapest sharding whose pieces fit under a target cost
@@ -34,7 +37,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
 
 from embshard.config import TableConfig, TrainConfig
 from embshard.plan import (
@@ -200,21 +203,26 @@ class TableConstraint:
 @dataclass(frozen=True)
 class PlannedTable:
     """What the cost model needs of a table: its shape, and per sample its bags (one
-    per feature) and ids (the features' mean pooling, summed)."""
+    per feature) and ids (the features' mean pooling, summed); ``sequence`` for an
+    EmbeddingCollection's table, which returns a row per id, not per bag."""
 
     name: str
     num_embeddings: int
     embedding_dim: int
     bags_per_sample: int
     ids_per_sample: float
+    sequence: bool = False
 
 
-def _as_config(table: EmbeddingBagConfig | TableConfig) -> EmbeddingBagConfig:
-    return table.embedding_bag_config() if isinstance(table, TableConfig) else table
+AnyTable = EmbeddingBagConfig | EmbeddingConfig | TableConfig
+
+
+def _as_config(table: AnyTable) -> EmbeddingBagConfig | EmbeddingConfig:
+    return table.torchrec_config() if isinstance(table, TableConfig) else table
 
 
 def planned_tables(
-    tables: Sequence[EmbeddingBagConfig | TableConfig],
+    tables: Sequence[AnyTable],
     mean_pooling: Mapping[str, float] | None = None,
     stats: TrafficStats | None = None,
 ) -> list[PlannedTable]:
@@ -248,13 +256,14 @@ def planned_tables(
                 config.embedding_dim,
                 len(config.feature_names),
                 float(ids),
+                isinstance(config, EmbeddingConfig),
             )
         )
     return planned
 
 
 def _traffic(
-    stats: TrafficStats | None, configs: Sequence[EmbeddingBagConfig]
+    stats: TrafficStats | None, configs: Sequence[EmbeddingBagConfig | EmbeddingConfig]
 ) -> dict[str, TableTraffic]:
     """The measured traffic by table, checked against the tables' rows."""
     if stats is None:
@@ -288,6 +297,10 @@ class CostModel:
     def bags(self, table: PlannedTable) -> float:
         return self.topology.world_size * self.batch_size * table.bags_per_sample
 
+    def outputs(self, table: PlannedTable) -> float:
+        """The rows the lookups return: one per bag, or per id for a sequence table."""
+        return self.ids(table) if table.sequence else self.bags(table)
+
     def memory(self, rows: int, cols: int) -> int:
         """Bytes of a (rows x cols) shard: fp32 weights and the optimizer's state."""
         if self.optimizer == "rowwise_adagrad":
@@ -299,14 +312,16 @@ class CostModel:
 
         Linear in ``rows`` and ``cols``, so k pieces of a table cost ``A + B k`` in all
         however they are cut: a row piece (row-wise, or a grid's) gets its share of the
-        ids but every bag, a column piece every id and bag. A data-parallel copy:
-        ``replica_cost``."""
+        ids but every bag's length, a column piece every id and bag. A pooled piece
+        sends a row back for every bag (a partial sum, for a row piece); a sequence
+        piece one for each id it got. A data-parallel copy: ``replica_cost``."""
         if kind == "data_parallel":
             return self.replica_cost(table)
         share = rows / table.num_embeddings if kind in _ROW_SPLIT else 1.0
         ids, bags = self.ids(table) * share, self.bags(table)
+        out = ids if table.sequence else bags
         lookup = ids * cols * 4 * _PASSES / self.topology.lookup_bandwidth
-        moved = (ids + bags) * _ID_BYTES + 2 * bags * cols * 4
+        moved = (ids + bags) * _ID_BYTES + 2 * out * cols * 4
         return lookup + moved * self.topology.seconds_per_byte()
 
     def whole_cost(self, table: PlannedTable) -> float:
@@ -314,10 +329,10 @@ class CostModel:
 
     def requester_cost(self, table: PlannedTable) -> float:
         """What each rank pays to have ``table`` served by others: its own ids out, its
-        pooled rows back and their gradient out."""
+        rows (``outputs``) back and their gradient out."""
         world = self.topology.world_size
         ids = (self.ids(table) + self.bags(table)) / world * _ID_BYTES
-        rows = self.bags(table) * table.embedding_dim / world * 4 * 2
+        rows = self.outputs(table) * table.embedding_dim / world * 4 * 2
         return (ids + rows) * self.topology.seconds_per_byte()
 
     def replica_cost(self, table: PlannedTable) -> float:
@@ -353,6 +368,7 @@ class TableChoice:
     sharding: str
     pieces: int
     reason: str
+    sequence: bool = False  # an EmbeddingCollection's table
 
 
 @dataclass
@@ -399,7 +415,10 @@ class PlanReport:
             f"memory per rank {format_bytes(self.topology.memory_per_rank)}, "
             f"{format_bytes(self.topology.reserved_memory)} reserved"
         )
-        lines += [f"  {c.table}: {c.sharding} ({c.reason})" for c in self.tables]
+        lines += [
+            f"  {c.table}{' (sequence)' if c.sequence else ''}: {c.sharding} ({c.reason})"
+            for c in self.tables
+        ]
         return "\n".join(lines)
 
 
@@ -454,6 +473,7 @@ class _Option:
     piece_cost: float
     piece_memory: int
     waste: int  # the memory its pieces need beyond the table whole
+    width: int  # its pieces' columns
 
 
 @dataclass(frozen=True)
@@ -484,23 +504,41 @@ class _Packing:
     """Every table's kind and pieces, and what each rank carries; ``unplaced`` is the
     table that found no room, if one did not. ``slack`` is the memory all ranks have
     free beyond what the tables not yet placed need whole: column blocks each keep
-    their rows' optimizer state, so splits that cost memory must stay within it."""
+    their rows' optimizer state, so splits that cost memory must stay within it.
+    ``held`` counts each rank's pieces of sequence tables, and ``width`` is theirs."""
 
     cost: np.ndarray
     memory: np.ndarray
     slack: int
     layouts: dict[str, tuple[str, list[_Piece]]] = field(default_factory=dict)
     unplaced: _Table | None = None
+    held: np.ndarray = field(init=False)
+    width: np.ndarray = field(init=False)
+    sequence: set[str] = field(default_factory=set)  # the sequence tables placed
+
+    def __post_init__(self) -> None:
+        self.held = np.zeros_like(self.memory)
+        self.width = np.zeros_like(self.memory)
 
     @property
     def slowest(self) -> float:
         return float(self.cost.max())
+
+    def takes(self, width: int) -> np.ndarray:
+        """The ranks that may take a sequence piece ``width`` columns wide: those
+        holding none, or pieces as wide (FBGEMM's unpooled TBE takes one dim)."""
+        return (self.held == 0) | (self.width == width)
 
     def add(self, table: _Table, kind: str, pieces: list[_Piece]) -> None:
         self.layouts[table.spec.name] = (kind, pieces)
         for p in pieces:
             self.cost[p.rank] += p.cost
             self.memory[p.rank] += p.memory
+            if table.spec.sequence:
+                self.held[p.rank] += 1
+                self.width[p.rank] = p.cols
+        if table.spec.sequence:
+            self.sequence.add(table.spec.name)
         self.slack -= sum(p.memory for p in pieces) - table.whole_memory
 
     def remove(self, table: _Table) -> None:
@@ -508,6 +546,10 @@ class _Packing:
             self.cost[p.rank] -= p.cost
             self.memory[p.rank] -= p.memory
             self.slack += p.memory
+            if table.spec.sequence:
+                self.held[p.rank] -= 1
+        self.width[self.held == 0] = 0
+        self.sequence.discard(table.spec.name)
         self.slack -= table.whole_memory
 
 
@@ -579,7 +621,9 @@ def _table(
                 )
             memory = model.memory(rows, cols)
             waste = memory * blocks - whole if kind in ("column_wise", "data_parallel") else 0
-            options.append(_Option(kind, blocks, a + b * blocks, a * share + b, memory, waste))
+            options.append(
+                _Option(kind, blocks, a + b * blocks, a * share + b, memory, waste, cols)
+            )
     if not options:
         raise PlanningError(f"table {table.name!r}: its constraints allow no sharding")
     allowed = None
@@ -612,6 +656,10 @@ def _check_constraints(
         bad_types = [t for t in c.types or () if t not in _SHARDINGS]
         if bad_types:
             problems.append(f"{where}: shardings {bad_types} are none of {list(_SHARDINGS)}")
+        if known[name].sequence and "data_parallel" in (c.types or ()):
+            problems.append(
+                f"{where}: a sequence table (an EmbeddingCollection's) cannot be data_parallel"
+            )
         outside = [r for r in c.ranks or () if not (isinstance(r, int) and 0 <= r < world)]
         if outside:
             problems.append(
@@ -633,6 +681,19 @@ def _check_constraints(
             problems.append(f"{where}: column_blocks needs column_wise among its shardings")
     if problems:
         raise PlanningError("; ".join(problems))
+
+
+def _kept(
+    tables: Sequence[PlannedTable], constraints: Mapping[str, TableConstraint]
+) -> dict[str, TableConstraint]:
+    """Every table's constraint: a sequence table's shardings never data_parallel."""
+    kept = {}
+    for t in tables:
+        c = constraints.get(t.name, TableConstraint())
+        if t.sequence and c.types is None:
+            c = TableConstraint(_KINDS, c.ranks, c.column_blocks)
+        kept[t.name] = c
+    return kept
 
 
 def _check_memory(tables: Sequence[PlannedTable], model: CostModel) -> None:
@@ -777,8 +838,9 @@ def _place(
     table: _Table, packing: _Packing, model: CostModel, target: float
 ) -> tuple[str, list[_Piece]] | None:
     """The table in its cheapest sharding whose pieces fit under ``target`` and in
-    memory on as many of the least-loaded ranks it may use; else row blocks cut to the
-    room the ranks have (``_rows_to_room``)."""
+    memory on as many of the least-loaded ranks it may use (a sequence table's, ranks
+    whose sequence pieces are as wide or none: ``_Packing.takes``); else row blocks cut
+    to the room the ranks have (``_rows_to_room``)."""
     capacity = model.topology.usable_memory
     for option in table.options:
         if option.waste > packing.slack:
@@ -788,6 +850,8 @@ def _place(
         )
         if table.allowed is not None:
             ok &= table.allowed
+        if table.spec.sequence:
+            ok &= packing.takes(option.width)
         if option.blocks == 1:
             ranks = [int(np.where(ok, packing.cost, np.inf).argmin())]
             if not ok[ranks[0]]:
@@ -822,6 +886,8 @@ def _rows_to_room(
         room = np.where(spare >= 0, room, 0)
     if table.allowed is not None:
         room = np.where(table.allowed, room, 0)
+    if spec.sequence:
+        room = np.where(packing.takes(spec.embedding_dim), room, 0)
     order = np.argsort(-room, kind="stable")
     filled = np.cumsum(room[order])
     if filled[-1] < spec.num_embeddings:
@@ -883,6 +949,11 @@ def _no_room(packing: _Packing, model: CostModel) -> PlanningError:
     free = model.topology.usable_memory - packing.memory
     ranks = np.arange(len(free)) if table.allowed is None else np.flatnonzero(table.allowed)
     theirs = "" if table.allowed is None else f" of its ranks {ranks.tolist()}"
+    if table.spec.sequence:
+        widths = sorted({o.width for o in table.options})
+        other = ranks[(packing.held[ranks] > 0) & ~np.isin(packing.width[ranks], widths)]
+        if other.size:
+            return _other_widths(table, widths, other, packing)
     if "row_wise" in table.kinds:
         have = int(free[ranks].sum())
         return PlanningError(
@@ -916,6 +987,27 @@ def _no_room(packing: _Packing, model: CostModel) -> PlanningError:
         f"{start} fits on no rank{theirs}: the freest (rank {freest}) has "
         f"{format_bytes(free[freest])} free, "
         f"{format_bytes(option.piece_memory - free[freest])} missing"
+    )
+
+
+def _other_widths(
+    table: _Table, widths: list[int], ranks: np.ndarray, packing: _Packing
+) -> PlanningError:
+    """A sequence table kept off ranks by the other widths of the pieces they hold."""
+    held = {
+        int(r): sorted(
+            name for name in packing.sequence if any(p.rank == r for p in packing.layouts[name][1])
+        )
+        for r in ranks
+    }
+    found = "; ".join(
+        f"rank {r}: {', '.join(map(repr, names))} {packing.width[r]} wide"
+        for r, names in held.items()
+    )
+    return PlanningError(
+        f"sequence table {table.spec.name!r} (pieces {widths} wide) found no room: the "
+        f"sequence pieces on a rank must all have one width (FBGEMM's unpooled TBE takes "
+        f"one dim), and {found}"
     )
 
 
@@ -972,6 +1064,13 @@ def _why(table: _Table, packing: _Packing, model: CostModel) -> str:
         room &= table.allowed
     if not room.any():
         return f"no rank has room for it whole: {count}"
+    if table.spec.sequence:
+        mine = np.zeros_like(packing.held)
+        for p in pieces:
+            mine[p.rank] += 1
+        dim = table.spec.embedding_dim
+        if not (room & ((packing.held == mine) | (packing.width == dim))).any():
+            return f"the ranks with room for it whole hold sequence pieces not {dim} wide: {count}"
     return f"whole, it would slow the slowest rank: {count}"
 
 
@@ -1013,13 +1112,15 @@ def _packed(
     its tables and why each is sharded as it is. A packing with copies carries their
     all-reduce's latency on every rank."""
     world, free = model.topology.world_size, TableConstraint()
-    prepared = sorted(  # the tables kept to the fewest ranks first, then costliest first
+    prepared = sorted(  # the tables kept to the fewest ranks first, then sequence tables
+        # of one width, then costliest first
         (
             _table(t, model, constraints.get(t.name, free), world, measured.get(t.name), copies)
             for t in specs
         ),
         key=lambda t: (
             _limit(constraints.get(t.spec.name, free), world),
+            not (t.spec.sequence and len({o.width for o in t.options}) == 1),  # fixed width
             -t.whole_cost,
             t.whole_memory,
             t.spec.name,
@@ -1034,7 +1135,7 @@ def _packed(
 
 
 def plan_tables(
-    tables: Sequence[EmbeddingBagConfig | TableConfig],
+    tables: Sequence[AnyTable],
     topology: Topology,
     batch_size: int,
     constraints: Mapping[str, TableConstraint] | None = None,
@@ -1046,7 +1147,9 @@ def plan_tables(
     """A plan that fits every rank's usable memory and keeps the slowest rank's
     estimated step cost low, with a report of per-rank memory and cost.
 
-    ``tables`` are TorchRec's ``EmbeddingBagConfig``s, ``batch_size`` is per rank, and
+    ``tables`` are TorchRec's ``EmbeddingBagConfig``s and ``EmbeddingConfig``s
+    (sequence tables: never data_parallel, and a rank's sequence pieces of one width),
+    ``batch_size`` is per rank, and
     ``mean_pooling`` the mean ids per bag by feature or table (default 1.0; see
     ``planned_tables``); ``constraints`` limit tables by name. The slowest rank is
     never above that of LPT table-wise (every table whole, costliest first on the
@@ -1057,9 +1160,9 @@ def plan_tables(
     """
     specs = planned_tables(tables, mean_pooling, stats)
     measured = stats.tables if stats is not None else {}
-    constraints = dict(constraints or {})
     world = topology.world_size
-    _check_constraints(constraints, specs, world)
+    _check_constraints(constraints or {}, specs, world)
+    constraints = _kept(specs, constraints or {})
     model = CostModel(topology, batch_size, optimizer)
     _check_memory(specs, model)
     packing, prepared, reasons = _packed(specs, constraints, model, measured, copies=False)
@@ -1075,7 +1178,9 @@ def plan_tables(
     report = PlanReport(
         ranks=_rank_loads(packing, prepared),
         tables=[
-            TableChoice(t.name, layouts[t.name][0], len(layouts[t.name][1]), reasons[t.name])
+            TableChoice(
+                t.name, layouts[t.name][0], len(layouts[t.name][1]), reasons[t.name], t.sequence
+            )
             for t in specs
         ],
         base_cost=model.base_cost(specs),
@@ -1087,7 +1192,7 @@ def plan_tables(
 
 def plan_loads(
     plan: ShardingPlan,
-    tables: Sequence[EmbeddingBagConfig | TableConfig],
+    tables: Sequence[AnyTable],
     topology: Topology,
     batch_size: int,
     optimizer: str = "rowwise_adagrad",
@@ -1097,14 +1202,17 @@ def plan_loads(
 ) -> list[RankLoad]:
     """Per-rank memory and estimated cost of any plan, by the same cost model (row
     blocks priced by their measured lookups, with ``stats``; data-parallel copies with
-    their all-reduce's latency)."""
+    their all-reduce's latency). A plan that cannot shard its sequence tables is a
+    PlanningError (``_check_sequence``)."""
     model = CostModel(topology, batch_size, optimizer)
     resolved: dict[str, ShardedTable] = plan.resolve(
         [_as_config(t) for t in tables], topology.world_size
     )
     loads = [RankLoad(r) for r in range(topology.world_size)]
     measured = stats.tables if stats is not None else {}
-    for table in planned_tables(tables, mean_pooling, stats):
+    specs = planned_tables(tables, mean_pooling, stats)
+    _check_sequence([resolved[t.name] for t in specs if t.sequence])
+    for table in specs:
         sharded, traffic = resolved[table.name], measured.get(table.name)
         for shard in sharded.shards:
             if not (shard.rows and shard.cols):
@@ -1120,6 +1228,25 @@ def plan_loads(
         for load in loads:
             load.cost += topology.collective_latency()
     return loads
+
+
+def _check_sequence(tables: Sequence[ShardedTable]) -> None:
+    """What embshard's EmbeddingCollection refuses: a data-parallel sequence table, a
+    rank holding sequence pieces of different widths."""
+    copied = [t.name for t in tables if t.replicated]
+    if copied:
+        raise PlanningError(f"sequence tables {copied} cannot be data_parallel")
+    held: dict[int, set[tuple[int, str]]] = {}
+    for t in tables:
+        for s in t.shards:
+            if s.rows and s.cols:
+                held.setdefault(s.rank, set()).add((s.cols, t.name))
+    mixed = {r: sorted(h) for r, h in sorted(held.items()) if len({c for c, _ in h}) > 1}
+    if mixed:
+        raise PlanningError(
+            "the sequence pieces on a rank must all have one width (FBGEMM's unpooled TBE "
+            f"takes one dim); (width, table) by rank: {mixed}"
+        )
 
 
 def shard_name(name: str, shard: TableShard) -> str:
@@ -1177,15 +1304,17 @@ _GIVEN = "the config's own plan"
 def _given_report(plan: ShardingPlan, config: TrainConfig, topology: Topology) -> PlanReport:
     """The report of a config's own plan: its loads, and the bound of any plan."""
     model = CostModel(topology, config.batch_size, config.sparse_optimizer.type)
-    resolved = plan.resolve(config.embedding_bag_configs(), topology.world_size)
+    resolved = plan.resolve(config.torchrec_configs(), topology.world_size)
     specs = planned_tables(config.tables)
     return PlanReport(
         ranks=plan_loads(plan, config.tables, topology, model.batch_size, model.optimizer),
-        tables=[
-            TableChoice(n, t.kind, sum(1 for s in t.shards if s.rows and s.cols), _GIVEN)
-            for n, t in resolved.items()
+        tables=[  # the plan resolved in the tables' order
+            TableChoice(
+                t.name, r.kind, sum(bool(s.rows and s.cols) for s in r.shards), _GIVEN, t.sequence
+            )
+            for r, t in zip(resolved.values(), specs)
         ],
         base_cost=model.base_cost(specs),
-        lower_bound=_lower_bound(specs, {}, model),
+        lower_bound=_lower_bound(specs, _kept(specs, {}), model),
         topology=topology,
     )
