@@ -1110,24 +1110,38 @@ def _packed(
 ) -> tuple[_Packing, list[_Table], dict[str, str]]:
     """The searched packing (data-parallel copies among the options with ``copies``),
     its tables and why each is sharded as it is. A packing with copies carries their
-    all-reduce's latency on every rank."""
+    all-reduce's latency on every rank. Where the packing fails and there are sequence
+    tables, it is searched again with those of one width placed first (that width may
+    be what the others must fit around)."""
     world, free = model.topology.world_size, TableConstraint()
-    prepared = sorted(  # the tables kept to the fewest ranks first, then sequence tables
-        # of one width, then costliest first
-        (
-            _table(t, model, constraints.get(t.name, free), world, measured.get(t.name), copies)
-            for t in specs
-        ),
-        key=lambda t: (
-            _limit(constraints.get(t.spec.name, free), world),
-            not (t.spec.sequence and len({o.width for o in t.options}) == 1),  # fixed width
-            -t.whole_cost,
-            t.whole_memory,
-            t.spec.name,
-        ),
-    )
+    tables = [
+        _table(t, model, constraints.get(t.name, free), world, measured.get(t.name), copies)
+        for t in specs
+    ]
+
+    def ordered(fixed_first: bool) -> list[_Table]:
+        """The tables kept to the fewest ranks first, then costliest first."""
+        return sorted(
+            tables,
+            key=lambda t: (
+                _limit(constraints.get(t.spec.name, free), world),
+                fixed_first and not (t.spec.sequence and len({o.width for o in t.options}) == 1),
+                -t.whole_cost,
+                t.whole_memory,
+                t.spec.name,
+            ),
+        )
+
     kept = [constraints.get(t.name, free) for t in specs]
-    packing = _search(prepared, model, max(_cut_bound(specs, kept, model, copies), 1e-12))
+    bound = max(_cut_bound(specs, kept, model, copies), 1e-12)
+    prepared = ordered(fixed_first=False)
+    try:
+        packing = _search(prepared, model, bound)
+    except PlanningError:
+        if not any(t.sequence for t in specs):
+            raise
+        prepared = ordered(fixed_first=True)
+        packing = _search(prepared, model, bound)
     reasons = _unsplit(packing, prepared, model)
     if any(kind == "data_parallel" for kind, _ in packing.layouts.values()):
         packing.cost += model.topology.collective_latency()
