@@ -904,29 +904,35 @@ def _rows_to_room(
     return "row_wise", pieces
 
 
-def _pack(tables: Sequence[_Table], model: CostModel, target: float) -> _Packing:
-    """The tables in order, each placed by ``_place``, up to the first that finds no room."""
+def _pack(orders: Sequence[Sequence[_Table]], model: CostModel, target: float) -> _Packing:
+    """The tables in the first of ``orders`` (the same tables in other orders) in which
+    each finds room (``_place``); else the first order's, up to the table that found none."""
     world = model.topology.world_size
-    slack = world * model.topology.usable_memory - sum(t.whole_memory for t in tables)
-    packing = _Packing(np.zeros(world), np.zeros(world, dtype=np.int64), slack)
-    for table in tables:
-        placed = _place(table, packing, model, target)
-        if placed is None:
-            packing.unplaced = table
-            break
-        packing.add(table, *placed)
-    return packing
+    slack = world * model.topology.usable_memory - sum(t.whole_memory for t in orders[0])
+    failed = None
+    for tables in orders:
+        packing = _Packing(np.zeros(world), np.zeros(world, dtype=np.int64), slack)
+        for table in tables:
+            placed = _place(table, packing, model, target)
+            if placed is None:
+                packing.unplaced = table
+                break
+            packing.add(table, *placed)
+        if packing.unplaced is None:
+            return packing
+        failed = failed or packing
+    return failed
 
 
 _TOLERANCE = 0.01  # the search stops when the target is known within 1 %
 _PROBES = 24  # and tries at most this many targets
 
 
-def _search(tables: Sequence[_Table], model: CostModel, bound: float) -> _Packing:
+def _search(orders: Sequence[Sequence[_Table]], model: CostModel, bound: float) -> _Packing:
     """The lowest target at which ``_pack`` succeeds, found by bisection (on a log
     scale) between the lower bound and the packing with no target, which keeps every
     table whole that fits a rank's memory: LPT table-wise, the obvious plan."""
-    best = _pack(tables, model, math.inf)
+    best = _pack(orders, model, math.inf)
     if best.unplaced is not None:
         raise _no_room(best, model)
     low, high = bound, best.slowest
@@ -934,7 +940,7 @@ def _search(tables: Sequence[_Table], model: CostModel, bound: float) -> _Packin
         if high <= low * (1 + _TOLERANCE):
             break
         target = math.sqrt(low * high)
-        packing = _pack(tables, model, target)
+        packing = _pack(orders, model, target)
         if packing.unplaced is None:
             best, high = packing, packing.slowest
         else:
@@ -951,9 +957,9 @@ def _no_room(packing: _Packing, model: CostModel) -> PlanningError:
     theirs = "" if table.allowed is None else f" of its ranks {ranks.tolist()}"
     if table.spec.sequence:
         widths = sorted({o.width for o in table.options})
-        other = ranks[(packing.held[ranks] > 0) & ~np.isin(packing.width[ranks], widths)]
-        if other.size:
-            return _other_widths(table, widths, other, packing)
+        held = ranks[packing.held[ranks] > 0]
+        if held.size:
+            return _other_widths(table, widths, held, packing)
     if "row_wise" in table.kinds:
         have = int(free[ranks].sum())
         return PlanningError(
@@ -993,7 +999,8 @@ def _no_room(packing: _Packing, model: CostModel) -> PlanningError:
 def _other_widths(
     table: _Table, widths: list[int], ranks: np.ndarray, packing: _Packing
 ) -> PlanningError:
-    """A sequence table kept off ranks by the other widths of the pieces they hold."""
+    """A sequence table that found no room where the ranks' sequence pieces have the
+    widths they have."""
     held = {
         int(r): sorted(
             name for name in packing.sequence if any(p.rank == r for p in packing.layouts[name][1])
@@ -1108,11 +1115,81 @@ def _packed(
     measured: Mapping[str, TableTraffic],
     copies: bool,
 ) -> tuple[_Packing, list[_Table], dict[str, str]]:
+    """``_packed_as``; where it finds no room and there are sequence tables, again
+    with every sequence piece one width (``_common_widths``, widest first)."""
+    try:
+        return _packed_as(specs, constraints, model, measured, copies)
+    except PlanningError as error:
+        if not any(t.sequence for t in specs):
+            raise
+        first = error
+    widths = _common_widths(specs, constraints, model.topology.world_size)
+    for width in widths:
+        narrowed = {t.name: _one_width(t, constraints[t.name], width) for t in specs}
+        try:
+            packing, prepared, reasons = _packed_as(specs, narrowed, model, measured, copies)
+        except PlanningError:
+            continue
+        for t in prepared:
+            kind, pieces = packing.layouts[t.spec.name]
+            if narrowed[t.spec.name] != constraints[t.spec.name] and kind != "table_wise":
+                count = plural(len(pieces), "piece")
+                reasons[t.spec.name] = f"every rank's sequence pieces {width} wide: {count}"
+        return packing, prepared, reasons
+    tried = (
+        f"nor with every sequence piece one width ({', '.join(map(str, widths))} tried)"
+        if widths
+        else "and no one width fits every sequence table (a multiple of 4, a block per rank)"
+    )
+    raise PlanningError(f"{first}; {tried}") from None
+
+
+def _common_widths(
+    specs: Sequence[PlannedTable], constraints: Mapping[str, TableConstraint], world: int
+) -> list[int]:
+    """The piece widths every sequence table may be cut to, widest first."""
+    common: set[int] | None = None
+    for t in specs:
+        if not t.sequence:
+            continue
+        c, dim = constraints[t.name], t.embedding_dim
+        kinds, widths = _kinds(c), set()
+        if c.column_blocks:
+            widths.add(dim // c.column_blocks)
+        elif "column_wise" in kinds:
+            limit = _limit(c, world)
+            widths |= {dim // k for k in range(1, limit + 1) if dim % (4 * k) == 0}
+        if {"table_wise", "row_wise"} & set(kinds):
+            widths.add(dim)
+        common = widths if common is None else common & widths
+    return sorted(common or (), reverse=True)
+
+
+def _one_width(table: PlannedTable, constraint: TableConstraint, width: int) -> TableConstraint:
+    """``constraint`` narrowed to pieces ``width`` wide, for a sequence table (one of
+    ``_common_widths``)."""
+    dim = table.embedding_dim
+    if not table.sequence or constraint.column_blocks:
+        return constraint
+    if width < dim:
+        return TableConstraint(constraint.types, constraint.ranks, dim // width)
+    kinds = tuple(k for k in _kinds(constraint) if k != "column_wise")
+    return TableConstraint(kinds, constraint.ranks)
+
+
+def _packed_as(
+    specs: Sequence[PlannedTable],
+    constraints: Mapping[str, TableConstraint],
+    model: CostModel,
+    measured: Mapping[str, TableTraffic],
+    copies: bool,
+) -> tuple[_Packing, list[_Table], dict[str, str]]:
     """The searched packing (data-parallel copies among the options with ``copies``),
     its tables and why each is sharded as it is. A packing with copies carries their
-    all-reduce's latency on every rank. Where the packing fails and there are sequence
-    tables, it is searched again with those of one width placed first (that width may
-    be what the others must fit around)."""
+    all-reduce's latency on every rank. The tables kept to the fewest ranks go first,
+    then the costliest; with sequence tables, where that order finds no room, also
+    with the sequence tables of one width before the others (the greedy packing may
+    mix widths that another sequence table cannot fit around)."""
     world, free = model.topology.world_size, TableConstraint()
     tables = [
         _table(t, model, constraints.get(t.name, free), world, measured.get(t.name), copies)
@@ -1120,7 +1197,6 @@ def _packed(
     ]
 
     def ordered(fixed_first: bool) -> list[_Table]:
-        """The tables kept to the fewest ranks first, then costliest first."""
         return sorted(
             tables,
             key=lambda t: (
@@ -1132,16 +1208,10 @@ def _packed(
             ),
         )
 
-    kept = [constraints.get(t.name, free) for t in specs]
-    bound = max(_cut_bound(specs, kept, model, copies), 1e-12)
     prepared = ordered(fixed_first=False)
-    try:
-        packing = _search(prepared, model, bound)
-    except PlanningError:
-        if not any(t.sequence for t in specs):
-            raise
-        prepared = ordered(fixed_first=True)
-        packing = _search(prepared, model, bound)
+    orders = [prepared, ordered(fixed_first=True)] if any(t.sequence for t in specs) else [prepared]
+    kept = [constraints.get(t.name, free) for t in specs]
+    packing = _search(orders, model, max(_cut_bound(specs, kept, model, copies), 1e-12))
     reasons = _unsplit(packing, prepared, model)
     if any(kind == "data_parallel" for kind, _ in packing.layouts.values()):
         packing.cost += model.topology.collective_latency()
