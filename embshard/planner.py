@@ -76,6 +76,10 @@ class PlanningError(ValueError):
     message says what, and how much memory is missing where."""
 
 
+class _MixedWidths(PlanningError):
+    """A sequence table found no room for the widths of the sequence pieces placed."""
+
+
 def parse_bytes(text: str | int | float) -> int:
     """``80GiB``, ``512 MiB``, ``1.5TB`` or a number of bytes."""
     if isinstance(text, int | float):
@@ -835,12 +839,12 @@ def _pieces(
 
 
 def _place(
-    table: _Table, packing: _Packing, model: CostModel, target: float
+    table: _Table, packing: _Packing, model: CostModel, target: float, widths: bool = True
 ) -> tuple[str, list[_Piece]] | None:
     """The table in its cheapest sharding whose pieces fit under ``target`` and in
-    memory on as many of the least-loaded ranks it may use (a sequence table's, ranks
-    whose sequence pieces are as wide or none: ``_Packing.takes``); else row blocks cut
-    to the room the ranks have (``_rows_to_room``)."""
+    memory on as many of the least-loaded ranks it may use (a sequence table's, with
+    ``widths``, ranks whose sequence pieces are as wide or none: ``_Packing.takes``);
+    else row blocks cut to the room the ranks have (``_rows_to_room``)."""
     capacity = model.topology.usable_memory
     for option in table.options:
         if option.waste > packing.slack:
@@ -850,7 +854,7 @@ def _place(
         )
         if table.allowed is not None:
             ok &= table.allowed
-        if table.spec.sequence:
+        if table.spec.sequence and widths:
             ok &= packing.takes(option.width)
         if option.blocks == 1:
             ranks = [int(np.where(ok, packing.cost, np.inf).argmin())]
@@ -864,12 +868,12 @@ def _place(
         shapes = _shapes(table.spec, option.kind, option.blocks, table.traffic)
         return option.kind, _pieces(table, model, option.kind, ranks, shapes)
     if "row_wise" in table.kinds:
-        return _rows_to_room(table, packing, model, target)
+        return _rows_to_room(table, packing, model, target, widths)
     return None
 
 
 def _rows_to_room(
-    table: _Table, packing: _Packing, model: CostModel, target: float
+    table: _Table, packing: _Packing, model: CostModel, target: float, widths: bool = True
 ) -> tuple[str, list[_Piece]] | None:
     """Row blocks as big as the roomiest ranks have room for, under ``target`` and in
     memory: uneven blocks fill what even ones cannot, and a table that fits in the
@@ -886,7 +890,7 @@ def _rows_to_room(
         room = np.where(spare >= 0, room, 0)
     if table.allowed is not None:
         room = np.where(table.allowed, room, 0)
-    if spec.sequence:
+    if spec.sequence and widths:
         room = np.where(packing.takes(spec.embedding_dim), room, 0)
     order = np.argsort(-room, kind="stable")
     filled = np.cumsum(room[order])
@@ -955,11 +959,8 @@ def _no_room(packing: _Packing, model: CostModel) -> PlanningError:
     free = model.topology.usable_memory - packing.memory
     ranks = np.arange(len(free)) if table.allowed is None else np.flatnonzero(table.allowed)
     theirs = "" if table.allowed is None else f" of its ranks {ranks.tolist()}"
-    if table.spec.sequence:
-        widths = sorted({o.width for o in table.options})
-        held = ranks[packing.held[ranks] > 0]
-        if held.size:
-            return _other_widths(table, widths, held, packing)
+    if table.spec.sequence and _place(table, packing, model, math.inf, widths=False):
+        return _other_widths(table, ranks[packing.held[ranks] > 0], packing)
     if "row_wise" in table.kinds:
         have = int(free[ranks].sum())
         return PlanningError(
@@ -996,11 +997,10 @@ def _no_room(packing: _Packing, model: CostModel) -> PlanningError:
     )
 
 
-def _other_widths(
-    table: _Table, widths: list[int], ranks: np.ndarray, packing: _Packing
-) -> PlanningError:
-    """A sequence table that found no room where the ranks' sequence pieces have the
-    widths they have."""
+def _other_widths(table: _Table, ranks: np.ndarray, packing: _Packing) -> _MixedWidths:
+    """A sequence table that would have found room but for the widths of the sequence
+    pieces that ``ranks`` hold."""
+    widths = sorted({o.width for o in table.options})
     held = {
         int(r): sorted(
             name for name in packing.sequence if any(p.rank == r for p in packing.layouts[name][1])
@@ -1011,7 +1011,7 @@ def _other_widths(
         f"rank {r}: {', '.join(map(repr, names))} {packing.width[r]} wide"
         for r, names in held.items()
     )
-    return PlanningError(
+    return _MixedWidths(
         f"sequence table {table.spec.name!r} (pieces {widths} wide) found no room: the "
         f"sequence pieces on a rank must all have one width (FBGEMM's unpooled TBE takes "
         f"one dim), and {found}"
@@ -1115,13 +1115,12 @@ def _packed(
     measured: Mapping[str, TableTraffic],
     copies: bool,
 ) -> tuple[_Packing, list[_Table], dict[str, str]]:
-    """``_packed_as``; where it finds no room and there are sequence tables, again
-    with every sequence piece one width (``_common_widths``, widest first)."""
+    """``_packed_as``; where a sequence table found no room for the widths of the
+    others' pieces, again with every sequence piece one width (``_common_widths``,
+    widest first)."""
     try:
         return _packed_as(specs, constraints, model, measured, copies)
-    except PlanningError as error:
-        if not any(t.sequence for t in specs):
-            raise
+    except _MixedWidths as error:
         first = error
     widths = _common_widths(specs, constraints, model.topology.world_size)
     for width in widths:

@@ -912,6 +912,10 @@ def test_sequence_widths_that_cannot_meet_are_named():
         "must all have one width (FBGEMM's unpooled TBE takes one dim), and rank 0: 'b' 16 "
         "wide; and no one width fits every sequence table (a multiple of 4, a block per rank)"
     )
+    big = [tables[0], TableConfig("big", 2_000_000, 16, ["g"], pooling="none")]  # 137 MiB
+    with pytest.raises(PlanningError, match=r"^table 'big' whole .* 17.7 MiB missing$"):
+        narrow = {"a": constraints["a"], "big": TableConstraint(("table_wise",), (1,))}
+        plan_tables(big, Topology.cpu(2, memory_per_rank=128 * 2**20), 512, narrow)
     given = ShardingPlan({"a": column_wise([0, 1]), "b": table_wise(0)})
     with pytest.raises(PlanningError, match=r"\{0: \[\(8, 'a'\), \(16, 'b'\)\]\}"):
         plan_loads(given, tables, Topology.cpu(2), 512)
