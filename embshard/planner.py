@@ -1170,10 +1170,10 @@ def _one_width(table: PlannedTable, constraint: TableConstraint, width: int) -> 
     dim = table.embedding_dim
     if not table.sequence or constraint.column_blocks:
         return constraint
-    if width < dim:
+    whole = tuple(k for k in _kinds(constraint) if k in ("table_wise", "row_wise"))
+    if width < dim or not whole:
         return TableConstraint(constraint.types, constraint.ranks, dim // width)
-    kinds = tuple(k for k in _kinds(constraint) if k != "column_wise")
-    return TableConstraint(kinds, constraint.ranks)
+    return TableConstraint(whole, constraint.ranks)
 
 
 def _packed_as(
