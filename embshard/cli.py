@@ -242,7 +242,7 @@ def plan(
     from embshard.traffic import measure_traffic
 
     try:
-        model = load_config(config, check_files=batches > 0)  # reads data only to measure
+        model = load_config(config, check_files=batches > 0, trains=False)  # data: to measure
         stats = measure_traffic(model, world_size, batches) if batches else None
         sharding, report = plan_config(model, world_size, memory_per_rank, stats)
     except (ConfigError, PlanningError, ValueError) as e:
@@ -316,11 +316,11 @@ def show(plan_file: str, config: str, world_size: int | None, png: str | None, w
     and columns (a symbol per rank: 0-9, a-z, A-Z, repeating past 62 ranks)."""
     from embshard.config import ConfigError, load_config
     from embshard.plan import PlanError, ShardingPlan, plural
-    from embshard.planner import plan_loads, topology_for
+    from embshard.planner import PlanningError, plan_loads, topology_for
     from embshard.show import draw_plan, plot_loads, summary
 
     try:
-        model = load_config(config, check_files=False)
+        model = load_config(config, check_files=False, trains=False)
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
     try:
@@ -329,17 +329,17 @@ def show(plan_file: str, config: str, world_size: int | None, png: str | None, w
         raise click.ClickException(str(e)) from None
     try:
         world = world_size or _implied_world_size(sharding)
-        tables = sharding.resolve(model.embedding_bag_configs(), world)
-    except PlanError as e:
+        tables = sharding.resolve(model.torchrec_configs(), world)
+        loads = plan_loads(
+            sharding,
+            model.tables,
+            topology_for(model, world),
+            model.batch_size,
+            model.sparse_optimizer.type,
+        )
+    except (PlanError, PlanningError) as e:
         raise click.ClickException(f"{plan_file}: {e}") from None
-    click.echo(draw_plan(tables, width))
-    loads = plan_loads(
-        sharding,
-        model.tables,
-        topology_for(model, world),
-        model.batch_size,
-        model.sparse_optimizer.type,
-    )
+    click.echo(draw_plan(tables, width, {t.name for t in model.tables if t.sequence}))
     click.echo(summary(loads))
     if png:
         plot_loads(loads, png, f"{Path(plan_file).name} on {plural(world, 'rank')}")

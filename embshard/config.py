@@ -14,7 +14,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import (
+    DataType,
+    EmbeddingBagConfig,
+    EmbeddingConfig,
+    PoolingType,
+)
 
 from embshard.plan import PlanError, ShardingPlan, yaml_problem
 
@@ -43,7 +48,7 @@ class TableConfig:
     num_embeddings: int
     embedding_dim: int
     features: list[str]
-    pooling: Literal["sum", "mean"] = "sum"
+    pooling: Literal["sum", "mean", "none"] = "sum"  # none: a sequence table, one row per id
     data_type: Literal["fp32", "fp16"] = "fp32"  # fp16: half the memory
     mean_pooling: float = 1.0  # mean ids per bag, for synthetic data and the planner
     # Planner constraints: allowed sharding types, ranks its shards may use, column blocks.
@@ -51,7 +56,26 @@ class TableConfig:
     ranks: list[int] | None = None
     column_blocks: int | None = None
 
+    @property
+    def sequence(self) -> bool:
+        """An EmbeddingCollection's table (``pooling: none``): one row per id, no bags."""
+        return self.pooling == "none"
+
+    def torchrec_config(self) -> EmbeddingBagConfig | EmbeddingConfig:
+        """TorchRec's config of the table: an ``EmbeddingConfig`` for a sequence table."""
+        if self.sequence:
+            return EmbeddingConfig(
+                name=self.name,
+                num_embeddings=self.num_embeddings,
+                embedding_dim=self.embedding_dim,
+                feature_names=list(self.features),
+            )
+        return self.embedding_bag_config()
+
     def embedding_bag_config(self) -> EmbeddingBagConfig:
+        """TorchRec's config of a pooled table (``pooling`` sum or mean)."""
+        if self.sequence:
+            raise ValueError(f"table {self.name!r} has pooling none: it is no EmbeddingBag's")
         return EmbeddingBagConfig(
             name=self.name,
             num_embeddings=self.num_embeddings,
@@ -134,11 +158,15 @@ class TrainConfig:
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return [t.embedding_bag_config() for t in self.tables]
 
+    def torchrec_configs(self) -> list[EmbeddingBagConfig | EmbeddingConfig]:
+        """Every table's TorchRec config, sequence tables' included."""
+        return [t.torchrec_config() for t in self.tables]
+
     def sharding_plan(self) -> ShardingPlan | None:
         """The config's own plan, checked against its tables in one round."""
         if self.plan is None:
             return None
-        return ShardingPlan.from_dict({"tables": self.plan}, self.embedding_bag_configs())
+        return ShardingPlan.from_dict({"tables": self.plan}, self.torchrec_configs())
 
 
 def _parse(kind: Any, value: Any, where: str) -> Any:
@@ -208,21 +236,35 @@ def read_yaml(path: str | Path, what: str = "config") -> Any:
         raise ConfigError(yaml_problem(e, str(path))) from None
 
 
-def load_config(path: str | Path, *, check_files: bool = True) -> TrainConfig:
+def load_config(path: str | Path, *, check_files: bool = True, trains: bool = True) -> TrainConfig:
     """Read and check a training config; every problem found is a ConfigError.
-    ``check_files=False`` leaves the data files alone: planning needs none."""
+    ``check_files=False`` leaves the data files alone: planning needs none.
+    ``trains=False`` allows sequence tables (``pooling: none``), which planning and
+    drawing take but the DLRM model cannot."""
     data = read_yaml(path)
     config = _dataclass(TrainConfig, data, str(path))
-    _check(config, str(path), check_files)
+    _check(config, str(path), check_files, trains)
     return config
 
 
-def _check(config: TrainConfig, where: str, check_files: bool = True) -> None:
+def _check(config: TrainConfig, where: str, check_files: bool = True, trains: bool = True) -> None:
     if not config.tables:
         raise ConfigError(f"{where}.tables: a model needs at least one table")
     names = [t.name for t in config.tables]
     if len(set(names)) != len(names):
         raise ConfigError(f"{where}.tables: table names repeat: {names}")
+    for i, t in enumerate(config.tables):
+        if t.sequence and trains:
+            raise ConfigError(
+                f"{where}.tables[{i}].pooling: none makes {t.name!r} a sequence table, which "
+                "the DLRM model cannot take (it pools every feature); `embshard plan` and "
+                "`embshard show` take it"
+            )
+        if t.sequence and t.data_type != "fp32":
+            raise ConfigError(
+                f"{where}.tables[{i}].data_type: sequence table {t.name!r} must be fp32 "
+                "(embshard's EmbeddingCollection shards FP32 tables only)"
+            )
     for key in ("batch_size", "steps", "timeout_s"):
         if getattr(config, key) < 1:
             raise ConfigError(f"{where}.{key}: must be at least 1")

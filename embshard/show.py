@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import string
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
 from embshard.plan import ColumnWise, Grid, ShardedTable, TableShard, plural
@@ -35,14 +35,16 @@ def _bar(extents: Sequence[tuple[int, int]], total: int, width: int) -> str:
     return "".join(_symbol(rank) * n for (rank, _), n in zip(extents, cells))
 
 
-def draw_table(table: ShardedTable, width: int = 60) -> list[str]:
+def draw_table(table: ShardedTable, width: int = 60, sequence: bool = False) -> list[str]:
     """One bar along the split dimension (rows, or columns for column-wise; for a grid,
     the rows of each column block), a symbol per rank (0-9, a-z, A-Z, repeating), then
-    each shard's exact rows and columns. A data-parallel table: one line."""
+    each shard's exact rows and columns. A data-parallel table: one line. ``sequence``
+    marks an EmbeddingCollection's table."""
     by_columns = isinstance(table.spec, ColumnWise)
     kind = type(table.spec).__name__
     shards: list[TableShard] = [s for s in table.shards if s.rows and s.cols]
-    lines = [f"{table.name} ({table.num_embeddings} x {table.embedding_dim}) {kind}"]
+    mark = " (sequence)" if sequence else ""
+    lines = [f"{table.name}{mark} ({table.num_embeddings} x {table.embedding_dim}) {kind}"]
     if table.replicated:
         ranks = sorted({s.rank for s in shards})
         lines.append(f"  every row and column on each of {plural(len(ranks), 'rank')}")
@@ -68,8 +70,13 @@ def draw_table(table: ShardedTable, width: int = 60) -> list[str]:
     return lines
 
 
-def draw_plan(tables: Mapping[str, ShardedTable], width: int = 60) -> str:
-    return "\n".join(line for table in tables.values() for line in draw_table(table, width))
+def draw_plan(
+    tables: Mapping[str, ShardedTable], width: int = 60, sequence: Collection[str] = ()
+) -> str:
+    """Every table drawn by ``draw_table``; ``sequence`` names the sequence tables."""
+    return "\n".join(
+        line for t in tables.values() for line in draw_table(t, width, t.name in sequence)
+    )
 
 
 def byte_unit(size: float) -> tuple[str, int]:

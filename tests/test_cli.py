@@ -3,6 +3,7 @@ line before any work, and plan pictures that fit any world size and scale."""
 
 from __future__ import annotations
 
+import json
 import string
 import subprocess
 import sys
@@ -15,9 +16,10 @@ from click.testing import CliRunner
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from embshard.cli import main as cli
+from embshard.config import load_config
 from embshard.plan import ShardingPlan, row_wise
-from embshard.planner import RankLoad
-from embshard.show import draw_table, plot_loads
+from embshard.planner import RankLoad, plan_loads, topology_for
+from embshard.show import draw_table, plot_loads, summary
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ROOT / "configs" / "small.yaml"
@@ -172,3 +174,82 @@ def test_simulate_reports_every_rank_and_the_slowest():
     assert "slowest: rank " in result.output
     bad = CliRunner().invoke(cli, ["simulate", str(SMALL), "-w", "0"])
     assert bad.exit_code == 2 and "Traceback" not in bad.output
+
+
+def sequence_config(tmp_path: Path, plan: dict | None = None) -> Path:
+    """small.yaml with two sequence tables (``pooling: none``), one kept to 2 column
+    blocks, and ``plan`` as its own."""
+    data = yaml.safe_load(SMALL.read_text())
+    data["tables"] += [
+        {"name": "history", "num_embeddings": 5000, "embedding_dim": 16, "features": ["h"]}
+        | {"pooling": "none", "mean_pooling": 20},
+        {"name": "query", "num_embeddings": 800, "embedding_dim": 16, "features": ["q"]}
+        | {"pooling": "none", "column_blocks": 2},
+    ]
+    if plan is not None:
+        data["plan"] = plan
+    path = tmp_path / "sequence.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_plan_and_show_mark_and_price_sequence_tables(tmp_path):
+    config, out = sequence_config(tmp_path), tmp_path / "plan.yaml"
+    result = CliRunner().invoke(cli, ["plan", str(config), "-w", "2", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    reasons = [line for line in result.output.splitlines() if line.startswith("  ") and "(" in line]
+    assert [line.split(":")[0] for line in reasons] == [
+        "  user",
+        "  item",
+        "  category",
+        "  city",
+        "  device",
+        "  history (sequence)",
+        "  query (sequence)",
+    ]
+    as_json = CliRunner().invoke(cli, ["plan", str(config), "-w", "2", "--json"])
+    tables = json.loads(as_json.output)["report"]["tables"]
+    assert [t["table"] for t in tables if t["sequence"]] == ["history", "query"]
+
+    shown = CliRunner().invoke(cli, ["show", str(out), "--config", str(config), "-w", "2"])
+    assert shown.exit_code == 0, shown.output
+    assert "history (sequence) (5000 x 16) " in shown.output
+    assert shown.output.startswith("user (100000 x 16) TableWise\n")
+    model = load_config(config, trains=False)
+    loads = plan_loads(
+        ShardingPlan.load(out), model.tables, topology_for(model, 2), model.batch_size
+    )
+    assert shown.output.splitlines()[-1] == summary(loads)
+
+    given = sequence_config(tmp_path, yaml.safe_load(out.read_text())["tables"])
+    own = CliRunner().invoke(cli, ["plan", str(given), "-w", "2"])
+    assert own.exit_code == 0, own.output
+    assert "  history (sequence): column_wise (the config's own plan)" in own.output
+    memory_and_cost = [line.split()[:4] for line in own.output.splitlines()[1:3]]
+    assert memory_and_cost == [line.split()[:4] for line in result.output.splitlines()[1:3]]
+
+
+def test_plans_that_cannot_shard_sequence_tables_and_training_them_fail(tmp_path):
+    mixed = {
+        "user": {"type": "table_wise", "rank": 0},
+        "item": {"type": "table_wise", "rank": 0},
+        "category": {"type": "table_wise", "rank": 0},
+        "city": {"type": "table_wise", "rank": 0},
+        "device": {"type": "table_wise", "rank": 0},
+        "history": {"type": "table_wise", "rank": 0},
+        "query": {"type": "column_wise", "ranks": [0, 1]},
+    }
+    result = CliRunner().invoke(cli, ["plan", str(sequence_config(tmp_path, mixed)), "-w", "2"])
+    assert result.exit_code == 1
+    assert "(width, table) by rank: {0: [(8, 'query'), (16, 'history')]}" in result.output
+    copied = mixed | {"history": {"type": "data_parallel"}, "query": {"type": "row_wise"}}
+    plan = tmp_path / "copied.yaml"
+    plan.write_text(yaml.safe_dump({"tables": copied}))
+    config = sequence_config(tmp_path)
+    shown = CliRunner().invoke(cli, ["show", str(plan), "--config", str(config), "-w", "2"])
+    assert shown.exit_code == 1
+    assert f"{plan}: sequence tables ['history'] cannot be data_parallel" in shown.output
+    for command in (["simulate", str(config), "-w", "2"], ["train", str(config)]):
+        refused = CliRunner().invoke(cli, command)
+        assert refused.exit_code == 1, refused.output
+        assert "tables[5].pooling: none makes 'history' a sequence table" in refused.output

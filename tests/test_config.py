@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
 
 from embshard.cli import main as cli
 from embshard.config import ConfigError, load_config
@@ -103,3 +104,33 @@ def test_cli_reports_config_errors_before_starting(tmp_path):
     result = CliRunner().invoke(cli, ["train", str(path), "--nproc", "2"])
     assert result.exit_code == 1
     assert "unknown keys ['dense_in']" in result.output
+
+
+SEQUENCE = {
+    "name": "history",
+    "num_embeddings": 500,
+    "embedding_dim": 16,
+    "features": ["history"],
+    "pooling": "none",
+}
+
+
+def test_sequence_tables_load_for_planning_not_training(tmp_path):
+    path = write(tmp_path, broken(lambda d: d["tables"].append(SEQUENCE)))
+    with pytest.raises(
+        ConfigError,
+        match=r"config.yaml.tables\[5\].pooling: none makes 'history' a sequence table, "
+        "which the DLRM model cannot take",
+    ):
+        load_config(path)
+    config = load_config(path, trains=False)
+    assert type(config.tables[0].torchrec_config()) is EmbeddingBagConfig
+    history = config.tables[5].torchrec_config()
+    assert type(history) is EmbeddingConfig and history.feature_names == ["history"]
+    with pytest.raises(ValueError, match="'history' has pooling none"):
+        config.tables[5].embedding_bag_config()
+    fp16 = write(tmp_path, broken(lambda d: d["tables"].append(SEQUENCE | {"data_type": "fp16"})))
+    with pytest.raises(
+        ConfigError, match=r"tables\[5\].data_type: sequence table 'history' must be fp32"
+    ):
+        load_config(fp16, trains=False)
