@@ -11,6 +11,7 @@ a rank must have the same number of columns.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -33,10 +34,14 @@ class SequenceLayout:
     """What the rows' all-to-all needs besides the batch, fixed at sharding: every
     rank's shard width, the embeddings' dim and features, and per row of
     ``Routes.send_rows()`` (destination, slot) its embedding, feature and first
-    output column."""
+    output column. ``block`` divides the dim and every shard's width and first column,
+    so each shard's part of an output row is whole rows of the output viewed as
+    [ids x dim / block, block]: rows are placed a block at a time, not element by
+    element."""
 
     widths: list[int]
     dim: int
+    block: int
     embedding_feature: list[int]
     send_row_embedding: list[int]
     send_row_feature: list[int]
@@ -74,11 +79,13 @@ class RowsAllToAll(torch.autograd.Function):
         received = rows.new_empty(sum(sent))
         dist.all_to_all_single(received, send.view(-1), sent, came, group=layout.group)
         out = rows.new_zeros(out_rows, layout.dim)
-        places = _places(targets, columns, distinct, counts.rows_per_rank, layout.widths)
-        for chunk, ids, (places_, cols, which), w in zip(
+        blocks = out.view(-1, layout.block)
+        places = _places(targets, columns, distinct, counts.rows_per_rank, layout)
+        for chunk, ids, (index, which), w in zip(
             received.split(sent), counts.sent_ids, places, layout.widths
         ):
-            out[places_[:, None], cols] = chunk.view(ids, w)[which]
+            placed = chunk.view(ids, w).index_select(0, which)
+            blocks.index_copy_(0, index, placed.view(len(index), layout.block))
         ctx.save_for_backward(anchor, arrived)
         ctx.places, ctx.splits, ctx.shape = places, (sent, came), rows.shape
         ctx.distinct, ctx.layout = counts.sent_ids, layout
@@ -88,9 +95,10 @@ class RowsAllToAll(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[override]
         _, arrived = ctx.saved_tensors
         sent, came = ctx.splits
+        blocks = grad.contiguous().view(-1, ctx.layout.block)
         summed = [
-            grad.new_zeros(ids, w).index_add_(0, which, grad[places[:, None], cols])
-            for ids, w, (places, cols, which) in zip(ctx.distinct, ctx.layout.widths, ctx.places)
+            grad.new_zeros(ids, w).index_add_(0, which, blocks[index].view(len(which), w))
+            for ids, w, (index, which) in zip(ctx.distinct, ctx.layout.widths, ctx.places)
         ]
         send = torch.cat([g.view(-1) for g in summed])
         received = grad.new_empty(sum(came))
@@ -111,20 +119,21 @@ def _places(
     columns: torch.Tensor,
     distinct: torch.Tensor,
     rows_per_rank: list[int],
-    widths: list[int],
-) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per destination rank, for the ids sent to it: their output rows, the output
-    columns of their shards ([ids, width]) and their distinct ids' rows among those
-    it returns."""
+    layout: SequenceLayout,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per destination rank, for the ids sent to it: the rows of the output viewed as
+    [ids x dim / block, block] their shards fill (``width / block`` a shard, in
+    order), and their distinct ids' rows among those it returns."""
     places = []
     for ids, cols, which, width in zip(
         targets.split(rows_per_rank),
         columns.split(rows_per_rank),
         distinct.split(rows_per_rank),
-        widths,
+        layout.widths,
     ):
-        span = torch.arange(width, device=cols.device)
-        places.append((ids, cols[:, None] + span, which))
+        first = (ids * layout.dim + cols) // layout.block
+        span = torch.arange(width // layout.block, device=ids.device)
+        places.append(((first[:, None] + span).view(-1), which))
     return places
 
 
@@ -178,9 +187,11 @@ class ShardedEmbeddingCollection(ShardedCollection):
                 )
             widths.append(cols[0] if cols else 0)
         send = [(rank, s) for rank, slots in enumerate(routes.slots) for s in slots]
+        dim = self._configs[0].embedding_dim if self._configs else 0
         return SequenceLayout(
             widths=widths,
-            dim=self._configs[0].embedding_dim if self._configs else 0,
+            dim=dim,
+            block=math.gcd(dim, *widths, *(s.shard.col_offset for _, s in send)) or 1,
             embedding_feature=[e.feature for e in routes.embeddings],
             send_row_embedding=[s.embedding for _, s in send],
             send_row_feature=[routes.embeddings[s.embedding].feature for _, s in send],

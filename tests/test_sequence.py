@@ -85,6 +85,18 @@ def test_training_matches_unsharded(world, world_size, plan):
     assert max(worst["output"] for worst in results) > 0.1  # the rows compared are real
 
 
+def test_column_blocks_of_different_widths_match_unsharded(world):
+    """Rank 0 holds the tables' first 8 columns, rank 1 their last 4: rows come home
+    in runs of 4 columns, two runs a row for rank 0's shards."""
+    tables = (Table("a", 40, 12, ("f_a",)), Table("b", 30, 12, ("f_b", "f_c")))
+    plan = ShardingPlan({t.name: column_wise([0, 1], [8, 4]) for t in tables})
+    case = Case(tables, plan, batch_sizes(2), sequence=True)
+    results = world(2).run(run_sequence_case, case)
+    for worst in results:
+        assert worst["forward"] < TOL and worst["weights"] < TOL, worst
+    assert max(worst["output"] for worst in results) > 0.1
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("plan", ["mixed_row_wise", "column_wise", "grid"])
 @pytest.mark.parametrize(
