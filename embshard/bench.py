@@ -15,6 +15,9 @@ step's time is the slowest rank's. It also times the same per-rank lookups, back
 and update in a bare TBE (the data the rank's TBE received, in one process), and the
 machine's gather bandwidth against the local lookup's, and the fraction of the ids
 each rank's TBE received that repeat within their table (what deduplicating would save).
+Workload (e) is an EmbeddingCollection (a row per id; TorchRec's
+EmbeddingCollectionSharder); a cell embshard refuses to shard (there: the mixed plan,
+compressed all-to-alls) is skipped, its reason recorded.
 """
 
 from __future__ import annotations
