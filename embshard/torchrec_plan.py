@@ -14,7 +14,7 @@ from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, Shard
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.sharding_plan import placement
 from torchrec.distributed.types import EmbeddingModuleShardingPlan, ParameterSharding, ShardingType
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
 from embshard.plan import (
     ColumnWise,
@@ -48,13 +48,14 @@ _GRID_TYPES = (ShardingType.GRID_SHARD, ShardingType.TABLE_ROW_WISE)
 
 def to_torchrec_plan(
     plan: ShardingPlan,
-    tables: Sequence[EmbeddingBagConfig],
+    tables: Sequence[BaseEmbeddingConfig],
     world_size: int,
     *,
     device_type: str = "cpu",
     local_size: int | None = None,
 ) -> EmbeddingModuleShardingPlan:
-    """TorchRec's plan for an ``EmbeddingBagCollection`` of ``tables``, FUSED kernel
+    """TorchRec's plan for an ``EmbeddingBagCollection`` or ``EmbeddingCollection`` of
+    ``tables`` (both shard their tables alike), FUSED kernel
     (data-parallel tables: TorchRec's DENSE kernel, on every rank); ``local_size``
     ranks a host (default: all on one). A grid table TorchRec cannot shard as a grid
     (see ``_grid_misfit``) is a PlanError naming it.

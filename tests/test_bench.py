@@ -6,6 +6,8 @@ import json
 
 import pytest
 import torch
+import torch.distributed as dist
+from torchrec import EmbeddingConfig
 
 import embshard
 from embshard import bench
@@ -78,3 +80,52 @@ def test_duplicate_fraction_counts_repeats_within_each_shard():
     indices = torch.tensor([1, 1, 2, 1, 1, 3])
     offsets = torch.tensor([0, 3, 4, 5, 6])
     assert bench.duplicate_fraction(indices, offsets, 2) == 2 / 6
+
+
+def test_workload_e_is_sequences_of_one_dim():
+    configs = bench.table_configs("e")
+    assert all(isinstance(c, EmbeddingConfig) for c in configs)
+    assert [c.num_embeddings for c in configs] == bench.SEQUENCE_ROWS
+    assert {c.embedding_dim for c in configs} == {64}
+    (batch,) = bench.make_inputs("e", 0, 1)
+    lengths = batch.lengths().view(8, 512)
+    assert lengths.min() >= 1
+    assert (lengths.max(1).values < 2 * torch.tensor(bench.SEQUENCE_MEANS)).all()
+    assert 140 < lengths.sum() / 512 < 160  # ids a sample: the means sum to 150
+
+
+def sequence_gaps(plan_name: str) -> tuple[float, float]:
+    """The largest difference of embshard's and TorchRec's sharded EmbeddingCollections
+    on workload (e), id for id: with TorchRec's weights copied from embshard's, and
+    after every TorchRec weight of table t0 moved by 1."""
+    world = dist.get_world_size()
+    configs = bench.table_configs("e")
+    plan = bench.make_plan(plan_name, configs, world)
+    ours, theirs = (bench.build(library, configs, plan, world) for library in bench.LIBRARIES)
+    bench.copy_weights(ours, theirs)
+    (batch,) = bench.make_inputs("e", dist.get_rank(), 1)
+    same, _ = bench.difference(ours, theirs, batch)
+    with torch.no_grad():
+        for shard in theirs.state_dict()["tables.embeddings.t0.weight"].local_shards():
+            shard.tensor.add_(1.0)
+    moved, _ = bench.difference(ours, theirs, batch)
+    return same, moved
+
+
+def test_sequence_outputs_are_compared_id_for_id(world):
+    for same, moved in world(2).run(sequence_gaps, "row_wise"):
+        assert same == 0.0 and moved == pytest.approx(1.0)
+
+
+def test_sequence_cells_time_both_libraries_or_say_why_not(world):
+    timed, mixed = (
+        world(2).run(bench.bench_case, "e", plan, 2, 1)[0] for plan in ("column_wise", "mixed")
+    )
+    assert timed["outputs_equal"] and "skipped" not in timed
+    assert timed["embshard"]["collectives_per_step"] == 4
+    assert timed["torchrec"]["collectives_per_step"] > 4
+    for library in bench.LIBRARIES:
+        assert timed[library]["median_ms"] > 0 and timed[library]["bytes_sent_per_rank"] > 0
+    assert timed["throughput_ratio"] > 0 and timed["bare_tbe_ms"] > 0
+    assert "same number of columns" in mixed["skipped"] and "outputs_equal" not in mixed
+    assert "skipped: embshard refuses it" in bench.summary_line(mixed)

@@ -60,7 +60,7 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace) -> None:
         for library, model in models.items():
             if step >= WARMUP:
                 profilers[library].enable()
-            bench.pooled(model, batch).sum().backward()
+            bench.loss(model, batch).backward()
             profilers[library].disable()
     if rank == 0:
         for library, profiler in profilers.items():
