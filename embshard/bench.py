@@ -229,8 +229,7 @@ def build(library: str, configs, plan, world: int, comm_precision: str = "fp32")
         return build_torchrec(configs, plan, world, comm_precision)
     if library != "embshard":
         raise ValueError(f"library must be one of {LIBRARIES}, got {library!r}")
-    precision = None if comm_precision == "fp32" else comm_precision
-    return embshard.shard(collection(configs, "meta"), plan, comm_precision=precision)
+    return embshard.shard(collection(configs, "meta"), plan, comm_precision=comm_precision)
 
 
 def copy_weights(ours, theirs) -> None:

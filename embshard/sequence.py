@@ -162,8 +162,11 @@ class ShardedEmbeddingCollection(ShardedCollection):
 
     def _output_stage(self, scratch: Scratch, comm_precision: str | None) -> SequenceLayout:
         """Check what an unpooled TBE cannot hold, and fix the rows' routes."""
-        if comm_precision is not None:
-            raise ValueError("comm_precision is not supported for an EmbeddingCollection yet")
+        if comm_precision not in (None, "fp32"):
+            raise ValueError(
+                f"comm_precision {comm_precision!r} is not supported for an EmbeddingCollection "
+                "yet: its rows travel in fp32"
+            )
         fp16 = [c.name for c in self._configs if c.data_type != DataType.FP32]
         if fp16:
             raise ValueError(

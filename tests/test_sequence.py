@@ -243,7 +243,7 @@ def shard_error(case: Case, comm_precision: str | None) -> str:
         (
             ShardingPlan({t.name: table_wise(0) for t in TABLES}),
             "fp16",
-            "comm_precision is not supported for an EmbeddingCollection yet",
+            "comm_precision 'fp16' is not supported for an EmbeddingCollection yet",
         ),
     ],
     ids=["mixed_widths", "data_parallel", "comm_precision"],
