@@ -402,8 +402,7 @@ def bare_tbe_time(ours, received, repeats: int) -> tuple[float, float]:
         return 0.0, 0.0
     shards, sharded = ours._storage.shards, ours._storage.tbe
     tbe = build_tbe([(s.rows, s.cols) for _, s in shards], SGD(0.01), torch.device("cpu"),
-                    [slot.tbe_table for slot in ours._routes.slots[ours.rank]],
-                    pooling=sharded.pooling_mode)  # fmt: skip
+                    [slot.tbe_table for slot in ours._routes.slots[ours.rank]])  # fmt: skip
     # The same weights: every page touched before timing, as the sharded TBE's are.
     for mine, theirs in zip(tbe.split_embedding_weights(), sharded.split_embedding_weights()):
         mine.copy_(theirs)

@@ -31,9 +31,11 @@ class Counts:
     send_sizes: list[int]  # payload elements for each rank
     sent_ids: list[int]  # ids this rank sends each rank
     # Sequence lookups only: ids of each feature in this rank's batch (model order), and
-    # how many of them each rank serves (``sent_ids`` counts their distinct ids only).
+    # how many of them each rank serves (``sent_ids`` counts their distinct ids only);
+    # the distinct ids each rank sent for each of this rank's slots.
     ids_per_feature: list[int] = field(default_factory=list)
     rows_per_rank: list[int] = field(default_factory=list)
+    slot_ids: list[list[int]] = field(default_factory=list)
 
 
 def exchange_counts(
@@ -42,30 +44,50 @@ def exchange_counts(
     batch_size: int,
     valid: torch.Tensor,
     group: dist.ProcessGroup | None,
-    sequence: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sequence: SequenceCounts | None = None,
 ) -> Counts:
     """Tell every rank how much this rank sends it, its batch size, and whether its
-    batch is good. The step's one host sync: reading back what arrived, together with
-    ``send_sizes`` and ``sent_ids`` (per destination), which size the payload, and for
-    a sequence lookup its ids per feature and per destination, which size its outputs."""
+    batch is good (and for a sequence lookup, the distinct ids it sends for each of
+    that rank's slots). The step's one host sync: reading back what arrived, together
+    with ``send_sizes`` and ``sent_ids`` (per destination), which size the payload, and
+    for a sequence lookup its ids per feature and per destination, which size its
+    outputs."""
     world = send_sizes.numel()
     status = torch.where(valid, _OK, _BAD).expand(world)
-    counts = torch.stack([send_sizes, torch.full_like(send_sizes, batch_size), status], dim=1)
+    columns = [send_sizes, torch.full_like(send_sizes, batch_size), status]
+    counts = torch.stack(columns, dim=1)
+    local = []
+    if sequence is not None:
+        counts = torch.cat([counts, sequence.slot_ids.to(counts.dtype)], dim=1)
+        local = [sequence.ids_per_feature.to(counts.dtype), sequence.ids_per_rank.to(counts.dtype)]
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)
-    local = [] if sequence is None else [t.to(send_sizes.dtype) for t in sequence]
     host = torch.cat([received.view(-1), send_sizes, sent_ids, *local]).tolist()
-    rows = [host[3 * r : 3 * r + 3] for r in range(world)]
-    features = len(host) - 6 * world if sequence is not None else 0
+    width = counts.shape[1]
+    rows = [host[width * r : width * (r + 1)] for r in range(world)]
+    rest = host[width * world :]
+    features = len(rest) - 3 * world
     return Counts(
         recv_sizes=[r[0] for r in rows],
         batch_sizes=[r[1] for r in rows],
         failed=any(r[2] != _OK for r in rows),
-        send_sizes=host[3 * world : 4 * world],
-        sent_ids=host[4 * world : 5 * world],
-        ids_per_feature=host[5 * world : 5 * world + features],
-        rows_per_rank=host[5 * world + features :],
+        send_sizes=rest[:world],
+        sent_ids=rest[world : 2 * world],
+        ids_per_feature=rest[2 * world : 2 * world + features] if sequence else [],
+        rows_per_rank=rest[2 * world + features :] if sequence else [],
+        slot_ids=[r[3:] for r in rows] if sequence else [],
     )
+
+
+@dataclass(frozen=True)
+class SequenceCounts:
+    """What a sequence lookup adds to the counts exchange: this rank's ids per feature,
+    how many (not distinct) each rank serves, and [ranks, most slots a rank holds] the
+    distinct ids sent for each slot of each rank."""
+
+    ids_per_feature: torch.Tensor
+    ids_per_rank: torch.Tensor
+    slot_ids: torch.Tensor
 
 
 def gather_input_error(problem: str | None, group: dist.ProcessGroup | None) -> InputError:
@@ -230,6 +252,8 @@ class InputDistribution:
         per_dest = torch.zeros(self.world, dtype=torch.long, device=device)
         per_dest.index_add_(0, self.slot_rank, torch.ones_like(self.slot_rank))
         self.first_send_row = (torch.cumsum(per_dest, 0) - per_dest)[self.slot_rank]
+        # Each send row's slot among its destination's.
+        self.slot_index = torch.arange(len(self.send_rows), device=device) - self.first_send_row
 
     def route(self, batch: LocalBatch) -> Routed:
         """Bucketize row-wise ids by owner (rebased into its block), and count what
@@ -319,6 +343,18 @@ class InputDistribution:
         empty = torch.zeros(0, dtype=self.routes.id_dtype, device=self.device)
         return Routed(empty.view(0, 0), empty, None, zeros, 0)
 
+    def sequence_counts(self, batch: LocalBatch | None, routed: Routed) -> SequenceCounts:
+        """The counts a sequence lookup exchanges (SequenceCounts); zeros for a batch
+        that cannot be sent."""
+        long = {"dtype": torch.long, "device": self.device}
+        slot_ids = torch.zeros(self.world, max(self.slots_per_rank, default=0), **long)
+        if batch is None:
+            features = torch.zeros(len(self.routes.features), **long)
+            return SequenceCounts(features, torch.zeros(self.world, **long), slot_ids)
+        sent = routed.lengths.index_select(0, self.send_rows).sum(1)
+        slot_ids[self.slot_rank, self.slot_index] = sent
+        return SequenceCounts(batch.lengths.sum(1), routed.sequence.ids_per_rank, slot_ids)
+
     def sent_ids(self, routed: Routed, rows_per_rank: list[int]) -> SentIds:
         """Where every id of a sequence lookup went (see SentIds): ``rows_per_rank``
         ids, not distinct, to each rank."""
@@ -388,10 +424,18 @@ class InputDistribution:
         return values, offsets, bag_weights
 
     def unpack_sequence(
-        self, received: torch.Tensor, recv_sizes: list[int], batch_sizes: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``unpack``'s ids and offsets, and for each id the index it arrived at (ids of
-        all sources in rank order): where its row goes back."""
+        self,
+        received: torch.Tensor,
+        recv_sizes: list[int],
+        batch_sizes: list[int],
+        slot_ids: list[list[int]],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        """The ids for a pooled TBE, one id a bag: each slot's ids (from every source,
+        in rank order) in its first bags, as many bags a slot as the fullest slot has
+        ids (``slot_ids``, each source's per slot, from the counts exchange). Also, for
+        each id, the index it arrived at (ids of all sources in rank order): where its
+        row goes back; and each slot's ids. FBGEMM's pooled CPU kernels update rows
+        several times faster than its unpooled ones."""
         bag_lengths, values, _ = self._received_bags(received, recv_sizes, batch_sizes)
         arrived = torch.arange(values.numel(), device=self.device)
         if self.world > 1:
@@ -399,11 +443,18 @@ class InputDistribution:
             _, arrived, _ = torch.ops.fbgemm.permute_1D_sparse_data(
                 order, bag_lengths, arrived, None, values.numel()
             )
-            bag_lengths, values, _ = torch.ops.fbgemm.permute_1D_sparse_data(
+            _, values, _ = torch.ops.fbgemm.permute_1D_sparse_data(
                 order, bag_lengths, values, None, values.numel()
             )
-        offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(bag_lengths)
-        return values, offsets, arrived
+        slots = self.slots_per_rank[self.rank]
+        per_slot = [sum(ids[s] for ids in slot_ids) for s in range(slots)]
+        bags = max(per_slot, default=0)
+        counts = torch.tensor(per_slot, dtype=torch.long, device=self.device)
+        starts = torch.cumsum(counts, 0) - counts
+        first = torch.arange(bags, device=self.device).expand(slots, bags)
+        offsets = (starts[:, None] + torch.minimum(first, counts[:, None])).reshape(-1)
+        end = torch.full((1,), values.numel(), dtype=torch.long, device=self.device)
+        return values, torch.cat([offsets, end]), arrived, per_slot
 
     def _slot_major(self, batch_sizes: list[int]) -> torch.Tensor:
         return _slot_major_order(self.slots_per_rank[self.rank], batch_sizes, self.device)

@@ -74,11 +74,9 @@ def build_tbe(
     device: torch.device,
     feature_table_map: Sequence[int] | None = None,
     dtype: torch.dtype = torch.float32,
-    pooling: PoolingMode = PoolingMode.SUM,
 ) -> SplitTableBatchedEmbeddingBagsCodegen:
-    """One TBE holding a (rows, cols) table per local shard, optimizer fused: SUM
-    pooled (EmbeddingBagCollection), or ``PoolingMode.NONE``, one row per id
-    (EmbeddingCollection; FBGEMM then needs every shard to have the same cols).
+    """One TBE holding a (rows, cols) table per local shard, optimizer fused, SUM
+    pooled (an EmbeddingCollection's lookups give it one id a bag).
 
     Weights are stored as ``dtype`` (float32 or float16); either way the rows are summed
     in float32 into a float32 output, and the optimizer state is float32. Float16
@@ -98,7 +96,7 @@ def build_tbe(
     return SplitTableBatchedEmbeddingBagsCodegen(
         [(rows, cols, location, compute) for rows, cols in shard_shapes],
         feature_table_map=None if feature_table_map is None else list(feature_table_map),
-        pooling_mode=pooling,
+        pooling_mode=PoolingMode.SUM,
         bounds_check_mode=BoundsCheckMode.NONE,
         device=device,
         weights_precision=WEIGHT_PRECISIONS[dtype],

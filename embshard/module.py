@@ -20,7 +20,6 @@ from typing import NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
-from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -172,12 +171,12 @@ class ShardedCollection(nn.Module):
     """What a sharded EmbeddingBagCollection and EmbeddingCollection share: the plan
     resolved to shards, the routes, the local shards in one FBGEMM TBE exposed as
     DTensors, the input distribution (stage 1) with its prefetching, and state dicts
-    under the unsharded module's keys. The subclass gives the pooling, the output
+    under the unsharded module's keys. The subclass gives its kind, the output
     layout (``_output_stage``) and stages 2 and 3."""
 
     # The unsharded module's attribute holding the tables: state dict keys start so.
     _PREFIX: str
-    _POOLING: PoolingMode
+    _SEQUENCE: bool  # a row per id (EmbeddingCollection), not per bag
 
     def __init__(
         self,
@@ -221,7 +220,7 @@ class ShardedCollection(nn.Module):
             self._rank,
             scratch,
             self._device,
-            sequence=self._POOLING == PoolingMode.NONE,
+            sequence=self._SEQUENCE,
         )
         self._anchor = torch.zeros(0, device=self._device, requires_grad=True)
         self._prefetched: list[tuple[KeyedJaggedTensor, InputInFlight]] = []
@@ -234,7 +233,6 @@ class ShardedCollection(nn.Module):
             feature_table_map,
             dtype,
             replicated,
-            self._POOLING,
         )
         self._fill(seed, weights)
         submesh = functools.partial(_submesh, mesh)
@@ -406,7 +404,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
     """The sharded form of a TorchRec ``EmbeddingBagCollection``; build it with ``shard()``."""
 
     _PREFIX = "embedding_bags"
-    _POOLING = PoolingMode.SUM
+    _SEQUENCE = False
 
     def __init__(
         self,
@@ -491,16 +489,7 @@ def start_input_dist(
     exchange counts (the one host sync), and start the ids all-to-all. Needs only the
     input distribution, no tables: ``embshard simulate`` runs it too."""
     batch, routed, problem = _route(features, stage)
-    sequence = None
-    if stage.sequence:  # ids per feature, and per destination: the outputs' sizes
-        sequence = (
-            (batch.lengths.sum(1), routed.sequence.ids_per_rank)
-            if batch is not None
-            else (
-                torch.zeros(len(stage.routes.features), dtype=torch.long, device=stage.device),
-                torch.zeros(stage.world, dtype=torch.long, device=stage.device),
-            )
-        )
+    sequence = stage.sequence_counts(batch, routed) if stage.sequence else None
     counts = exchange_counts(
         stage.send_sizes(routed),
         routed.ids_per_rank,

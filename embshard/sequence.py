@@ -1,16 +1,18 @@
 """ShardedEmbeddingCollection: a TorchRec EmbeddingCollection sharded over a mesh.
 
 An EmbeddingCollection returns one row per id (``Dict[str, JaggedTensor]``), not a
-pooled row per bag. The data path is the EmbeddingBagCollection's (module.py) with an
-unpooled TBE: the same checked batch, routing and ids all-to-all, then one TBE call
-in ``PoolingMode.NONE`` (one row per id received) and one all-to-all of those rows
-back to their requesters, each landing in its id's place and its shard's columns.
-FBGEMM's unpooled TBE takes one embedding dim for all its tables, so every shard on
-a rank must have the same number of columns.
+pooled row per bag. The data path is the EmbeddingBagCollection's (module.py): the
+same checked batch and routing, each rank sending an owner its distinct ids only;
+then one call of the rank's pooled TBE with one id a bag (FBGEMM's pooled CPU
+kernels update rows several times faster than its unpooled ones), and one
+all-to-all of the rows back to their requesters, each copied to the places of the
+ids it stands for, at its shard's columns. Every shard on a rank has the same
+number of columns: the rows travel as one [ids, width] block a rank.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -18,7 +20,6 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torch.distributed.device_mesh import DeviceMesh
 from torchrec.modules.embedding_configs import DataType, EmbeddingConfig
 from torchrec.sparse.jagged_tensor import JaggedTensor
@@ -146,7 +147,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
     """
 
     _PREFIX = "embeddings"
-    _POOLING = PoolingMode.NONE
+    _SEQUENCE = True
 
     def __init__(
         self,
@@ -210,10 +211,21 @@ class ShardedEmbeddingCollection(ShardedCollection):
         """Stage 2: wait for the ids, and look up a row for each in one TBE call."""
         if in_flight.error is not None:
             raise in_flight.error
-        ids, offsets, arrived = self._arrived(in_flight, self._input_dist.unpack_sequence)
+        unpack = functools.partial(
+            self._input_dist.unpack_sequence, slot_ids=in_flight.counts.slot_ids
+        )
+        ids, offsets, arrived, per_slot = self._arrived(in_flight, unpack)
         if self._storage.tbe is None:
             return Rows(torch.zeros(0, 0, device=self._device), arrived)
-        return Rows(self._storage.tbe(ids, offsets), arrived)
+        pooled = self._storage.tbe(ids, offsets)  # [fullest slot's ids, slots x width]
+        width, slots = self._output_layout.widths[self._rank], len(per_slot)
+        # Bag b of slot s is row b x slots + s of the bags viewed one a row.
+        counts = torch.tensor(per_slot, dtype=torch.long, device=self._device)
+        slot = torch.repeat_interleave(
+            torch.arange(slots, device=self._device), counts, output_size=len(ids)
+        )
+        bag = torch.arange(len(ids), device=self._device) - (torch.cumsum(counts, 0) - counts)[slot]
+        return Rows(pooled.view(-1, width).index_select(0, bag * slots + slot), arrived)
 
     def output_dist(  # type: ignore[override]
         self, looked_up: Rows, in_flight: InputInFlight

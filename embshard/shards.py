@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     SplitTableBatchedEmbeddingBagsCodegen,
 )
@@ -339,19 +338,16 @@ def allocate_storage(
     feature_table_map: Sequence[int],
     dtype: torch.dtype = torch.float32,
     replicated: ReplicatedTables | None = None,
-    pooling: PoolingMode = PoolingMode.SUM,
 ) -> LocalStorage:
-    """Allocate only this rank's non-empty shards, in one TBE pooled by ``pooling``,
-    zero-filled, and wrap them with ``replicated``'s copies of the data-parallel tables.
+    """Allocate only this rank's non-empty shards, in one SUM-pooled TBE, zero-filled,
+    and wrap them with ``replicated``'s copies of the data-parallel tables.
 
     ``feature_table_map`` gives, for each TBE feature, the index of its shard in
     ``local_shards(tables, rank)``. Weights are ``dtype``, optimizer state float32.
     """
     shards = local_shards(tables, rank)
     shapes = [(s.rows, s.cols) for _, s in shards]
-    tbe = (
-        build_tbe(shapes, optimizer, device, feature_table_map, dtype, pooling) if shards else None
-    )
+    tbe = build_tbe(shapes, optimizer, device, feature_table_map, dtype) if shards else None
     copies = [(n, tables[n].shards_on(rank)[0]) for n in replicated.names] if replicated else []
     storage = LocalStorage(tbe, shards, replicated, copies, {}, {})
     storage.weights = _per_table(tables, storage.weight_views(), _at_offset, device, dtype)
