@@ -58,8 +58,8 @@ def width_by_rows(rows: int) -> int:
 
 
 # Workload (e), a sequence model over user histories: an item-id table big and hot, then
-# smaller ones (categories, creators, ...), one dim (an unpooled TBE takes one), and the
-# mean length of each table's sequences (~150 ids a sample in all).
+# smaller ones (categories, creators, ...), one dim (TorchRec's EmbeddingCollection takes
+# one), and the mean length of each table's sequences (~150 ids a sample in all).
 SEQUENCE_ROWS = [400_000, 200_000, 100_000, 50_000, 20_000, 10_000, 5_000, 1_000]
 SEQUENCE_MEANS = [50, 30, 20, 20, 10, 10, 5, 5]
 

@@ -9,6 +9,7 @@ whatever the plan.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -30,12 +31,15 @@ class Counts:
     failed: bool  # some rank's batch is bad
     send_sizes: list[int]  # payload elements for each rank
     sent_ids: list[int]  # ids this rank sends each rank
-    # Sequence lookups only: ids of each feature in this rank's batch (model order), and
-    # how many of them each rank serves (``sent_ids`` counts their distinct ids only);
-    # the distinct ids each rank sent for each of this rank's slots.
+    # Sequence lookups only (``sent_ids`` then counts distinct ids): ids of each feature
+    # in this rank's batch (model order), the ids it sent (not distinct) and the blocks
+    # their rows fill (SequenceCounts), and the distinct ids each rank sent for each of
+    # this rank's slots, and this rank sent for each of each rank's.
     ids_per_feature: list[int] = field(default_factory=list)
-    rows_per_rank: list[int] = field(default_factory=list)
+    rows_sent: int = 0
+    blocks_placed: int = 0
     slot_ids: list[list[int]] = field(default_factory=list)
+    sent_slot_ids: list[list[int]] = field(default_factory=list)
 
 
 def exchange_counts(
@@ -58,36 +62,48 @@ def exchange_counts(
     counts = torch.stack(columns, dim=1)
     local = []
     if sequence is not None:
-        counts = torch.cat([counts, sequence.slot_ids.to(counts.dtype)], dim=1)
-        local = [sequence.ids_per_feature.to(counts.dtype), sequence.ids_per_rank.to(counts.dtype)]
+        slot_ids = sequence.slot_ids.to(counts.dtype)
+        counts = torch.cat([counts, slot_ids], dim=1)
+        totals = torch.stack([sequence.rows_sent, sequence.blocks_placed]).to(counts.dtype)
+        local = [slot_ids.view(-1), totals, sequence.ids_per_feature.to(counts.dtype)]
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)
     host = torch.cat([received.view(-1), send_sizes, sent_ids, *local]).tolist()
     width = counts.shape[1]
     rows = [host[width * r : width * (r + 1)] for r in range(world)]
     rest = host[width * world :]
-    features = len(rest) - 3 * world
-    return Counts(
+    found = Counts(
         recv_sizes=[r[0] for r in rows],
         batch_sizes=[r[1] for r in rows],
         failed=any(r[2] != _OK for r in rows),
         send_sizes=rest[:world],
         sent_ids=rest[world : 2 * world],
-        ids_per_feature=rest[2 * world : 2 * world + features] if sequence else [],
-        rows_per_rank=rest[2 * world + features :] if sequence else [],
-        slot_ids=[r[3:] for r in rows] if sequence else [],
+    )
+    if sequence is None:
+        return found
+    mine = rest[2 * world : 2 * world + world * (width - 3)]
+    rows_sent, blocks_placed, *ids_per_feature = rest[2 * world + len(mine) :]
+    return dataclasses.replace(
+        found,
+        ids_per_feature=ids_per_feature,
+        rows_sent=rows_sent,
+        blocks_placed=blocks_placed,
+        slot_ids=[r[3:] for r in rows],
+        sent_slot_ids=[mine[(width - 3) * d : (width - 3) * (d + 1)] for d in range(world)],
     )
 
 
 @dataclass(frozen=True)
 class SequenceCounts:
-    """What a sequence lookup adds to the counts exchange: this rank's ids per feature,
-    how many (not distinct) each rank serves, and [ranks, most slots a rank holds] the
-    distinct ids sent for each slot of each rank."""
+    """What a sequence lookup adds to the counts exchange: [ranks, most slots a rank
+    holds] the distinct ids sent for each slot of each rank, and, read back with them,
+    the ids sent (not distinct), the blocks their rows fill in the output
+    (``InputDistribution.block`` columns each) and this rank's ids per feature."""
 
-    ids_per_feature: torch.Tensor
-    ids_per_rank: torch.Tensor
     slot_ids: torch.Tensor
+    rows_sent: torch.Tensor
+    blocks_placed: torch.Tensor
+    ids_per_feature: torch.Tensor
 
 
 def gather_input_error(problem: str | None, group: dist.ProcessGroup | None) -> InputError:
@@ -182,24 +198,24 @@ class SequenceIds:
     the row's first bag: the owner looks each up once, and its row goes back once.
     Every id routed, in ``lengths``' order: its index in the batch's ids (model order)
     and the index of its distinct id among all rows' (``row_starts``: each row's
-    first); and how many ids (not distinct) each rank serves."""
+    first)."""
 
     lengths: torch.Tensor
     positions: torch.Tensor
     distinct: torch.Tensor
     row_starts: torch.Tensor
-    ids_per_rank: torch.Tensor
 
 
 @dataclass(frozen=True)
 class SentIds:
     """Every id a sequence lookup sent, in payload order (destination, slot, sample): its
-    index in the batch's ids, the row of ``Routes.send_rows()`` it went in, and which of
-    the distinct ids its destination received is its."""
+    index in the batch's ids, the row of ``Routes.send_rows()`` it went in, and the first
+    block (``InputDistribution.block`` values) of its distinct id's row among all the
+    rows that come back (those of every destination, in rank order)."""
 
     positions: torch.Tensor
     send_row: torch.Tensor
-    distinct: torch.Tensor
+    first_block: torch.Tensor
 
 
 class InputDistribution:
@@ -254,6 +270,16 @@ class InputDistribution:
         self.first_send_row = (torch.cumsum(per_dest, 0) - per_dest)[self.slot_rank]
         # Each send row's slot among its destination's.
         self.slot_index = torch.arange(len(self.send_rows), device=device) - self.first_send_row
+        # Sequence rows travel and land in blocks of columns dividing every dim, shard
+        # width and first column; each send row's shard is this many blocks wide.
+        shards = [s.shard for slots in routes.slots for s in slots]
+        self.block = math.gcd(
+            *(e.dim for e in routes.embeddings), *(s.cols for s in shards),
+            *(s.col_offset for s in shards),
+        ) or 1  # fmt: skip
+        self.send_row_blocks = torch.tensor(
+            [s.cols // self.block for s in shards], dtype=torch.long, device=device
+        )
 
     def route(self, batch: LocalBatch) -> Routed:
         """Bucketize row-wise ids by owner (rebased into its block), and count what
@@ -334,8 +360,7 @@ class InputDistribution:
         if lengths.shape[1]:
             distinct_lengths[:, 0] = per_row
         starts = torch.cumsum(per_row, 0) - per_row
-        ids = SequenceIds(lengths, positions, distinct, starts, self._per_rank(lengths))
-        return distinct_lengths, distinct_values, ids
+        return distinct_lengths, distinct_values, SequenceIds(lengths, positions, distinct, starts)
 
     def nothing(self) -> Routed:
         """The route of a batch that cannot be sent: nothing for anyone."""
@@ -349,16 +374,22 @@ class InputDistribution:
         long = {"dtype": torch.long, "device": self.device}
         slot_ids = torch.zeros(self.world, max(self.slots_per_rank, default=0), **long)
         if batch is None:
-            features = torch.zeros(len(self.routes.features), **long)
-            return SequenceCounts(features, torch.zeros(self.world, **long), slot_ids)
-        sent = routed.lengths.index_select(0, self.send_rows).sum(1)
-        slot_ids[self.slot_rank, self.slot_index] = sent
-        return SequenceCounts(batch.lengths.sum(1), routed.sequence.ids_per_rank, slot_ids)
+            zero = torch.zeros((), **long)
+            return SequenceCounts(
+                slot_ids, zero, zero, torch.zeros(len(self.routes.features), **long)
+            )
+        slot_ids[self.slot_rank, self.slot_index] = routed.lengths.index_select(
+            0, self.send_rows
+        ).sum(1)
+        rows = routed.sequence.lengths.index_select(0, self.send_rows).sum(1)
+        return SequenceCounts(
+            slot_ids, rows.sum(), (rows * self.send_row_blocks).sum(), batch.lengths.sum(1)
+        )
 
-    def sent_ids(self, routed: Routed, rows_per_rank: list[int]) -> SentIds:
-        """Where every id of a sequence lookup went (see SentIds): ``rows_per_rank``
-        ids, not distinct, to each rank."""
-        total, ids = sum(rows_per_rank), routed.sequence
+    def sent_ids(self, routed: Routed, counts: Counts) -> SentIds:
+        """Where every id of a sequence lookup went, and where its row comes back
+        (SentIds)."""
+        total, ids = counts.rows_sent, routed.sequence
         lengths, positions, _ = torch.ops.fbgemm.permute_2D_sparse_data(
             self.send_rows, ids.lengths, ids.positions, None, total
         )
@@ -370,12 +401,12 @@ class InputDistribution:
             lengths.sum(1),
             output_size=total,
         )
-        # A send row's distinct ids follow those of the rows before it to its destination.
-        sent = routed.lengths.index_select(0, self.send_rows).sum(1)
+        # A send row's distinct rows come back after those of the send rows before it.
+        sent = routed.lengths.index_select(0, self.send_rows).sum(1) * self.send_row_blocks
         starts = torch.cumsum(sent, 0) - sent
-        starts = starts - starts[self.first_send_row]
-        rebase = starts - ids.row_starts[self.send_rows.long()]
-        return SentIds(positions, send_row, distinct + rebase[send_row])
+        local = distinct - ids.row_starts[self.send_rows.long()][send_row]
+        first_block = starts[send_row] + local * self.send_row_blocks[send_row]
+        return SentIds(positions, send_row, first_block)
 
     def send_sizes(self, routed: Routed) -> torch.Tensor:
         """Payload elements for each rank: its slots' lengths, then ids (and weights)."""

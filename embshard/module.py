@@ -202,6 +202,13 @@ class ShardedCollection(nn.Module):
         self._device = _mesh_device(mesh)
         self._routes = build_routes(self._configs, self._tables, mesh.size(), is_weighted)
         scratch = Scratch()
+        self._input_dist = InputDistribution(
+            self._routes,
+            self._rank,
+            scratch,
+            self._device,
+            sequence=self._SEQUENCE,
+        )
         self._output_layout = self._output_stage(scratch, comm_precision)
         replicated = build_replicated(
             self._routes,
@@ -214,13 +221,6 @@ class ShardedCollection(nn.Module):
             self._device,
             dtype,
             self._group,
-        )
-        self._input_dist = InputDistribution(
-            self._routes,
-            self._rank,
-            scratch,
-            self._device,
-            sequence=self._SEQUENCE,
         )
         self._anchor = torch.zeros(0, device=self._device, requires_grad=True)
         self._prefetched: list[tuple[KeyedJaggedTensor, InputInFlight]] = []
@@ -505,7 +505,7 @@ def start_input_dist(
         return InputInFlight(error=gather_input_error(problem, group))
     payload = stage.pack(routed, counts.sent_ids)
     received, work = stage.exchange(payload, counts.send_sizes, counts.recv_sizes, group)
-    sent = stage.sent_ids(routed, counts.rows_per_rank) if stage.sequence else None
+    sent = stage.sent_ids(routed, counts) if stage.sequence else None
     return InputInFlight(counts, batch, received, work, sent=sent)
 
 

@@ -4,16 +4,14 @@ An EmbeddingCollection returns one row per id (``Dict[str, JaggedTensor]``), not
 pooled row per bag. The data path is the EmbeddingBagCollection's (module.py): the
 same checked batch and routing, each rank sending an owner its distinct ids only;
 then one call of the rank's pooled TBE with one id a bag (FBGEMM's pooled CPU
-kernels update rows several times faster than its unpooled ones), and one
-all-to-all of the rows back to their requesters, each copied to the places of the
-ids it stands for, at its shard's columns. Every shard on a rank has the same
-number of columns: the rows travel as one [ids, width] block a rank.
+kernels update rows several times faster than its unpooled ones, and take shards of
+any widths), and one all-to-all of the rows back to their requesters, each copied to
+the places of the ids it stands for, at its shard's columns.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -24,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchrec.modules.embedding_configs import DataType, EmbeddingConfig
 from torchrec.sparse.jagged_tensor import JaggedTensor
 
-from embshard.dist import Counts, Scratch
+from embshard.dist import Scratch
 from embshard.lookup import FusedOptimizer
 from embshard.module import InputInFlight, ShardedCollection
 from embshard.plan import DataParallel, PlanError, ShardingPlan
@@ -32,38 +30,47 @@ from embshard.plan import DataParallel, PlanError, ShardingPlan
 
 @dataclass(frozen=True)
 class SequenceLayout:
-    """What the rows' all-to-all needs besides the batch, fixed at sharding: every
-    rank's shard width, the embeddings' dim and features, and per row of
-    ``Routes.send_rows()`` (destination, slot) its embedding, feature and first
-    output column. ``block`` divides the dim and every shard's width and first column,
-    so each shard's part of an output row is whole rows of the output viewed as
-    [ids x dim / block, block]: rows are placed a block at a time, not element by
-    element."""
+    """What the rows' all-to-all needs besides the batch, fixed at sharding: the
+    embeddings' dim and features, each rank's slots' widths, and per row of
+    ``Routes.send_rows()`` (destination, slot) its embedding, feature and first output
+    column. Rows travel and land in ``block`` columns at a time (``block`` divides the
+    dim and every shard's width and first column), so one gather and one scatter of
+    blocks place every id's row, whatever the widths of the shards."""
 
-    widths: list[int]
     dim: int
     block: int
+    slot_cols: list[list[int]]
     embedding_feature: list[int]
     send_row_embedding: list[int]
     send_row_feature: list[int]
     send_row_column: torch.Tensor
+    send_row_blocks: torch.Tensor
     rank: int
-    slots: int  # this rank's
     group: dist.ProcessGroup | None
+
+    def sizes(self, slot_ids: list[list[int]], ranks: list[int]) -> list[int]:
+        """Values of the rows of ``slot_ids`` (for each of ``ranks``, the ids of each of
+        its slots)."""
+        return [
+            sum(n * cols for n, cols in zip(ids, self.slot_cols[r]))
+            for ids, r in zip(slot_ids, ranks)
+        ]
 
 
 class Rows(NamedTuple):
-    """The lookup's result: a row per id received, in TBE order, and for each the
-    index it arrived at (ids of all sources in rank order)."""
+    """The lookup's result: the rows of the ids received, as [blocks, block] in TBE
+    order, and for each block its place among those sent back (ids of all sources in
+    rank order, each id's row whole)."""
 
-    rows: torch.Tensor
+    blocks: torch.Tensor
     arrived: torch.Tensor
 
 
 class RowsAllToAll(torch.autograd.Function):
     """Each distinct id's row goes back once to the rank that sent the id, and from there
     into the place of every id it stands for in that rank's output [ids of every
-    embedding, dim], at its shard's columns.
+    embedding, dim], at its shard's columns: blocks ``source`` of what came back go to
+    blocks ``target`` of the output.
 
     Backward: each requester sums the gradients of the ids a distinct id stands for and
     sends them back to its owner, which puts them in TBE order for the fused backward,
@@ -72,78 +79,47 @@ class RowsAllToAll(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, anchor, rows, arrived, targets, columns, distinct, out_rows, counts, layout):  # type: ignore[override]
-        width = layout.widths[layout.rank]
-        came = [ids * width for ids in _ids_from(counts, layout.slots)]
-        sent = [ids * w for ids, w in zip(counts.sent_ids, layout.widths)]
-        send = rows.new_empty(rows.shape).index_copy_(0, arrived, rows)
-        received = rows.new_empty(sum(sent))
+    def forward(ctx, anchor, blocks, arrived, source, target, out_rows, counts, layout):  # type: ignore[override]
+        world = len(counts.recv_sizes)
+        came = layout.sizes(counts.slot_ids, [layout.rank] * world)
+        sent = layout.sizes(counts.sent_slot_ids, list(range(world)))
+        send = blocks.new_empty(blocks.shape).index_copy_(0, arrived, blocks)
+        received = blocks.new_empty(sum(sent))
         dist.all_to_all_single(received, send.view(-1), sent, came, group=layout.group)
-        out = rows.new_zeros(out_rows, layout.dim)
-        blocks = out.view(-1, layout.block)
-        places = _places(targets, columns, distinct, counts.rows_per_rank, layout)
-        for chunk, ids, (index, which), w in zip(
-            received.split(sent), counts.sent_ids, places, layout.widths
-        ):
-            placed = chunk.view(ids, w).index_select(0, which)
-            blocks.index_copy_(0, index, placed.view(len(index), layout.block))
-        ctx.save_for_backward(anchor, arrived)
-        ctx.places, ctx.splits, ctx.shape = places, (sent, came), rows.shape
-        ctx.distinct, ctx.layout = counts.sent_ids, layout
+        out = blocks.new_zeros(out_rows, layout.dim)
+        placed = received.view(-1, layout.block).index_select(0, source)
+        out.view(-1, layout.block).index_copy_(0, target, placed)
+        ctx.save_for_backward(anchor, arrived, source, target)
+        ctx.splits, ctx.shape, ctx.layout = (sent, came), blocks.shape, layout
         return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        _, arrived = ctx.saved_tensors
+        _, arrived, source, target = ctx.saved_tensors
         sent, came = ctx.splits
-        blocks = grad.contiguous().view(-1, ctx.layout.block)
-        summed = [
-            grad.new_zeros(ids, w).index_add_(0, which, blocks[index].view(len(which), w))
-            for ids, w, (index, which) in zip(ctx.distinct, ctx.layout.widths, ctx.places)
-        ]
-        send = torch.cat([g.view(-1) for g in summed])
+        block = ctx.layout.block
+        placed = grad.contiguous().view(-1, block).index_select(0, target)
+        summed = grad.new_zeros(sum(sent) // block, block).index_add_(0, source, placed)
         received = grad.new_empty(sum(came))
-        dist.all_to_all_single(received, send, came, sent, group=ctx.layout.group)
-        grad_rows = received.view(ctx.shape).index_select(0, arrived)
-        grad_rows.div_(dist.get_world_size(ctx.layout.group))
-        return None, grad_rows, None, None, None, None, None, None, None
+        dist.all_to_all_single(received, summed.view(-1), came, sent, group=ctx.layout.group)
+        grad_blocks = received.view(ctx.shape).index_select(0, arrived)
+        grad_blocks.div_(dist.get_world_size(ctx.layout.group))
+        return None, grad_blocks, None, None, None, None, None, None
 
 
-def _ids_from(counts: Counts, slots: int) -> list[int]:
-    """Ids received from each rank: its payload less the lengths of this rank's
-    ``slots`` (an EmbeddingCollection has no weights)."""
-    return [size - slots * b for size, b in zip(counts.recv_sizes, counts.batch_sizes)]
-
-
-def _places(
-    targets: torch.Tensor,
-    columns: torch.Tensor,
-    distinct: torch.Tensor,
-    rows_per_rank: list[int],
-    layout: SequenceLayout,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per destination rank, for the ids sent to it: the rows of the output viewed as
-    [ids x dim / block, block] their shards fill (``width / block`` a shard, in
-    order), and their distinct ids' rows among those it returns."""
-    places = []
-    for ids, cols, which, width in zip(
-        targets.split(rows_per_rank),
-        columns.split(rows_per_rank),
-        distinct.split(rows_per_rank),
-        layout.widths,
-    ):
-        first = (ids * layout.dim + cols) // layout.block
-        span = torch.arange(width // layout.block, device=ids.device)
-        places.append(((first[:, None] + span).view(-1), which))
-    return places
+def _spread(first: torch.Tensor, span: torch.Tensor, total: int) -> torch.Tensor:
+    """``first[i], first[i] + 1, ..., first[i] + span[i] - 1`` for every i, in order
+    (``total``: the sum of ``span``)."""
+    starts = torch.cumsum(span, 0) - span
+    runs = torch.repeat_interleave(first - starts, span, output_size=total)
+    return runs + torch.arange(total, device=first.device)
 
 
 class ShardedEmbeddingCollection(ShardedCollection):
     """The sharded form of a TorchRec ``EmbeddingCollection``; build it with ``shard()``.
 
-    Table-wise, row-wise, column-wise and grid plans of FP32 tables; every shard on a rank
-    must have the same number of columns (FBGEMM's unpooled TBE takes one dim). ``state_dict()``
-    has the unsharded module's keys (``embeddings.<table>.weight``).
+    Table-wise, row-wise, column-wise and grid plans of FP32 tables. ``state_dict()`` has
+    the unsharded module's keys (``embeddings.<table>.weight``).
     """
 
     _PREFIX = "embeddings"
@@ -162,7 +138,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
         super().__init__(configs, plan, mesh, optimizer, seed, weights, False, comm_precision)
 
     def _output_stage(self, scratch: Scratch, comm_precision: str | None) -> SequenceLayout:
-        """Check what an unpooled TBE cannot hold, and fix the rows' routes."""
+        """Refuse what it does not support yet, and fix the rows' routes."""
         if comm_precision not in (None, "fp32"):
             raise ValueError(
                 f"comm_precision {comm_precision!r} is not supported for an EmbeddingCollection "
@@ -179,31 +155,20 @@ class ShardedEmbeddingCollection(ShardedCollection):
                 f"tables {replicated}: data_parallel is not supported for an "
                 "EmbeddingCollection yet"
             )
-        routes, widths = self._routes, []
-        for rank, slots in enumerate(routes.slots):
-            cols = sorted({s.shard.cols for s in slots})
-            if len(cols) > 1:
-                held = sorted({(s.shard.cols, routes.embeddings[s.embedding].table) for s in slots})
-                raise PlanError(
-                    f"rank {rank} holds shards of different widths {held}: FBGEMM's unpooled "
-                    "TBE takes one dim, so every shard of an EmbeddingCollection on a rank "
-                    "must have the same number of columns"
-                )
-            widths.append(cols[0] if cols else 0)
-        send = [(rank, s) for rank, slots in enumerate(routes.slots) for s in slots]
-        dim = self._configs[0].embedding_dim if self._configs else 0
+        routes, stage = self._routes, self._input_dist
+        send = [s for slots in routes.slots for s in slots]
         return SequenceLayout(
-            widths=widths,
-            dim=dim,
-            block=math.gcd(dim, *widths, *(s.shard.col_offset for _, s in send)) or 1,
+            dim=self._configs[0].embedding_dim if self._configs else 0,
+            block=stage.block,
+            slot_cols=[[s.shard.cols for s in slots] for slots in routes.slots],
             embedding_feature=[e.feature for e in routes.embeddings],
-            send_row_embedding=[s.embedding for _, s in send],
-            send_row_feature=[routes.embeddings[s.embedding].feature for _, s in send],
+            send_row_embedding=[s.embedding for s in send],
+            send_row_feature=[routes.embeddings[s.embedding].feature for s in send],
             send_row_column=torch.tensor(
-                [s.shard.col_offset for _, s in send], dtype=torch.long, device=self._device
+                [s.shard.col_offset for s in send], dtype=torch.long, device=self._device
             ),
+            send_row_blocks=stage.send_row_blocks,
             rank=self._rank,
-            slots=len(routes.slots[self._rank]),
             group=self._group,
         )
 
@@ -216,16 +181,25 @@ class ShardedEmbeddingCollection(ShardedCollection):
         )
         ids, offsets, arrived, per_slot = self._arrived(in_flight, unpack)
         if self._storage.tbe is None:
-            return Rows(torch.zeros(0, 0, device=self._device), arrived)
-        pooled = self._storage.tbe(ids, offsets)  # [fullest slot's ids, slots x width]
-        width, slots = self._output_layout.widths[self._rank], len(per_slot)
-        # Bag b of slot s is row b x slots + s of the bags viewed one a row.
-        counts = torch.tensor(per_slot, dtype=torch.long, device=self._device)
+            empty = torch.zeros(0, dtype=torch.long, device=self._device)
+            return Rows(torch.zeros(0, self._output_layout.block, device=self._device), empty)
+        pooled = self._storage.tbe(ids, offsets)  # [fullest slot's ids, slots' widths]
+        layout, device = self._output_layout, self._device
+        cols = torch.tensor(layout.slot_cols[self._rank], dtype=torch.long, device=device)
+        counts = torch.tensor(per_slot, dtype=torch.long, device=device)
         slot = torch.repeat_interleave(
-            torch.arange(slots, device=self._device), counts, output_size=len(ids)
+            torch.arange(len(per_slot), device=device), counts, output_size=len(ids)
         )
-        bag = torch.arange(len(ids), device=self._device) - (torch.cumsum(counts, 0) - counts)[slot]
-        return Rows(pooled.view(-1, width).index_select(0, bag * slots + slot), arrived)
+        bag = torch.arange(len(ids), device=device) - (torch.cumsum(counts, 0) - counts)[slot]
+        # Each id's row: blocks of bag ``bag`` (a row of ``pooled``) at its slot's columns.
+        span = cols[slot] // layout.block
+        total = sum(n * c for n, c in zip(per_slot, layout.slot_cols[self._rank])) // layout.block
+        first = (bag * pooled.shape[1] + (torch.cumsum(cols, 0) - cols)[slot]) // layout.block
+        blocks = pooled.view(-1, layout.block).index_select(0, _spread(first, span, total))
+        # Where each id's row goes among those sent back: arrival order.
+        span_arrived = torch.empty_like(span).index_copy_(0, arrived, span)
+        start_arrived = torch.cumsum(span_arrived, 0) - span_arrived
+        return Rows(blocks, _spread(start_arrived[arrived], span, total))
 
     def output_dist(  # type: ignore[override]
         self, looked_up: Rows, in_flight: InputInFlight
@@ -246,13 +220,16 @@ class ShardedEmbeddingCollection(ShardedCollection):
             dtype=torch.long,
             device=self._device,
         )
+        block = layout.block
+        span = layout.send_row_blocks[send_row]
+        first = (positions + shift[send_row]) * layout.dim + layout.send_row_column[send_row]
+        total = counts.blocks_placed
         out = RowsAllToAll.apply(
             self._anchor,
-            looked_up.rows,
+            looked_up.blocks,
             looked_up.arrived,
-            positions + shift[send_row],
-            layout.send_row_column[send_row],
-            sent.distinct,
+            _spread(sent.first_block, span, total),
+            _spread(first // block, span, total),
             sum(per_embedding),
             counts,
             layout,

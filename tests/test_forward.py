@@ -345,25 +345,21 @@ def grids(draw, world_size: int, rows: int, widths: list[int]):
 @st.composite
 def random_cases(draw, world_size: int, sequence: bool = False) -> Case:
     """Random tables, plans and batches. For an EmbeddingCollection (``sequence``) every
-    table is 8 wide and every shard on a rank must have one width: whole tables only,
-    or column blocks 4 wide only."""
+    table is 8 wide (TorchRec's takes one dim), and none data-parallel."""
     feature_pool = [f"f{i}" for i in range(5)]
     tables, specs = [], {}
-    kinds = ["tw", "rw", "uneven", "cw", "grid", "dp"]
-    if sequence:
-        kinds = ["cw", "grid"] if draw(st.booleans()) else ["tw", "rw", "uneven"]
+    kinds = ["tw", "rw", "uneven", "cw", "grid"] + ([] if sequence else ["dp"])
     for i in range(draw(st.integers(1, 4))):
         name = f"t{i}"
         features = tuple(
             draw(st.lists(st.sampled_from(feature_pool), min_size=1, max_size=2, unique=True))
         )
         rows = draw(st.integers(1, 30))
-        count = (2, 2) if sequence else (1, 3)
         blocks = draw(
-            st.lists(st.integers(0, world_size - 1), min_size=count[0], max_size=count[1])
+            st.lists(st.integers(0, world_size - 1), min_size=1, max_size=2 if sequence else 3)
         )
         widths = (
-            [1] * len(blocks)
+            [2 // len(blocks)] * len(blocks)
             if sequence
             else draw(st.lists(st.integers(1, 2), min_size=len(blocks), max_size=len(blocks)))
         )
