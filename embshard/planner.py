@@ -16,8 +16,7 @@ activations and (on GPU) the CUDA context.
 
 ``plan_tables`` takes TorchRec's ``EmbeddingBagConfig``s and ``EmbeddingConfig``s
 (sequence tables) with each feature's mean pooling beside them (or embshard's config
-``TableConfig``s, which carry their own). Sequence tables are never copied, and the
-sequence pieces on a rank all have one width (FBGEMM's unpooled TBE takes one dim).
+``TableConfig``s, which carry their own). Sequence tables are never copied.
 Splitting a table adds traffic, so it splits only where that lowers the slowest rank.
 A greedy packing places the tables (those kept to the fewest ranks first, then the
 costliest first) each in its cheapest sharding whose pieces fit under a target cost
@@ -74,10 +73,6 @@ _ROW_SPLIT = ("row_wise", "grid")  # kinds whose pieces get the ids of their row
 class PlanningError(ValueError):
     """The planner cannot plan: a bad topology or constraint, or no plan fits; the
     message says what, and how much memory is missing where."""
-
-
-class _MixedWidths(PlanningError):
-    """A sequence table found no room for the widths of the sequence pieces placed."""
 
 
 def parse_bytes(text: str | int | float) -> int:
@@ -477,7 +472,6 @@ class _Option:
     piece_cost: float
     piece_memory: int
     waste: int  # the memory its pieces need beyond the table whole
-    width: int  # its pieces' columns
 
 
 @dataclass(frozen=True)
@@ -508,41 +502,23 @@ class _Packing:
     """Every table's kind and pieces, and what each rank carries; ``unplaced`` is the
     table that found no room, if one did not. ``slack`` is the memory all ranks have
     free beyond what the tables not yet placed need whole: column blocks each keep
-    their rows' optimizer state, so splits that cost memory must stay within it.
-    ``held`` counts each rank's pieces of sequence tables, and ``width`` is theirs."""
+    their rows' optimizer state, so splits that cost memory must stay within it."""
 
     cost: np.ndarray
     memory: np.ndarray
     slack: int
     layouts: dict[str, tuple[str, list[_Piece]]] = field(default_factory=dict)
     unplaced: _Table | None = None
-    held: np.ndarray = field(init=False)
-    width: np.ndarray = field(init=False)
-    sequence: set[str] = field(default_factory=set)  # the sequence tables placed
-
-    def __post_init__(self) -> None:
-        self.held = np.zeros_like(self.memory)
-        self.width = np.zeros_like(self.memory)
 
     @property
     def slowest(self) -> float:
         return float(self.cost.max())
-
-    def takes(self, width: int) -> np.ndarray:
-        """The ranks that may take a sequence piece ``width`` columns wide: those
-        holding none, or pieces as wide (FBGEMM's unpooled TBE takes one dim)."""
-        return (self.held == 0) | (self.width == width)
 
     def add(self, table: _Table, kind: str, pieces: list[_Piece]) -> None:
         self.layouts[table.spec.name] = (kind, pieces)
         for p in pieces:
             self.cost[p.rank] += p.cost
             self.memory[p.rank] += p.memory
-            if table.spec.sequence:
-                self.held[p.rank] += 1
-                self.width[p.rank] = p.cols
-        if table.spec.sequence:
-            self.sequence.add(table.spec.name)
         self.slack -= sum(p.memory for p in pieces) - table.whole_memory
 
     def remove(self, table: _Table) -> None:
@@ -550,10 +526,6 @@ class _Packing:
             self.cost[p.rank] -= p.cost
             self.memory[p.rank] -= p.memory
             self.slack += p.memory
-            if table.spec.sequence:
-                self.held[p.rank] -= 1
-        self.width[self.held == 0] = 0
-        self.sequence.discard(table.spec.name)
         self.slack -= table.whole_memory
 
 
@@ -625,9 +597,7 @@ def _table(
                 )
             memory = model.memory(rows, cols)
             waste = memory * blocks - whole if kind in ("column_wise", "data_parallel") else 0
-            options.append(
-                _Option(kind, blocks, a + b * blocks, a * share + b, memory, waste, cols)
-            )
+            options.append(_Option(kind, blocks, a + b * blocks, a * share + b, memory, waste))
     if not options:
         raise PlanningError(f"table {table.name!r}: its constraints allow no sharding")
     allowed = None
@@ -839,12 +809,11 @@ def _pieces(
 
 
 def _place(
-    table: _Table, packing: _Packing, model: CostModel, target: float, widths: bool = True
+    table: _Table, packing: _Packing, model: CostModel, target: float
 ) -> tuple[str, list[_Piece]] | None:
     """The table in its cheapest sharding whose pieces fit under ``target`` and in
-    memory on as many of the least-loaded ranks it may use (a sequence table's, with
-    ``widths``, ranks whose sequence pieces are as wide or none: ``_Packing.takes``);
-    else row blocks cut to the room the ranks have (``_rows_to_room``)."""
+    memory on as many of the least-loaded ranks it may use; else row blocks cut to the
+    room the ranks have (``_rows_to_room``)."""
     capacity = model.topology.usable_memory
     for option in table.options:
         if option.waste > packing.slack:
@@ -854,8 +823,6 @@ def _place(
         )
         if table.allowed is not None:
             ok &= table.allowed
-        if table.spec.sequence and widths:
-            ok &= packing.takes(option.width)
         if option.blocks == 1:
             ranks = [int(np.where(ok, packing.cost, np.inf).argmin())]
             if not ok[ranks[0]]:
@@ -868,12 +835,12 @@ def _place(
         shapes = _shapes(table.spec, option.kind, option.blocks, table.traffic)
         return option.kind, _pieces(table, model, option.kind, ranks, shapes)
     if "row_wise" in table.kinds:
-        return _rows_to_room(table, packing, model, target, widths)
+        return _rows_to_room(table, packing, model, target)
     return None
 
 
 def _rows_to_room(
-    table: _Table, packing: _Packing, model: CostModel, target: float, widths: bool = True
+    table: _Table, packing: _Packing, model: CostModel, target: float
 ) -> tuple[str, list[_Piece]] | None:
     """Row blocks as big as the roomiest ranks have room for, under ``target`` and in
     memory: uneven blocks fill what even ones cannot, and a table that fits in the
@@ -890,8 +857,6 @@ def _rows_to_room(
         room = np.where(spare >= 0, room, 0)
     if table.allowed is not None:
         room = np.where(table.allowed, room, 0)
-    if spec.sequence and widths:
-        room = np.where(packing.takes(spec.embedding_dim), room, 0)
     order = np.argsort(-room, kind="stable")
     filled = np.cumsum(room[order])
     if filled[-1] < spec.num_embeddings:
@@ -908,35 +873,29 @@ def _rows_to_room(
     return "row_wise", pieces
 
 
-def _pack(orders: Sequence[Sequence[_Table]], model: CostModel, target: float) -> _Packing:
-    """The tables in the first of ``orders`` (the same tables in other orders) in which
-    each finds room (``_place``); else the first order's, up to the table that found none."""
+def _pack(tables: Sequence[_Table], model: CostModel, target: float) -> _Packing:
+    """The tables in order, each placed by ``_place``, up to the first that finds no room."""
     world = model.topology.world_size
-    slack = world * model.topology.usable_memory - sum(t.whole_memory for t in orders[0])
-    failed = None
-    for tables in orders:
-        packing = _Packing(np.zeros(world), np.zeros(world, dtype=np.int64), slack)
-        for table in tables:
-            placed = _place(table, packing, model, target)
-            if placed is None:
-                packing.unplaced = table
-                break
-            packing.add(table, *placed)
-        if packing.unplaced is None:
-            return packing
-        failed = failed or packing
-    return failed
+    slack = world * model.topology.usable_memory - sum(t.whole_memory for t in tables)
+    packing = _Packing(np.zeros(world), np.zeros(world, dtype=np.int64), slack)
+    for table in tables:
+        placed = _place(table, packing, model, target)
+        if placed is None:
+            packing.unplaced = table
+            break
+        packing.add(table, *placed)
+    return packing
 
 
 _TOLERANCE = 0.01  # the search stops when the target is known within 1 %
 _PROBES = 24  # and tries at most this many targets
 
 
-def _search(orders: Sequence[Sequence[_Table]], model: CostModel, bound: float) -> _Packing:
+def _search(tables: Sequence[_Table], model: CostModel, bound: float) -> _Packing:
     """The lowest target at which ``_pack`` succeeds, found by bisection (on a log
     scale) between the lower bound and the packing with no target, which keeps every
     table whole that fits a rank's memory: LPT table-wise, the obvious plan."""
-    best = _pack(orders, model, math.inf)
+    best = _pack(tables, model, math.inf)
     if best.unplaced is not None:
         raise _no_room(best, model)
     low, high = bound, best.slowest
@@ -944,7 +903,7 @@ def _search(orders: Sequence[Sequence[_Table]], model: CostModel, bound: float) 
         if high <= low * (1 + _TOLERANCE):
             break
         target = math.sqrt(low * high)
-        packing = _pack(orders, model, target)
+        packing = _pack(tables, model, target)
         if packing.unplaced is None:
             best, high = packing, packing.slowest
         else:
@@ -959,8 +918,6 @@ def _no_room(packing: _Packing, model: CostModel) -> PlanningError:
     free = model.topology.usable_memory - packing.memory
     ranks = np.arange(len(free)) if table.allowed is None else np.flatnonzero(table.allowed)
     theirs = "" if table.allowed is None else f" of its ranks {ranks.tolist()}"
-    if table.spec.sequence and _place(table, packing, model, math.inf, widths=False):
-        return _other_widths(table, ranks[packing.held[ranks] > 0], packing)
     if "row_wise" in table.kinds:
         have = int(free[ranks].sum())
         return PlanningError(
@@ -994,27 +951,6 @@ def _no_room(packing: _Packing, model: CostModel) -> PlanningError:
         f"{start} fits on no rank{theirs}: the freest (rank {freest}) has "
         f"{format_bytes(free[freest])} free, "
         f"{format_bytes(option.piece_memory - free[freest])} missing"
-    )
-
-
-def _other_widths(table: _Table, ranks: np.ndarray, packing: _Packing) -> _MixedWidths:
-    """A sequence table that would have found room but for the widths of the sequence
-    pieces that ``ranks`` hold."""
-    widths = sorted({o.width for o in table.options})
-    held = {
-        int(r): sorted(
-            name for name in packing.sequence if any(p.rank == r for p in packing.layouts[name][1])
-        )
-        for r in ranks
-    }
-    found = "; ".join(
-        f"rank {r}: {', '.join(map(repr, names))} {packing.width[r]} wide"
-        for r, names in held.items()
-    )
-    return _MixedWidths(
-        f"sequence table {table.spec.name!r} (pieces {widths} wide) found no room: the "
-        f"sequence pieces on a rank must all have one width (FBGEMM's unpooled TBE takes "
-        f"one dim), and {found}"
     )
 
 
@@ -1071,13 +1007,6 @@ def _why(table: _Table, packing: _Packing, model: CostModel) -> str:
         room &= table.allowed
     if not room.any():
         return f"no rank has room for it whole: {count}"
-    if table.spec.sequence:
-        mine = np.zeros_like(packing.held)
-        for p in pieces:
-            mine[p.rank] += 1
-        dim = table.spec.embedding_dim
-        if not (room & ((packing.held == mine) | (packing.width == dim))).any():
-            return f"the ranks with room for it whole hold sequence pieces not {dim} wide: {count}"
     return f"whole, it would slow the slowest rank: {count}"
 
 
@@ -1115,102 +1044,24 @@ def _packed(
     measured: Mapping[str, TableTraffic],
     copies: bool,
 ) -> tuple[_Packing, list[_Table], dict[str, str]]:
-    """``_packed_as``; where a sequence table found no room for the widths of the
-    others' pieces, again with every sequence piece one width (``_common_widths``,
-    widest first)."""
-    try:
-        return _packed_as(specs, constraints, model, measured, copies)
-    except _MixedWidths as error:
-        first = error
-    widths = _common_widths(specs, constraints, model.topology.world_size)
-    for width in widths:
-        narrowed = {t.name: _one_width(t, constraints[t.name], width) for t in specs}
-        try:
-            packing, prepared, reasons = _packed_as(specs, narrowed, model, measured, copies)
-        except PlanningError:
-            continue
-        for t in prepared:
-            kind, pieces = packing.layouts[t.spec.name]
-            if narrowed[t.spec.name] != constraints[t.spec.name] and kind != "table_wise":
-                count = plural(len(pieces), "piece")
-                reasons[t.spec.name] = f"every rank's sequence pieces {width} wide: {count}"
-        return packing, prepared, reasons
-    tried = (
-        f"nor with every sequence piece one width ({', '.join(map(str, widths))} tried)"
-        if widths
-        else "and no one width fits every sequence table (a multiple of 4, a block per rank)"
-    )
-    raise PlanningError(f"{first}; {tried}") from None
-
-
-def _common_widths(
-    specs: Sequence[PlannedTable], constraints: Mapping[str, TableConstraint], world: int
-) -> list[int]:
-    """The piece widths every sequence table may be cut to, widest first."""
-    common: set[int] | None = None
-    for t in specs:
-        if not t.sequence:
-            continue
-        c, dim = constraints[t.name], t.embedding_dim
-        kinds, widths = _kinds(c), set()
-        if c.column_blocks:
-            widths.add(dim // c.column_blocks)
-        elif "column_wise" in kinds:
-            limit = _limit(c, world)
-            widths |= {dim // k for k in range(1, limit + 1) if dim % (4 * k) == 0}
-        if {"table_wise", "row_wise"} & set(kinds):
-            widths.add(dim)
-        common = widths if common is None else common & widths
-    return sorted(common or (), reverse=True)
-
-
-def _one_width(table: PlannedTable, constraint: TableConstraint, width: int) -> TableConstraint:
-    """``constraint`` narrowed to pieces ``width`` wide, for a sequence table (one of
-    ``_common_widths``)."""
-    dim = table.embedding_dim
-    if not table.sequence or constraint.column_blocks:
-        return constraint
-    whole = tuple(k for k in _kinds(constraint) if k in ("table_wise", "row_wise"))
-    if width < dim or not whole:
-        return TableConstraint(constraint.types, constraint.ranks, dim // width)
-    return TableConstraint(whole, constraint.ranks)
-
-
-def _packed_as(
-    specs: Sequence[PlannedTable],
-    constraints: Mapping[str, TableConstraint],
-    model: CostModel,
-    measured: Mapping[str, TableTraffic],
-    copies: bool,
-) -> tuple[_Packing, list[_Table], dict[str, str]]:
     """The searched packing (data-parallel copies among the options with ``copies``),
     its tables and why each is sharded as it is. A packing with copies carries their
-    all-reduce's latency on every rank. The tables kept to the fewest ranks go first,
-    then the costliest; with sequence tables, where that order finds no room, also
-    with the sequence tables of one width before the others (the greedy packing may
-    mix widths that another sequence table cannot fit around)."""
+    all-reduce's latency on every rank."""
     world, free = model.topology.world_size, TableConstraint()
-    tables = [
-        _table(t, model, constraints.get(t.name, free), world, measured.get(t.name), copies)
-        for t in specs
-    ]
-
-    def ordered(fixed_first: bool) -> list[_Table]:
-        return sorted(
-            tables,
-            key=lambda t: (
-                _limit(constraints.get(t.spec.name, free), world),
-                fixed_first and not (t.spec.sequence and len({o.width for o in t.options}) == 1),
-                -t.whole_cost,
-                t.whole_memory,
-                t.spec.name,
-            ),
-        )
-
-    prepared = ordered(fixed_first=False)
-    orders = [prepared, ordered(fixed_first=True)] if any(t.sequence for t in specs) else [prepared]
+    prepared = sorted(  # the tables kept to the fewest ranks first, then costliest first
+        (
+            _table(t, model, constraints.get(t.name, free), world, measured.get(t.name), copies)
+            for t in specs
+        ),
+        key=lambda t: (
+            _limit(constraints.get(t.spec.name, free), world),
+            -t.whole_cost,
+            t.whole_memory,
+            t.spec.name,
+        ),
+    )
     kept = [constraints.get(t.name, free) for t in specs]
-    packing = _search(orders, model, max(_cut_bound(specs, kept, model, copies), 1e-12))
+    packing = _search(prepared, model, max(_cut_bound(specs, kept, model, copies), 1e-12))
     reasons = _unsplit(packing, prepared, model)
     if any(kind == "data_parallel" for kind, _ in packing.layouts.values()):
         packing.cost += model.topology.collective_latency()
@@ -1231,7 +1082,7 @@ def plan_tables(
     estimated step cost low, with a report of per-rank memory and cost.
 
     ``tables`` are TorchRec's ``EmbeddingBagConfig``s and ``EmbeddingConfig``s
-    (sequence tables: never data_parallel, and a rank's sequence pieces of one width),
+    (sequence tables: never data_parallel),
     ``batch_size`` is per rank, and
     ``mean_pooling`` the mean ids per bag by feature or table (default 1.0; see
     ``planned_tables``); ``constraints`` limit tables by name. The slowest rank is
@@ -1314,22 +1165,10 @@ def plan_loads(
 
 
 def _check_sequence(tables: Sequence[ShardedTable]) -> None:
-    """What embshard's EmbeddingCollection refuses: a data-parallel sequence table, a
-    rank holding sequence pieces of different widths."""
+    """What embshard's EmbeddingCollection refuses: a data-parallel sequence table."""
     copied = [t.name for t in tables if t.replicated]
     if copied:
         raise PlanningError(f"sequence tables {copied} cannot be data_parallel")
-    held: dict[int, set[tuple[int, str]]] = {}
-    for t in tables:
-        for s in t.shards:
-            if s.rows and s.cols:
-                held.setdefault(s.rank, set()).add((s.cols, t.name))
-    mixed = {r: sorted(h) for r, h in sorted(held.items()) if len({c for c, _ in h}) > 1}
-    if mixed:
-        raise PlanningError(
-            "the sequence pieces on a rank must all have one width (FBGEMM's unpooled TBE "
-            f"takes one dim); (width, table) by rank: {mixed}"
-        )
 
 
 def shard_name(name: str, shard: TableShard) -> str:
