@@ -58,12 +58,12 @@ class SequenceLayout:
 
 
 class Rows(NamedTuple):
-    """The lookup's result: the rows of the ids received, as [blocks, block] in TBE
-    order, and for each block its place among those sent back (ids of all sources in
-    rank order, each id's row whole)."""
+    """The lookup's result: the pooled TBE's output as [blocks, block], and the blocks
+    to send back, in order (the rows of the ids of all sources in rank order, as they
+    arrived, each id's row whole)."""
 
     blocks: torch.Tensor
-    arrived: torch.Tensor
+    sent: torch.Tensor
 
 
 class RowsAllToAll(torch.autograd.Function):
@@ -79,30 +79,30 @@ class RowsAllToAll(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, anchor, blocks, arrived, source, target, out_rows, counts, layout):  # type: ignore[override]
+    def forward(ctx, anchor, blocks, to_send, source, target, out_rows, counts, layout):  # type: ignore[override]
         world = len(counts.recv_sizes)
         came = layout.sizes(counts.slot_ids, [layout.rank] * world)
         sent = layout.sizes(counts.sent_slot_ids, list(range(world)))
-        send = blocks.new_empty(blocks.shape).index_copy_(0, arrived, blocks)
+        send = blocks.index_select(0, to_send)
         received = blocks.new_empty(sum(sent))
         dist.all_to_all_single(received, send.view(-1), sent, came, group=layout.group)
         out = blocks.new_zeros(out_rows, layout.dim)
         placed = received.view(-1, layout.block).index_select(0, source)
         out.view(-1, layout.block).index_copy_(0, target, placed)
-        ctx.save_for_backward(anchor, arrived, source, target)
+        ctx.save_for_backward(anchor, to_send, source, target)
         ctx.splits, ctx.shape, ctx.layout = (sent, came), blocks.shape, layout
         return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        _, arrived, source, target = ctx.saved_tensors
+        _, to_send, source, target = ctx.saved_tensors
         sent, came = ctx.splits
         block = ctx.layout.block
         placed = grad.contiguous().view(-1, block).index_select(0, target)
         summed = grad.new_zeros(sum(sent) // block, block).index_add_(0, source, placed)
         received = grad.new_empty(sum(came))
         dist.all_to_all_single(received, summed.view(-1), came, sent, group=ctx.layout.group)
-        grad_blocks = received.view(ctx.shape).index_select(0, arrived)
+        grad_blocks = grad.new_zeros(ctx.shape).index_add_(0, to_send, received.view(-1, block))
         grad_blocks.div_(dist.get_world_size(ctx.layout.group))
         return None, grad_blocks, None, None, None, None, None, None
 
@@ -195,11 +195,12 @@ class ShardedEmbeddingCollection(ShardedCollection):
         span = cols[slot] // layout.block
         total = sum(n * c for n, c in zip(per_slot, layout.slot_cols[self._rank])) // layout.block
         first = (bag * pooled.shape[1] + (torch.cumsum(cols, 0) - cols)[slot]) // layout.block
-        blocks = pooled.view(-1, layout.block).index_select(0, _spread(first, span, total))
-        # Where each id's row goes among those sent back: arrival order.
+        # Sent back in arrival order: each id's blocks at its place among them.
         span_arrived = torch.empty_like(span).index_copy_(0, arrived, span)
         start_arrived = torch.cumsum(span_arrived, 0) - span_arrived
-        return Rows(blocks, _spread(start_arrived[arrived], span, total))
+        place = _spread(start_arrived[arrived], span, total)
+        to_send = torch.empty_like(place).index_copy_(0, place, _spread(first, span, total))
+        return Rows(pooled.view(-1, layout.block), to_send)
 
     def output_dist(  # type: ignore[override]
         self, looked_up: Rows, in_flight: InputInFlight
@@ -227,7 +228,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
         out = RowsAllToAll.apply(
             self._anchor,
             looked_up.blocks,
-            looked_up.arrived,
+            looked_up.sent,
             _spread(sent.first_block, span, total),
             _spread(first // block, span, total),
             sum(per_embedding),
