@@ -47,6 +47,7 @@ class SequenceLayout:
     send_row_blocks: torch.Tensor
     rank: int
     group: dist.ProcessGroup | None
+    scratch: Scratch
 
     def sizes(self, slot_ids: list[list[int]], ranks: list[int]) -> list[int]:
         """Values of the rows of ``slot_ids`` (for each of ``ranks``, the ids of each of
@@ -86,7 +87,7 @@ class RowsAllToAll(torch.autograd.Function):
         send = blocks.index_select(0, to_send)
         received = blocks.new_empty(sum(sent))
         dist.all_to_all_single(received, send.view(-1), sent, came, group=layout.group)
-        out = blocks.new_zeros(out_rows, layout.dim)
+        out = layout.scratch.take("sequence_out", (out_rows, layout.dim), blocks).zero_()
         placed = received.view(-1, layout.block).index_select(0, source)
         out.view(-1, layout.block).index_copy_(0, target, placed)
         ctx.save_for_backward(anchor, to_send, source, target)
@@ -99,10 +100,13 @@ class RowsAllToAll(torch.autograd.Function):
         sent, came = ctx.splits
         block = ctx.layout.block
         placed = grad.contiguous().view(-1, block).index_select(0, target)
-        summed = grad.new_zeros(sum(sent) // block, block).index_add_(0, source, placed)
+        scratch = ctx.layout.scratch
+        summed = scratch.take("sequence_grad", (sum(sent) // block, block), grad).zero_()
+        summed.index_add_(0, source, placed)
         received = grad.new_empty(sum(came))
         dist.all_to_all_single(received, summed.view(-1), came, sent, group=ctx.layout.group)
-        grad_blocks = grad.new_zeros(ctx.shape).index_add_(0, to_send, received.view(-1, block))
+        grad_blocks = scratch.take("sequence_grad_blocks", tuple(ctx.shape), grad).zero_()
+        grad_blocks.index_add_(0, to_send, received.view(-1, block))
         grad_blocks.div_(dist.get_world_size(ctx.layout.group))
         return None, grad_blocks, None, None, None, None, None, None
 
@@ -170,6 +174,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
             send_row_blocks=stage.send_row_blocks,
             rank=self._rank,
             group=self._group,
+            scratch=scratch,
         )
 
     def lookup(self, in_flight: InputInFlight) -> Rows:  # type: ignore[override]
