@@ -406,22 +406,11 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
     _PREFIX = "embedding_bags"
     _SEQUENCE = False
 
-    def __init__(
-        self,
-        configs: Sequence[EmbeddingBagConfig],
-        plan: ShardingPlan,
-        mesh: DeviceMesh,
-        optimizer: FusedOptimizer,
-        seed: int = 0,
-        weights: Mapping[str, torch.Tensor] | None = None,
-        is_weighted: bool = False,
-        comm_precision: str | None = None,
-    ) -> None:
-        super().__init__(configs, plan, mesh, optimizer, seed, weights, is_weighted, comm_precision)
-        self._keys = [e.name for e in self._routes.embeddings]
-        self._dims = [e.dim for e in self._routes.embeddings]
+    @functools.cached_property
+    def _mean_feature(self) -> torch.Tensor | None:
+        """``Routes.mean_feature_by_column`` on the device, computed once."""
         mean_feature = self._routes.mean_feature_by_column()
-        self._mean_feature = None if mean_feature is None else mean_feature.to(self._device)
+        return None if mean_feature is None else mean_feature.to(self._device)
 
     def _output_stage(self, scratch: Scratch, comm_precision: str | None) -> OutputLayout:
         """What the output distribution needs, fixed at sharding (routes and tables
@@ -464,9 +453,10 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             in_flight.counts.batch_sizes,
             self._output_layout,
         )
+        embeddings = self._routes.embeddings
         return KeyedTensor(
-            keys=self._keys,
-            length_per_key=self._dims,
+            keys=[e.name for e in embeddings],
+            length_per_key=[e.dim for e in embeddings],
             values=self._mean_pool(gathered, in_flight.batch.lengths),
         )
 
