@@ -455,18 +455,11 @@ class InputDistribution:
         return values, offsets, bag_weights
 
     def unpack_sequence(
-        self,
-        received: torch.Tensor,
-        recv_sizes: list[int],
-        batch_sizes: list[int],
-        slot_ids: list[list[int]],
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-        """The ids for a pooled TBE, one id a bag: each slot's ids (from every source,
-        in rank order) in its first bags, as many bags a slot as the fullest slot has
-        ids (``slot_ids``, each source's per slot, from the counts exchange). Also, for
-        each id, the index it arrived at (ids of all sources in rank order): where its
-        row goes back; and each slot's ids. FBGEMM's pooled CPU kernels update rows
-        several times faster than its unpooled ones."""
+        self, received: torch.Tensor, recv_sizes: list[int], batch_sizes: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ids received in TBE order (slot by slot, sources in rank order), and for
+        each the index it arrived at (ids of all sources in rank order): where its row
+        goes back."""
         bag_lengths, values, _ = self._received_bags(received, recv_sizes, batch_sizes)
         arrived = torch.arange(values.numel(), device=self.device)
         if self.world > 1:
@@ -477,15 +470,7 @@ class InputDistribution:
             _, values, _ = torch.ops.fbgemm.permute_1D_sparse_data(
                 order, bag_lengths, values, None, values.numel()
             )
-        slots = self.slots_per_rank[self.rank]
-        per_slot = [sum(ids[s] for ids in slot_ids) for s in range(slots)]
-        bags = max(per_slot, default=0)
-        counts = torch.tensor(per_slot, dtype=torch.long, device=self.device)
-        starts = torch.cumsum(counts, 0) - counts
-        first = torch.arange(bags, device=self.device).expand(slots, bags)
-        offsets = (starts[:, None] + torch.minimum(first, counts[:, None])).reshape(-1)
-        end = torch.full((1,), values.numel(), dtype=torch.long, device=self.device)
-        return values, torch.cat([offsets, end]), arrived, per_slot
+        return values, arrived
 
     def _slot_major(self, batch_sizes: list[int]) -> torch.Tensor:
         return _slot_major_order(self.slots_per_rank[self.rank], batch_sizes, self.device)

@@ -11,21 +11,17 @@ the places of the ids it stands for, at its shard's columns.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torchrec.modules.embedding_configs import DataType, EmbeddingConfig
 from torchrec.sparse.jagged_tensor import JaggedTensor
 
 from embshard.dist import Scratch
-from embshard.lookup import FusedOptimizer
 from embshard.module import InputInFlight, ShardedCollection
-from embshard.plan import DataParallel, PlanError, ShardingPlan
+from embshard.plan import DataParallel, PlanError
 
 
 @dataclass(frozen=True)
@@ -46,6 +42,10 @@ class SequenceLayout:
     send_row_column: torch.Tensor
     send_row_blocks: torch.Tensor
     rank: int
+    # This rank's slots: each one's width and first column in a row of the TBE's
+    # output, in blocks.
+    slot_blocks: torch.Tensor
+    slot_first_block: torch.Tensor
     group: dist.ProcessGroup | None
     scratch: Scratch
 
@@ -111,6 +111,25 @@ class RowsAllToAll(torch.autograd.Function):
         return None, grad_blocks, None, None, None, None, None, None
 
 
+def _one_id_a_bag(
+    per_slot: list[int], ids: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A pooled TBE's offsets for ``ids`` ids in TBE order, ``per_slot`` a slot, one id
+    a bag: each slot's ids in its first bags, as many bags a slot as the fullest slot
+    has ids. Also each id's slot and bag. FBGEMM's pooled CPU kernels update rows
+    several times faster than its unpooled ones."""
+    counts = torch.tensor(per_slot, dtype=torch.long, device=device)
+    starts = torch.cumsum(counts, 0) - counts
+    bags = torch.arange(max(per_slot, default=0), device=device)
+    offsets = (starts[:, None] + torch.minimum(bags, counts[:, None])).reshape(-1)
+    end = torch.full((1,), ids, dtype=torch.long, device=device)
+    slot = torch.repeat_interleave(
+        torch.arange(len(per_slot), device=device), counts, output_size=ids
+    )
+    bag = torch.arange(ids, device=device) - starts[slot]
+    return torch.cat([offsets, end]), slot, bag
+
+
 def _spread(first: torch.Tensor, span: torch.Tensor, total: int) -> torch.Tensor:
     """``first[i], first[i] + 1, ..., first[i] + span[i] - 1`` for every i, in order
     (``total``: the sum of ``span``)."""
@@ -128,18 +147,6 @@ class ShardedEmbeddingCollection(ShardedCollection):
 
     _PREFIX = "embeddings"
     _SEQUENCE = True
-
-    def __init__(
-        self,
-        configs: Sequence[EmbeddingConfig],
-        plan: ShardingPlan,
-        mesh: DeviceMesh,
-        optimizer: FusedOptimizer,
-        seed: int = 0,
-        weights: Mapping[str, torch.Tensor] | None = None,
-        comm_precision: str | None = None,
-    ) -> None:
-        super().__init__(configs, plan, mesh, optimizer, seed, weights, False, comm_precision)
 
     def _output_stage(self, scratch: Scratch, comm_precision: str | None) -> SequenceLayout:
         """Refuse what it does not support yet, and fix the rows' routes."""
@@ -161,6 +168,9 @@ class ShardedEmbeddingCollection(ShardedCollection):
             )
         routes, stage = self._routes, self._input_dist
         send = [s for slots in routes.slots for s in slots]
+        cols = torch.tensor(
+            [s.shard.cols for s in routes.slots[self._rank]], dtype=torch.long, device=self._device
+        )
         return SequenceLayout(
             dim=self._configs[0].embedding_dim if self._configs else 0,
             block=stage.block,
@@ -173,6 +183,8 @@ class ShardedEmbeddingCollection(ShardedCollection):
             ),
             send_row_blocks=stage.send_row_blocks,
             rank=self._rank,
+            slot_blocks=cols // stage.block,
+            slot_first_block=(torch.cumsum(cols, 0) - cols) // stage.block,
             group=self._group,
             scratch=scratch,
         )
@@ -181,25 +193,19 @@ class ShardedEmbeddingCollection(ShardedCollection):
         """Stage 2: wait for the ids, and look up a row for each in one TBE call."""
         if in_flight.error is not None:
             raise in_flight.error
-        unpack = functools.partial(
-            self._input_dist.unpack_sequence, slot_ids=in_flight.counts.slot_ids
-        )
-        ids, offsets, arrived, per_slot = self._arrived(in_flight, unpack)
-        if self._storage.tbe is None:
-            empty = torch.zeros(0, dtype=torch.long, device=self._device)
-            return Rows(torch.zeros(0, self._output_layout.block, device=self._device), empty)
-        pooled = self._storage.tbe(ids, offsets)  # [fullest slot's ids, slots' widths]
+        ids, arrived = self._arrived(in_flight, self._input_dist.unpack_sequence)
         layout, device = self._output_layout, self._device
-        cols = torch.tensor(layout.slot_cols[self._rank], dtype=torch.long, device=device)
-        counts = torch.tensor(per_slot, dtype=torch.long, device=device)
-        slot = torch.repeat_interleave(
-            torch.arange(len(per_slot), device=device), counts, output_size=len(ids)
-        )
-        bag = torch.arange(len(ids), device=device) - (torch.cumsum(counts, 0) - counts)[slot]
+        if self._storage.tbe is None:
+            empty = torch.zeros(0, dtype=torch.long, device=device)
+            return Rows(torch.zeros(0, layout.block, device=device), empty)
+        mine = layout.slot_cols[self._rank]
+        per_slot = [sum(ids[s] for ids in in_flight.counts.slot_ids) for s in range(len(mine))]
+        offsets, slot, bag = _one_id_a_bag(per_slot, len(ids), device)
+        pooled = self._storage.tbe(ids, offsets)  # [fullest slot's ids, slots' widths]
         # Each id's row: blocks of bag ``bag`` (a row of ``pooled``) at its slot's columns.
-        span = cols[slot] // layout.block
-        total = sum(n * c for n, c in zip(per_slot, layout.slot_cols[self._rank])) // layout.block
-        first = (bag * pooled.shape[1] + (torch.cumsum(cols, 0) - cols)[slot]) // layout.block
+        span = layout.slot_blocks[slot]
+        total = sum(n * c for n, c in zip(per_slot, mine)) // layout.block
+        first = bag * (pooled.shape[1] // layout.block) + layout.slot_first_block[slot]
         # Sent back in arrival order: each id's blocks at its place among them.
         span_arrived = torch.empty_like(span).index_copy_(0, arrived, span)
         start_arrived = torch.cumsum(span_arrived, 0) - span_arrived

@@ -193,6 +193,29 @@ def train_side_by_side(model, oracle, inputs, lr: float) -> tuple[list, float]:
     return curves, pred_gap
 
 
+def generated_inputs(steps: int, tables, weighted_tables, **options):
+    """TorchRec's ModelInput.generate for every step: the global batch, and each
+    rank's part of it."""
+    return (
+        torchrec_test_model.ModelInput.generate(
+            batch_size=BATCH,
+            world_size=dist.get_world_size(),
+            num_float_features=FLOATS,
+            tables=tables,
+            weighted_tables=weighted_tables,
+            random_seed=step,
+            **options,
+        )
+        for step in range(steps)
+    )
+
+
+def changes(initial: nn.Module, trained: nn.Module) -> dict[str, float]:
+    """How far training moved each parameter: its largest change, by name."""
+    now = dict(trained.named_parameters())
+    return {n: (p - now[n]).abs().max().item() for n, p in initial.named_parameters()}
+
+
 def train_sparsenn(weighted: bool, ddp_kwargs, steps: int, lr: float):
     """TestSparseNN sharded next to the unsharded one trained on the global batches.
 
@@ -213,22 +236,9 @@ def train_sparsenn(weighted: bool, ddp_kwargs, steps: int, lr: float):
     model = embshard.shard_model(
         copy.deepcopy(oracle), plan, optimizer=embshard.SGD(lr=lr), ddp_kwargs=ddp_kwargs
     )
-    inputs = (
-        torchrec_test_model.ModelInput.generate(
-            batch_size=BATCH,
-            world_size=world,
-            num_float_features=FLOATS,
-            tables=tables,
-            weighted_tables=weighted_tables,
-            random_seed=step,
-        )
-        for step in range(steps)
-    )
+    inputs = generated_inputs(steps, tables, weighted_tables)
     curves, pred_gap = train_side_by_side(model, oracle, inputs, lr)
-    trained = dict(oracle.named_parameters())
-    unmoved = sorted(
-        n for n, p in initial.named_parameters() if (p - trained[n]).abs().max() < 10 * TOL
-    )
+    unmoved = sorted(n for n, change in changes(initial, oracle).items() if change < 10 * TOL)
     return curves, pred_gap, model_gap(model.module, oracle), unmoved
 
 
@@ -335,23 +345,11 @@ def train_mixed_sparse_arch(steps: int, lr: float):
     )
     initial = copy.deepcopy(oracle)
     model = embshard.shard_model(copy.deepcopy(oracle), plan, optimizer=embshard.SGD(lr=lr))
-    inputs = (
-        torchrec_test_model.ModelInput.generate(
-            batch_size=BATCH,
-            world_size=world,
-            num_float_features=FLOATS,
-            tables=tables,
-            weighted_tables=[],
-            random_seed=step,
-            max_feature_lengths=[20] * len(tables),
-        )
-        for step in range(steps)
-    )
+    inputs = generated_inputs(steps, tables, [], max_feature_lengths=[20] * len(tables))
     _, worst = train_side_by_side(model, oracle, inputs, lr)
-    trained = dict(oracle.named_parameters())
     moved = {
-        n.split(".")[-2]: (p - trained[n]).abs().max().item()
-        for n, p in initial.named_parameters()
+        n.split(".")[-2]: change
+        for n, change in changes(initial, oracle).items()
         if n.startswith(("ebc.", "ec."))
     }
     return worst, model_gap(model.module, oracle), moved
