@@ -70,8 +70,9 @@ class Rows(NamedTuple):
 class RowsAllToAll(torch.autograd.Function):
     """Each distinct id's row goes back once to the rank that sent the id, and from there
     into the place of every id it stands for in that rank's output [ids of every
-    embedding, dim], at its shard's columns: blocks ``source`` of what came back go to
-    blocks ``target`` of the output.
+    embedding, dim], at its shard's columns: output block j is block ``source[j]`` of
+    what came back (every output block has exactly one source, so one gather fills the
+    output).
 
     Backward: each requester sums the gradients of the ids a distinct id stands for and
     sends them back to its owner, which puts them in TBE order for the fused backward,
@@ -80,35 +81,45 @@ class RowsAllToAll(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, anchor, blocks, to_send, source, target, out_rows, counts, layout):  # type: ignore[override]
+    def forward(ctx, anchor, blocks, to_send, source, layout, counts):  # type: ignore[override]
         world = len(counts.recv_sizes)
         came = layout.sizes(counts.slot_ids, [layout.rank] * world)
         sent = layout.sizes(counts.sent_slot_ids, list(range(world)))
         send = blocks.index_select(0, to_send)
         received = blocks.new_empty(sum(sent))
         dist.all_to_all_single(received, send.view(-1), sent, came, group=layout.group)
-        out = layout.scratch.take("sequence_out", (out_rows, layout.dim), blocks).zero_()
-        placed = received.view(-1, layout.block).index_select(0, source)
-        out.view(-1, layout.block).index_copy_(0, target, placed)
-        ctx.save_for_backward(anchor, to_send, source, target)
+        out = layout.scratch.take("sequence_out", (len(source), layout.block), blocks)
+        torch.index_select(received.view(-1, layout.block), 0, source, out=out)
+        ctx.save_for_backward(anchor, to_send, source)
         ctx.splits, ctx.shape, ctx.layout = (sent, came), blocks.shape, layout
-        return out
+        return out.view(-1, layout.dim)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        _, to_send, source, target = ctx.saved_tensors
+        _, to_send, source = ctx.saved_tensors
         sent, came = ctx.splits
-        block = ctx.layout.block
-        placed = grad.contiguous().view(-1, block).index_select(0, target)
-        scratch = ctx.layout.scratch
-        summed = scratch.take("sequence_grad", (sum(sent) // block, block), grad).zero_()
-        summed.index_add_(0, source, placed)
-        received = grad.new_empty(sum(came))
-        dist.all_to_all_single(received, summed.view(-1), came, sent, group=ctx.layout.group)
-        grad_blocks = scratch.take("sequence_grad_blocks", tuple(ctx.shape), grad).zero_()
-        grad_blocks.index_add_(0, to_send, received.view(-1, block))
-        grad_blocks.div_(dist.get_world_size(ctx.layout.group))
-        return None, grad_blocks, None, None, None, None, None, None
+        layout, block = ctx.layout, ctx.layout.block
+        # Scatters of rows are several times slower than gathers on CPU: the sums are
+        # an embedding bag over the output's blocks grouped by source, and the TBE's
+        # gradient a gather of what came back (blocks no id asked for read a zero block).
+        summed = _sum_by_index(grad.contiguous().view(-1, block), source, sum(sent) // block)
+        summed.div_(dist.get_world_size(layout.group))
+        received = grad.new_empty(sum(came) + block)
+        received[-block:] = 0
+        dist.all_to_all_single(received[:-block], summed.view(-1), came, sent, group=layout.group)
+        back = torch.full((ctx.shape[0],), sum(came) // block, dtype=torch.long, device=grad.device)
+        back.scatter_(0, to_send, torch.arange(len(to_send), device=grad.device))
+        grad_blocks = layout.scratch.take("sequence_grad_blocks", tuple(ctx.shape), grad)
+        torch.index_select(received.view(-1, block), 0, back, out=grad_blocks)
+        return None, grad_blocks, None, None, None, None
+
+
+def _sum_by_index(rows: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:
+    """``out[i]`` = the sum of the ``rows[j]`` with ``index[j] == i``, for i < ``size``."""
+    order = torch.argsort(index, stable=True)
+    per_row = torch.bincount(index, minlength=size)
+    offsets = torch.cumsum(per_row, 0) - per_row
+    return torch.nn.functional.embedding_bag(order, rows, offsets, mode="sum")
 
 
 def _one_id_a_bag(
@@ -236,15 +247,12 @@ class ShardedEmbeddingCollection(ShardedCollection):
         span = layout.send_row_blocks[send_row]
         first = (positions + shift[send_row]) * layout.dim + layout.send_row_column[send_row]
         total = counts.blocks_placed
+        target = _spread(first // block, span, total)
+        source = torch.empty_like(target).index_copy_(
+            0, target, _spread(sent.first_block, span, total)
+        )
         out = RowsAllToAll.apply(
-            self._anchor,
-            looked_up.blocks,
-            looked_up.sent,
-            _spread(sent.first_block, span, total),
-            _spread(first // block, span, total),
-            sum(per_embedding),
-            counts,
-            layout,
+            self._anchor, looked_up.blocks, looked_up.sent, source, layout, counts
         )
         lengths = batch.lengths.long()
         return {
