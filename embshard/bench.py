@@ -287,6 +287,13 @@ def difference(ours, theirs, batch) -> tuple[float, float]:
 
 
 def train_step(model, batch) -> float:
+    """One training step's time on this rank. The ranks start it together: the two
+    libraries' steps alternate, and without the barrier a rank that finished the other
+    library's step early would wait for the rest inside this one, charging that
+    library's imbalance to this one."""
+    import torch.distributed as dist
+
+    dist.barrier()
     start = time.perf_counter()
     loss(model, batch).backward()
     return time.perf_counter() - start

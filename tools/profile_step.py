@@ -58,6 +58,7 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace) -> None:
     profilers = {library: cProfile.Profile() for library in libraries}
     for step, batch in enumerate(batches):
         for library, model in models.items():
+            dist.barrier()  # neither library's waits include the other's imbalance
             if step >= WARMUP:
                 profilers[library].enable()
             bench.loss(model, batch).backward()
