@@ -1,13 +1,15 @@
-"""Peak resident memory per rank of each library alone, on the benchmark's tables.
+"""Each library alone on the benchmark's tables: peak resident memory and step time.
 
-    .venv/bin/python tools/bench_memory.py --workload d --plans table_wise mixed --steps 20
+    .venv/bin/python tools/bench_alone.py --workload d --plans table_wise mixed --steps 20
 
-The benchmark runs both libraries in the same processes, so their memory peaks mix.
-Here every (plan, library) pair gets W fresh gloo processes (one thread each) that
-build only that library, as the benchmark builds it (embshard/bench.py), and train
-``--steps`` steps on the benchmark's inputs. Each rank reports its peak resident
-memory (ru_maxrss) before the build (imports, process group and inputs), after the
-build, and after the steps.
+The benchmark runs both libraries in the same processes, so their memory peaks mix,
+and it starts every step on all ranks together. Here every (plan, library) pair gets
+W fresh gloo processes (one thread each) that build only that library, as the
+benchmark builds it (embshard/bench.py), and train ``--steps`` steps on the
+benchmark's inputs back to back, as a training loop runs them. Each rank reports its
+peak resident memory (ru_maxrss) before the build (imports, process group and
+inputs), after the build, and after the steps; the median over the steps after the
+first five of the slowest rank's step time checks the benchmark's.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import statistics
 import tempfile
+import time
 from datetime import timedelta
 
 import torch
@@ -23,6 +27,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from embshard import bench
+
+WARMUP = 5
 
 
 def peak_mib() -> float:
@@ -39,9 +45,13 @@ def worker(rank: int, world: int, store: str, library: str, plan_name: str, args
     before = peak_mib()
     model = bench.build(library, configs, plan, world)
     built = peak_mib()
+    times = []
     for batch in batches:
-        bench.train_step(model, batch)
-    results.put((rank, before, built, peak_mib()))
+        start = time.perf_counter()
+        bench.loss(model, batch).backward()
+        times.append(time.perf_counter() - start)
+    step_ms = 1e3 * statistics.median(bench.slowest(times[WARMUP:]))
+    results.put((rank, before, built, peak_mib(), step_ms))
     bench.leave()
 
 
@@ -57,8 +67,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="training steps after the build")
     args = parser.parse_args()
     world = args.world_size
+    if args.steps <= WARMUP:
+        parser.error(f"--steps must exceed the {WARMUP} warm-up steps")
     print(f"W={world} workload {args.workload}, {args.ids} ids, {args.steps} steps: "
-          "peak RSS MiB before build / after build / after steps")  # fmt: skip
+          "peak RSS MiB before build / after build / after steps; median step ms "
+          "(slowest rank, after the warm-up)")  # fmt: skip
     for plan_name in args.plans:
         for library in args.libraries:
             results = mp.get_context("spawn").SimpleQueue()
@@ -66,9 +79,12 @@ def main() -> None:
                 store = os.path.join(tmp, "store")
                 mp.start_processes(worker, (world, store, library, plan_name, args, results),
                                    nprocs=world, start_method="spawn")  # fmt: skip
-            for rank, before, built, trained in sorted(results.get() for _ in range(world)):
-                print(f"{plan_name:<11} {library:<8} rank {rank}: "
-                      f"{before:7.0f} {built:7.0f} {trained:7.0f}", flush=True)  # fmt: skip
+            for rank, before, built, trained, step_ms in sorted(
+                results.get() for _ in range(world)
+            ):
+                memory = f"{before:7.0f} {built:7.0f} {trained:7.0f}"
+                print(f"{plan_name:<11} {library:<8} rank {rank}: {memory}  {step_ms:7.1f} ms",
+                      flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
