@@ -69,6 +69,7 @@ class TableConfig:
                 num_embeddings=self.num_embeddings,
                 embedding_dim=self.embedding_dim,
                 feature_names=list(self.features),
+                data_type=self._data_type,
             )
         return self.embedding_bag_config()
 
@@ -82,8 +83,12 @@ class TableConfig:
             embedding_dim=self.embedding_dim,
             feature_names=list(self.features),
             pooling=PoolingType.MEAN if self.pooling == "mean" else PoolingType.SUM,
-            data_type=DataType.FP16 if self.data_type == "fp16" else DataType.FP32,
+            data_type=self._data_type,
         )
+
+    @property
+    def _data_type(self) -> DataType:
+        return DataType.FP16 if self.data_type == "fp16" else DataType.FP32
 
 
 @dataclass(frozen=True)
@@ -259,11 +264,6 @@ def _check(config: TrainConfig, where: str, check_files: bool = True, trains: bo
                 f"{where}.tables[{i}].pooling: none makes {t.name!r} a sequence table, which "
                 "the DLRM model cannot take (it pools every feature); `embshard plan` and "
                 "`embshard show` take it"
-            )
-        if t.sequence and t.data_type != "fp32":
-            raise ConfigError(
-                f"{where}.tables[{i}].data_type: sequence table {t.name!r} must be fp32 "
-                "(embshard's EmbeddingCollection shards FP32 tables only)"
             )
     for key in ("batch_size", "steps", "timeout_s"):
         if getattr(config, key) < 1:

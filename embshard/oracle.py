@@ -194,29 +194,33 @@ def unsharded(case: Case) -> EmbeddingBagCollection | EmbeddingCollection:
     return module
 
 
-def float32_twin(module: EmbeddingBagCollection) -> EmbeddingBagCollection:
+def float32_twin(
+    module: EmbeddingBagCollection | EmbeddingCollection,
+) -> EmbeddingBagCollection | EmbeddingCollection:
     """``module`` itself, or for FP16 tables a float32 module holding the same values:
     the oracle then sums and updates in float32, as FBGEMM does."""
-    configs = module.embedding_bag_configs()
+    sequence = isinstance(module, EmbeddingCollection)
+    configs = module.embedding_configs() if sequence else module.embedding_bag_configs()
     if all(c.data_type == DataType.FP32 for c in configs):
         return module
-    twin = EmbeddingBagCollection(
-        tables=[dataclasses.replace(c, data_type=DataType.FP32) for c in configs],
-        is_weighted=module.is_weighted(),
-    )
+    configs = [dataclasses.replace(c, data_type=DataType.FP32) for c in configs]
+    if sequence:
+        twin = EmbeddingCollection(tables=configs)
+    else:
+        twin = EmbeddingBagCollection(tables=configs, is_weighted=module.is_weighted())
     with torch.no_grad():
-        for name, bag in twin.embedding_bags.items():
-            bag.weight.copy_(module.embedding_bags[name].weight)
+        for name, table in tables_of(twin).items():
+            table.weight.copy_(tables_of(module)[name].weight)
     return twin
 
 
-def round_to_storage(oracle, module: EmbeddingBagCollection) -> None:
+def round_to_storage(oracle, module: EmbeddingBagCollection | EmbeddingCollection) -> None:
     """The oracle's updated weights rounded to nearest in ``module``'s dtypes."""
     with torch.no_grad():
-        for name, bag in oracle.embedding_bags.items():
-            dtype = module.embedding_bags[name].weight.dtype
-            if dtype != bag.weight.dtype:
-                bag.weight.copy_(bag.weight.to(dtype))
+        for name, table in tables_of(oracle).items():
+            dtype = tables_of(module)[name].weight.dtype
+            if dtype != table.weight.dtype:
+                table.weight.copy_(table.weight.to(dtype))
 
 
 def run_case(case: Case) -> dict[str, float]:
@@ -270,12 +274,14 @@ def run_case(case: Case) -> dict[str, float]:
 
 
 def run_sequence_case(case: Case) -> dict[str, float]:
-    """``run_case`` for an EmbeddingCollection (``case.sequence``, FP32 tables): every
-    id's row compared, and the weights after the fused updates."""
+    """``run_case`` for an EmbeddingCollection (``case.sequence``): every id's row
+    compared, and the weights after the fused updates."""
     rank, world = dist.get_rank(), dist.get_world_size()
     assert case.sequence and world == len(case.batch_sizes)
-    oracle = unsharded(case)
-    sharded = shard(copy.deepcopy(oracle), case.plan, optimizer=case.optimizer)
+    module = unsharded(case)
+    sharded = shard(copy.deepcopy(module), case.plan, optimizer=case.optimizer)
+    oracle = float32_twin(module)
+    initial = {n: t.weight.detach().clone() for n, t in tables_of(oracle).items()}
     blocks, states = column_blocks(case), {}
     worst = {"forward": 0.0, "weights": 0.0, "output": 0.0}
     for step in range(case.steps):
@@ -299,7 +305,11 @@ def run_sequence_case(case: Case) -> dict[str, float]:
         mine.backward()  # collective: every rank's sum holds its (maybe empty) outputs
         (sum(loss) / world).backward()
         oracle_step(oracle, case, blocks, states)
+        round_to_storage(oracle, module)
     worst["weights"] = weight_gap(sharded, oracle)
+    final = {n: t.weight.detach() for n, t in tables_of(oracle).items()}
+    worst["weight"] = max(max_abs(w) for w in final.values())
+    worst["update"] = max(max_diff(final[n], initial[n]) for n in final)
     return worst
 
 

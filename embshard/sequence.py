@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from torchrec.modules.embedding_configs import DataType, EmbeddingConfig
+from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.sparse.jagged_tensor import JaggedTensor
 
 from embshard.dist import Scratch
@@ -152,7 +152,7 @@ def _spread(first: torch.Tensor, span: torch.Tensor, total: int) -> torch.Tensor
 class ShardedEmbeddingCollection(ShardedCollection):
     """The sharded form of a TorchRec ``EmbeddingCollection``; build it with ``shard()``.
 
-    Table-wise, row-wise, column-wise and grid plans of FP32 tables. ``state_dict()`` has
+    Table-wise, row-wise, column-wise and grid plans of FP32 or FP16 tables. ``state_dict()`` has
     the unsharded module's keys (``embeddings.<table>.weight``).
     """
 
@@ -165,11 +165,6 @@ class ShardedEmbeddingCollection(ShardedCollection):
             raise ValueError(
                 f"comm_precision {comm_precision!r} is not supported for an EmbeddingCollection "
                 "yet: its rows travel in fp32"
-            )
-        fp16 = [c.name for c in self._configs if c.data_type != DataType.FP32]
-        if fp16:
-            raise ValueError(
-                f"tables {fp16}: only FP32 tables are supported for an EmbeddingCollection yet"
             )
         replicated = [n for n, t in self._tables.items() if isinstance(t.spec, DataParallel)]
         if replicated:

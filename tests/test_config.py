@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, EmbeddingConfig
 
 from embshard.cli import main as cli
 from embshard.config import ConfigError, load_config
@@ -129,8 +129,11 @@ def test_sequence_tables_load_for_planning_not_training(tmp_path):
     assert type(history) is EmbeddingConfig and history.feature_names == ["history"]
     with pytest.raises(ValueError, match="'history' has pooling none"):
         config.tables[5].embedding_bag_config()
-    fp16 = write(tmp_path, broken(lambda d: d["tables"].append(SEQUENCE | {"data_type": "fp16"})))
-    with pytest.raises(
-        ConfigError, match=r"tables\[5\].data_type: sequence table 'history' must be fp32"
-    ):
-        load_config(fp16, trains=False)
+
+    def all_fp16(data: dict) -> None:
+        data["tables"].append(SEQUENCE)
+        for table in data["tables"]:
+            table["data_type"] = "fp16"
+
+    fp16 = load_config(write(tmp_path, broken(all_fp16)), trains=False)
+    assert fp16.tables[5].torchrec_config().data_type == DataType.FP16
