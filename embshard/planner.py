@@ -16,7 +16,7 @@ activations and (on GPU) the CUDA context.
 
 ``plan_tables`` takes TorchRec's ``EmbeddingBagConfig``s and ``EmbeddingConfig``s
 (sequence tables) with each feature's mean pooling beside them (or embshard's config
-``TableConfig``s, which carry their own). Sequence tables are never copied.
+``TableConfig``s, which carry their own).
 Splitting a table adds traffic, so it splits only where that lowers the slowest rank.
 A greedy packing places the tables (those kept to the fewest ranks first, then the
 costliest first) each in its cheapest sharding whose pieces fit under a target cost
@@ -630,10 +630,6 @@ def _check_constraints(
         bad_types = [t for t in c.types or () if t not in _SHARDINGS]
         if bad_types:
             problems.append(f"{where}: shardings {bad_types} are none of {list(_SHARDINGS)}")
-        if known[name].sequence and "data_parallel" in (c.types or ()):
-            problems.append(
-                f"{where}: a sequence table (an EmbeddingCollection's) cannot be data_parallel"
-            )
         outside = [r for r in c.ranks or () if not (isinstance(r, int) and 0 <= r < world)]
         if outside:
             problems.append(
@@ -660,14 +656,8 @@ def _check_constraints(
 def _kept(
     tables: Sequence[PlannedTable], constraints: Mapping[str, TableConstraint]
 ) -> dict[str, TableConstraint]:
-    """Every table's constraint: a sequence table's shardings never data_parallel."""
-    kept = {}
-    for t in tables:
-        c = constraints.get(t.name, TableConstraint())
-        if t.sequence and c.types is None:
-            c = TableConstraint(_KINDS, c.ranks, c.column_blocks)
-        kept[t.name] = c
-    return kept
+    """Every table's constraint, none where none is given."""
+    return {t.name: constraints.get(t.name, TableConstraint()) for t in tables}
 
 
 def _check_memory(tables: Sequence[PlannedTable], model: CostModel) -> None:
@@ -1081,8 +1071,7 @@ def plan_tables(
     """A plan that fits every rank's usable memory and keeps the slowest rank's
     estimated step cost low, with a report of per-rank memory and cost.
 
-    ``tables`` are TorchRec's ``EmbeddingBagConfig``s and ``EmbeddingConfig``s
-    (sequence tables: never data_parallel),
+    ``tables`` are TorchRec's ``EmbeddingBagConfig``s and ``EmbeddingConfig``s,
     ``batch_size`` is per rank, and
     ``mean_pooling`` the mean ids per bag by feature or table (default 1.0; see
     ``planned_tables``); ``constraints`` limit tables by name. The slowest rank is
@@ -1136,8 +1125,7 @@ def plan_loads(
 ) -> list[RankLoad]:
     """Per-rank memory and estimated cost of any plan, by the same cost model (row
     blocks priced by their measured lookups, with ``stats``; data-parallel copies with
-    their all-reduce's latency). A plan that cannot shard its sequence tables is a
-    PlanningError (``_check_sequence``)."""
+    their all-reduce's latency)."""
     model = CostModel(topology, batch_size, optimizer)
     resolved: dict[str, ShardedTable] = plan.resolve(
         [_as_config(t) for t in tables], topology.world_size
@@ -1145,7 +1133,6 @@ def plan_loads(
     loads = [RankLoad(r) for r in range(topology.world_size)]
     measured = stats.tables if stats is not None else {}
     specs = planned_tables(tables, mean_pooling, stats)
-    _check_sequence([resolved[t.name] for t in specs if t.sequence])
     for table in specs:
         sharded, traffic = resolved[table.name], measured.get(table.name)
         for shard in sharded.shards:
@@ -1162,13 +1149,6 @@ def plan_loads(
         for load in loads:
             load.cost += topology.collective_latency()
     return loads
-
-
-def _check_sequence(tables: Sequence[ShardedTable]) -> None:
-    """What embshard's EmbeddingCollection refuses: a data-parallel sequence table."""
-    copied = [t.name for t in tables if t.replicated]
-    if copied:
-        raise PlanningError(f"sequence tables {copied} cannot be data_parallel")
 
 
 def shard_name(name: str, shard: TableShard) -> str:

@@ -64,8 +64,10 @@ class ReplicatedTables:
     # Per pass, per feature: where the feature's table starts in the stacked rows, or
     # -1 where the pass does not look the feature up.
     table_starts: torch.Tensor
-    # Per data-parallel embedding, in output order: (pass, feature, dim).
+    # Per data-parallel embedding, in output order: (pass, feature, dim), and where its
+    # table starts in the stacked rows.
     embeddings: list[tuple[int, int, int]]
+    embedding_starts: list[int]
     group: dist.ProcessGroup | None
 
     def __call__(self, batch: LocalBatch) -> torch.Tensor:
@@ -97,6 +99,16 @@ class ReplicatedTables:
                 ).view(features, samples, stacked.shape[1])
             )
         return torch.cat([pooled[p][f, :, :dim] for p, f, dim in self.embeddings], dim=1)
+
+    def per_id(self, batch: LocalBatch, ids_per_feature: list[int]) -> list[torch.Tensor]:
+        """An EmbeddingCollection's rows: for each data-parallel embedding, in output
+        order, the row of every id of its feature in the local batch."""
+        stacked = self._stacked_rows()
+        ids = batch.values.long().split(ids_per_feature)
+        return [
+            F.embedding(ids[feature] + start, stacked)[:, :dim]
+            for (_, feature, dim), start in zip(self.embeddings, self.embedding_starts)
+        ]
 
     def _stacked_rows(self) -> torch.Tensor:
         """Every table's rows, read through the TBE (so its fused backward updates
@@ -139,6 +151,8 @@ def build_replicated(
             lengths.append(F.pad(torch.ones_like(block), (0, chunk - len(block))))
     tbe = build_tbe(list(zip(rows, dims)), optimizer, device, feature_table_map, dtype)
     passes = _passes(routes)
+    table_starts = _table_starts(passes, len(routes.features), names, rows)
+    embeddings = _embedding_passes(routes, passes)
     return ReplicatedTables(
         tbe=tbe,
         names=names,
@@ -147,8 +161,9 @@ def build_replicated(
         chunk=chunk,
         all_rows=torch.cat(ids).to(device),
         all_offsets=F.pad(torch.cat(lengths).cumsum(0), (1, 0)).to(device),
-        table_starts=_table_starts(passes, len(routes.features), names, rows).to(device),
-        embeddings=_embedding_passes(routes, passes),
+        table_starts=table_starts.to(device),
+        embeddings=embeddings,
+        embedding_starts=[int(table_starts[p, f]) for p, f, _ in embeddings],
         group=group,
     )
 

@@ -21,7 +21,6 @@ from torchrec.sparse.jagged_tensor import JaggedTensor
 
 from embshard.dist import Scratch
 from embshard.module import InputInFlight, ShardedCollection
-from embshard.plan import DataParallel, PlanError
 
 
 @dataclass(frozen=True)
@@ -59,12 +58,14 @@ class SequenceLayout:
 
 
 class Rows(NamedTuple):
-    """The lookup's result: the pooled TBE's output as [blocks, block], and the blocks
-    to send back, in order (the rows of the ids of all sources in rank order, as they
-    arrived, each id's row whole)."""
+    """The lookup's result: the pooled TBE's output as [blocks, block], the blocks to
+    send back, in order (the rows of the ids of all sources in rank order, as they
+    arrived, each id's row whole), and the data-parallel embeddings' rows of the local
+    batch."""
 
     blocks: torch.Tensor
     sent: torch.Tensor
+    local: list[torch.Tensor]
 
 
 class RowsAllToAll(torch.autograd.Function):
@@ -166,14 +167,10 @@ class ShardedEmbeddingCollection(ShardedCollection):
                 f"comm_precision {comm_precision!r} is not supported for an EmbeddingCollection "
                 "yet: its rows travel in fp32"
             )
-        replicated = [n for n, t in self._tables.items() if isinstance(t.spec, DataParallel)]
-        if replicated:
-            raise PlanError(
-                f"tables {replicated}: data_parallel is not supported for an "
-                "EmbeddingCollection yet"
-            )
         routes, stage = self._routes, self._input_dist
         send = [s for slots in routes.slots for s in slots]
+        # The sharded embeddings' rows come back in one output, in embedding order.
+        sharded = [i for i, e in enumerate(routes.embeddings) if not e.data_parallel]
         cols = torch.tensor(
             [s.shard.cols for s in routes.slots[self._rank]], dtype=torch.long, device=self._device
         )
@@ -181,8 +178,8 @@ class ShardedEmbeddingCollection(ShardedCollection):
             dim=self._configs[0].embedding_dim if self._configs else 0,
             block=stage.block,
             slot_cols=[[s.shard.cols for s in slots] for slots in routes.slots],
-            embedding_feature=[e.feature for e in routes.embeddings],
-            send_row_embedding=[s.embedding for s in send],
+            embedding_feature=[routes.embeddings[i].feature for i in sharded],
+            send_row_embedding=[sharded.index(s.embedding) for s in send],
             send_row_feature=[routes.embeddings[s.embedding].feature for s in send],
             send_row_column=torch.tensor(
                 [s.shard.col_offset for s in send], dtype=torch.long, device=self._device
@@ -196,14 +193,21 @@ class ShardedEmbeddingCollection(ShardedCollection):
         )
 
     def lookup(self, in_flight: InputInFlight) -> Rows:  # type: ignore[override]
-        """Stage 2: wait for the ids, and look up a row for each in one TBE call."""
+        """Stage 2: wait for the ids, and look up a row for each in one TBE call; look
+        the local batch's ids of the data-parallel tables up in their copies."""
         if in_flight.error is not None:
             raise in_flight.error
+        replicated = self._storage.replicated
+        local = (
+            replicated.per_id(in_flight.batch, in_flight.counts.ids_per_feature)
+            if replicated is not None
+            else []
+        )
         ids, arrived = self._arrived(in_flight, self._input_dist.unpack_sequence)
         layout, device = self._output_layout, self._device
         if self._storage.tbe is None:
             empty = torch.zeros(0, dtype=torch.long, device=device)
-            return Rows(torch.zeros(0, layout.block, device=device), empty)
+            return Rows(torch.zeros(0, layout.block, device=device), empty, local)
         mine = layout.slot_cols[self._rank]
         per_slot = [sum(ids[s] for ids in in_flight.counts.slot_ids) for s in range(len(mine))]
         offsets, slot, bag = _one_id_a_bag(per_slot, len(ids), device)
@@ -217,7 +221,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
         start_arrived = torch.cumsum(span_arrived, 0) - span_arrived
         place = _spread(start_arrived[arrived], span, total)
         to_send = torch.empty_like(place).index_copy_(0, place, _spread(first, span, total))
-        return Rows(pooled.view(-1, layout.block), to_send)
+        return Rows(pooled.view(-1, layout.block), to_send, local)
 
     def output_dist(  # type: ignore[override]
         self, looked_up: Rows, in_flight: InputInFlight
@@ -250,9 +254,13 @@ class ShardedEmbeddingCollection(ShardedCollection):
             self._anchor, looked_up.blocks, looked_up.sent, source, layout, counts
         )
         lengths = batch.lengths.long()
+        sharded, local = iter(out.split(per_embedding)), iter(looked_up.local)
         return {
-            e.name: JaggedTensor(values=values, lengths=lengths[e.feature])
-            for e, values in zip(self._routes.embeddings, out.split(per_embedding))
+            e.name: JaggedTensor(
+                values=next(local) if e.data_parallel else next(sharded),
+                lengths=lengths[e.feature],
+            )
+            for e in self._routes.embeddings
         }
 
     def embedding_configs(self) -> list[EmbeddingConfig]:

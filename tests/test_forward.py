@@ -345,10 +345,10 @@ def grids(draw, world_size: int, rows: int, widths: list[int]):
 @st.composite
 def random_cases(draw, world_size: int, sequence: bool = False) -> Case:
     """Random tables, plans and batches. For an EmbeddingCollection (``sequence``) every
-    table is 8 wide (TorchRec's takes one dim), and none data-parallel."""
+    table is 8 wide (TorchRec's takes one dim)."""
     feature_pool = [f"f{i}" for i in range(5)]
     tables, specs = [], {}
-    kinds = ["tw", "rw", "uneven", "cw", "grid"] + ([] if sequence else ["dp"])
+    kinds = ["tw", "rw", "uneven", "cw", "grid", "dp"]
     for i in range(draw(st.integers(1, 4))):
         name = f"t{i}"
         features = tuple(

@@ -257,14 +257,10 @@ def table_layouts(rows: int, dim: int, world: int, constraint: TableConstraint):
 
 def brute_force(tables, topology: Topology, batch: int, constraints) -> tuple[float, float]:
     """The slowest rank of the best plan, and of the best table-wise plan. Each copy's
-    loads carry the all-reduce's latency, which a plan pays once. Sequence tables are
-    never copied."""
+    loads carry the all-reduce's latency, which a plan pays once."""
     world, per_table = topology.world_size, []
     for t in tables:
         constraint = constraints.get(t.name, TableConstraint())
-        if t.sequence:  # any sharding but data_parallel
-            types = constraint.types or ("table_wise", "row_wise", "column_wise")
-            constraint = dataclasses.replace(constraint, types=types)
         options = list(table_layouts(t.num_embeddings, t.embedding_dim, world, constraint))
         loads = [
             [load.cost for load in plan_loads(ShardingPlan({t.name: o}), [t], topology, batch)]
@@ -815,23 +811,22 @@ def test_sequence_tables_send_a_row_back_per_id():
     assert planned_tables([torchrec], {"t": 5.0}) == [s]
 
 
-def test_sequence_tables_are_never_copied():
+def test_tiny_sequence_tables_are_copied_and_plans_with_copies_are_priced():
     """The tiny tables that test_copies_follow_constraints_and_memory copies to every
-    rank are cut instead as sequence tables; a constraint or plan copying one fails."""
+    rank are copied as sequence tables too, and a given plan copying one is priced."""
     tables = [TableConfig(f"t{i}", 50 + i, 16, [f"f{i}"]) for i in range(6)]
     tables.append(TableConfig("big", 1_000_000, 64, ["g"]))
     sequence = [dataclasses.replace(t, pooling="none") for t in tables[:6]] + tables[6:]
     plan, report = plan_tables(sequence, Topology.cpu(4), 1024)
-    assert not any(isinstance(spec, DataParallel) for spec in plan.tables.values()), plan
+    assert all(isinstance(plan.tables[f"t{i}"], DataParallel) for i in range(6)), plan
     assert report.lower_bound * (1 - 1e-9) <= report.slowest
-    with pytest.raises(
-        PlanningError, match=r"table 't0': a sequence table .* cannot be data_parallel"
-    ):
-        copy = {"t0": TableConstraint(types=("row_wise", "data_parallel"))}
-        plan_tables(sequence, Topology.cpu(4), 1024, copy)
     given = ShardingPlan({t.name: table_wise(0) for t in sequence} | {"t1": data_parallel()})
-    with pytest.raises(PlanningError, match=r"sequence tables \['t1'\] cannot be data_parallel"):
-        plan_loads(given, sequence, Topology.cpu(4), 1024)
+    copied = plan_loads(given, sequence, Topology.cpu(4), 1024)
+    whole = plan_loads(ShardingPlan({t.name: table_wise(0) for t in sequence}), sequence,
+                       Topology.cpu(4), 1024)  # fmt: skip
+    # The copy is on every rank, and leaves rank 0 the cost of serving t1.
+    assert all("t1" in " ".join(load.shards) for load in copied)
+    assert copied[0].cost < whole[0].cost
 
 
 def sequence_problem(seed: int) -> tuple[list[TableConfig], dict, Topology]:
@@ -863,14 +858,18 @@ def sequence_problem(seed: int) -> tuple[list[TableConfig], dict, Topology]:
 
 def test_random_problems_with_sequence_tables_plan_within_the_bound():
     """Pooled tables of any dim beside sequence tables of one or two dims, some kept to
-    column blocks: every problem plans, no sequence table is copied, and the bound
-    holds."""
+    column blocks: every problem plans, the bound holds, and plan_loads prices the
+    plan (its copies of sequence tables included) as the planner did."""
+    copied_sequences = 0
     for seed in range(24):
         tables, constraints, topology = sequence_problem(seed)
         plan, report = plan_tables(tables, topology, 512, constraints)
-        copied = {n for n, spec in plan.tables.items() if isinstance(spec, DataParallel)}
-        assert not copied & {t.name for t in tables if t.sequence}, seed
         assert report.lower_bound * (1 - 1e-9) <= report.slowest, seed
+        priced = max(load.cost for load in plan_loads(plan, tables, topology, 512))
+        assert priced == pytest.approx(report.slowest), seed
+        copied = {n for n, spec in plan.tables.items() if isinstance(spec, DataParallel)}
+        copied_sequences += len(copied & {t.name for t in tables if t.sequence})
+    assert copied_sequences > 0
 
 
 EC_TABLES = (

@@ -63,6 +63,10 @@ def plans(world: int) -> dict[str, ShardingPlan]:
                 "d": grid(2, [everyone, [last]]),
             }
         ),
+        # Copies on every rank beside shards; f_a feeds a copy (a) and a shard (d).
+        "data_parallel": ShardingPlan(
+            {"a": data_parallel(), "b": row_wise(), "c": data_parallel(), "d": table_wise(last)}
+        ),
         "mixed_row_wise": ShardingPlan(
             {"a": row_wise(), "b": table_wise(0), "c": row_wise(uneven), "d": row_wise()}
         ),
@@ -235,17 +239,12 @@ def shard_error(case: Case, comm_precision: str | None) -> str:
     ("plan", "comm_precision", "message"),
     [
         (
-            ShardingPlan({t.name: data_parallel() for t in TABLES}),
-            None,
-            "data_parallel is not supported for an EmbeddingCollection yet",
-        ),
-        (
             ShardingPlan({t.name: table_wise(0) for t in TABLES}),
             "fp16",
             "comm_precision 'fp16' is not supported for an EmbeddingCollection yet",
         ),
     ],
-    ids=["data_parallel", "comm_precision"],
+    ids=["comm_precision"],
 )
 def test_what_is_not_supported_says_so(world, plan, comm_precision, message):
     case = Case(TABLES, plan, (2,), sequence=True)
@@ -322,7 +321,13 @@ def load_into(case: Case, root: str) -> tuple[int, dict[str, torch.Tensor]]:
 
 
 @pytest.mark.parametrize(
-    ("saved_as", "loaded_as"), [("column_wise", "row_wise_uneven"), ("mixed", "column_wise")]
+    ("saved_as", "loaded_as"),
+    [
+        ("column_wise", "row_wise_uneven"),
+        ("mixed", "column_wise"),
+        ("data_parallel", "mixed"),  # copies saved once, loaded as shards
+        ("mixed", "data_parallel"),  # and shards loaded as copies
+    ],
 )
 def test_checkpoint_reshards_from_4_ranks_to_2(world, tmp_path, saved_as, loaded_as):
     optimizer = embshard.Adagrad(lr=0.1)  # per element: exact under any resharding
@@ -361,6 +366,11 @@ def test_four_collectives_per_step(world):
     # Counts, ids and rows all-to-alls, and the rows' gradient all-to-all.
     case = Case(TABLES, plans(3)["mixed_row_wise"], batch_sizes(3), sequence=True)
     assert world(3).run(count_collectives, case) == [[4, 4]] * 3
+
+
+def test_data_parallel_tables_add_one_all_reduce(world):
+    case = Case(TABLES, plans(3)["data_parallel"], batch_sizes(3), sequence=True)
+    assert world(3).run(count_collectives, case) == [[5, 5]] * 3
 
 
 def bad_batch(case: Case) -> str:
