@@ -26,11 +26,12 @@ from embshard.module import InputInFlight, ShardedCollection
 @dataclass(frozen=True)
 class SequenceLayout:
     """What the rows' all-to-all needs besides the batch, fixed at sharding: the
-    embeddings' dim and features, each rank's slots' widths, and per row of
-    ``Routes.send_rows()`` (destination, slot) its embedding, feature and first output
-    column. Rows travel and land in ``block`` columns at a time (``block`` divides the
-    dim and every shard's width and first column), so one gather and one scatter of
-    blocks place every id's row, whatever the widths of the shards."""
+    sharded embeddings' dim and features, each rank's slots' widths, and per row of
+    ``Routes.send_rows()`` (destination, slot) its embedding (among the sharded ones),
+    feature and first output column. Rows travel and land in ``block`` columns at a
+    time (``block`` divides the dim and every shard's width and first column), so one
+    gather of blocks on each side places every id's row, whatever the widths of the
+    shards."""
 
     dim: int
     block: int
