@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, EmbeddingConfig
 
 from embshard.config import TableConfig, TrainConfig
 from embshard.plan import (
@@ -203,7 +203,8 @@ class TableConstraint:
 class PlannedTable:
     """What the cost model needs of a table: its shape, and per sample its bags (one
     per feature) and ids (the features' mean pooling, summed); ``sequence`` for an
-    EmbeddingCollection's table, which returns a row per id, not per bag."""
+    EmbeddingCollection's table, which returns a row per id, not per bag; the bytes of
+    a weight (2 for FP16 tables)."""
 
     name: str
     num_embeddings: int
@@ -211,6 +212,7 @@ class PlannedTable:
     bags_per_sample: int
     ids_per_sample: float
     sequence: bool = False
+    weight_bytes: int = 4
 
 
 AnyTable = EmbeddingBagConfig | EmbeddingConfig | TableConfig
@@ -256,6 +258,7 @@ def planned_tables(
                 len(config.feature_names),
                 float(ids),
                 isinstance(config, EmbeddingConfig),
+                2 if config.data_type == DataType.FP16 else 4,
             )
         )
     return planned
@@ -300,11 +303,11 @@ class CostModel:
         """The rows the lookups return: one per bag, or per id for a sequence table."""
         return self.ids(table) if table.sequence else self.bags(table)
 
-    def memory(self, rows: int, cols: int) -> int:
-        """Bytes of a (rows x cols) shard: fp32 weights and the optimizer's state."""
-        if self.optimizer == "rowwise_adagrad":
-            return 4 * (rows * cols + rows)
-        return 4 * rows * cols * (2 if self.optimizer == "adagrad" else 1)
+    def memory(self, table: PlannedTable, rows: int, cols: int) -> int:
+        """Bytes of a (rows x cols) shard of ``table``: its weights, and the optimizer's
+        state, fp32 whatever the weights' type."""
+        state = {"rowwise_adagrad": rows, "adagrad": rows * cols}.get(self.optimizer, 0)
+        return table.weight_bytes * rows * cols + 4 * state
 
     def shard_cost(self, table: PlannedTable, kind: str, rows: float, cols: float) -> float:
         """Seconds per step the owner of a (rows x cols) shard of ``table`` spends.
@@ -319,7 +322,7 @@ class CostModel:
         share = rows / table.num_embeddings if kind in _ROW_SPLIT else 1.0
         ids, bags = self.ids(table) * share, self.bags(table)
         out = ids if table.sequence else bags
-        lookup = ids * cols * 4 * _PASSES / self.topology.lookup_bandwidth
+        lookup = ids * cols * table.weight_bytes * _PASSES / self.topology.lookup_bandwidth
         moved = (ids + bags) * _ID_BYTES + 2 * out * cols * 4
         return lookup + moved * self.topology.seconds_per_byte()
 
@@ -340,10 +343,11 @@ class CostModel:
         reading and updating every row through the TBE each step, and the rows'
         gradient all-reduced (a ring: twice the bytes)."""
         world = self.topology.world_size
-        table_bytes = table.num_embeddings * table.embedding_dim * 4
-        local_bytes = self.batch_size * table.ids_per_sample * table.embedding_dim * 4
-        lookup = (local_bytes + table_bytes) * _PASSES / self.topology.lookup_bandwidth
-        reduce = 2 * (world - 1) / world * table_bytes * self.topology.seconds_per_byte()
+        rows = table.num_embeddings + self.batch_size * table.ids_per_sample
+        lookup = rows * table.embedding_dim * table.weight_bytes * _PASSES
+        gradient = table.num_embeddings * table.embedding_dim * 4  # fp32, all-reduced
+        reduce = 2 * (world - 1) / world * gradient * self.topology.seconds_per_byte()
+        lookup /= self.topology.lookup_bandwidth
         return lookup + reduce - self.requester_cost(table)
 
     def base_cost(self, tables: Sequence[PlannedTable]) -> float:
@@ -578,7 +582,7 @@ def _table(
     kinds, limit = _kinds(constraint), _limit(constraint, world)
     if limit < world:  # a data-parallel copy goes on every rank
         kinds = tuple(k for k in kinds if k != "data_parallel")
-    whole = model.memory(table.num_embeddings, table.embedding_dim)
+    whole = model.memory(table, table.num_embeddings, table.embedding_dim)
     linear = {kind: _linear(table, model, kind) for kind in kinds}
     options = []
     for kind in _packed_kinds(kinds, copies):
@@ -595,7 +599,7 @@ def _table(
                     if kind == "row_wise"
                     else cols / table.embedding_dim
                 )
-            memory = model.memory(rows, cols)
+            memory = model.memory(table, rows, cols)
             waste = memory * blocks - whole if kind in ("column_wise", "data_parallel") else 0
             options.append(_Option(kind, blocks, a + b * blocks, a * share + b, memory, waste))
     if not options:
@@ -663,7 +667,7 @@ def _kept(
 def _check_memory(tables: Sequence[PlannedTable], model: CostModel) -> None:
     topology = model.topology
     world, usable = topology.world_size, topology.usable_memory
-    needed = sum(model.memory(t.num_embeddings, t.embedding_dim) for t in tables)
+    needed = sum(model.memory(t, t.num_embeddings, t.embedding_dim) for t in tables)
     if needed > world * usable:
         raise PlanningError(
             f"the tables need {format_bytes(needed)} but {plural(world, 'rank')} of "
@@ -793,7 +797,7 @@ def _pieces(
     else:
         shares = [rows / n if kind == "row_wise" else cols / dim for rows, cols in shapes]
     return [
-        _Piece(int(r), rows, cols, a * share + b, model.memory(rows, cols))
+        _Piece(int(r), rows, cols, a * share + b, model.memory(table.spec, rows, cols))
         for r, (rows, cols), share in zip(ranks, shapes, shares)
     ]
 
@@ -837,7 +841,7 @@ def _rows_to_room(
     free memory of the ranks it may use, in all, always fits so with no target."""
     spec, capacity = table.spec, model.topology.usable_memory
     a, b = table.linear["row_wise"]
-    room = (capacity - packing.memory) // model.memory(1, spec.embedding_dim)
+    room = (capacity - packing.memory) // model.memory(spec, 1, spec.embedding_dim)
     spare = target - packing.cost - b
     if a > 0:
         with np.errstate(invalid="ignore"):
@@ -1139,7 +1143,7 @@ def plan_loads(
             if not (shard.rows and shard.cols):
                 continue
             load = loads[shard.rank]
-            load.memory += model.memory(shard.rows, shard.cols)
+            load.memory += model.memory(table, shard.rows, shard.cols)
             rows = shard.rows  # priced as the rows its measured lookups would fill
             if traffic is not None and sharded.kind in _ROW_SPLIT:
                 rows = traffic.share(shard.row_offset, shard.rows) * table.num_embeddings

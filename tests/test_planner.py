@@ -208,9 +208,9 @@ def assert_every_split_is_needed(plan, tables, topology: Topology, batch: int) -
         for s in sharded.shards:
             if s.rows and s.cols:
                 cost[s.rank] += model.shard_cost(table, kind, s.rows, s.cols)
-                memory[s.rank] += model.memory(s.rows, s.cols)
+                memory[s.rank] += model.memory(table, s.rows, s.cols)
         whole = model.shard_cost(table, "table_wise", table.num_embeddings, table.embedding_dim)
-        size = model.memory(table.num_embeddings, table.embedding_dim)
+        size = model.memory(table, table.num_embeddings, table.embedding_dim)
         for load in loads:
             if load.memory - memory[load.rank] + size <= topology.usable_memory:
                 moved = load.cost - cost[load.rank] + whole
@@ -891,3 +891,25 @@ def test_a_planned_plan_of_sequence_tables_shards_and_trains_like_torchrec(world
     case = Case(EC_TABLES, plan, (5, 3), sequence=True)
     for worst in world(2).run(run_sequence_case, case):
         assert worst["forward"] < 1e-5 and worst["weights"] < 1e-5, worst
+
+
+def test_fp16_tables_are_priced_at_two_bytes_a_weight():
+    """FP16 tables hold 2-byte weights beside the optimizer's fp32 state, so a model
+    that fits only in FP16 plans, and its FP32 twin does not."""
+    rows, dim = 2**22, 64  # 1 GiB of fp32 weights
+    fp32 = [TableConfig(f"t{i}", rows, dim, [f"f{i}"]) for i in range(7)]
+    fp16 = [dataclasses.replace(t, data_type="fp16") for t in fp32]
+    topology = Topology.cpu(2, memory_per_rank=4 * GiB, reserved_memory=GiB)
+    whole = ShardingPlan({"t0": table_wise(0)})
+    for optimizer, state in (
+        ("sgd", 0),
+        ("rowwise_adagrad", 4 * rows),
+        ("adagrad", 4 * rows * dim),
+    ):
+        for tables, weight in ((fp32, 4), (fp16, 2)):
+            load = plan_loads(whole, tables[:1], topology, 64, optimizer)[0]
+            assert load.memory == weight * rows * dim + state, (optimizer, weight)
+    _, report = plan_tables(fp16, topology, 64, optimizer="sgd")  # 3.5 GiB into 2 x 3
+    assert max(load.memory for load in report.ranks) <= topology.usable_memory
+    with pytest.raises(PlanningError, match="missing"):  # 7 GiB
+        plan_tables(fp32, topology, 64, optimizer="sgd")
