@@ -16,8 +16,8 @@ and update in a bare TBE (the data the rank's TBE received, in one process), and
 machine's gather bandwidth against the local lookup's, and the fraction of the ids
 each rank's TBE received that repeat within their table (what deduplicating would save).
 Workload (e) is an EmbeddingCollection (a row per id; TorchRec's
-EmbeddingCollectionSharder); a cell embshard refuses to shard (there: the mixed plan,
-compressed all-to-alls) is skipped, its reason recorded.
+EmbeddingCollectionSharder); a cell embshard refuses to shard (there: compressed
+all-to-alls) is skipped, its reason recorded.
 """
 
 from __future__ import annotations

@@ -344,11 +344,10 @@ class CostModel:
         gradient all-reduced (a ring: twice the bytes)."""
         world = self.topology.world_size
         rows = table.num_embeddings + self.batch_size * table.ids_per_sample
-        lookup = rows * table.embedding_dim * table.weight_bytes * _PASSES
+        looked_up = rows * table.embedding_dim * table.weight_bytes * _PASSES
         gradient = table.num_embeddings * table.embedding_dim * 4  # fp32, all-reduced
         reduce = 2 * (world - 1) / world * gradient * self.topology.seconds_per_byte()
-        lookup /= self.topology.lookup_bandwidth
-        return lookup + reduce - self.requester_cost(table)
+        return looked_up / self.topology.lookup_bandwidth + reduce - self.requester_cost(table)
 
     def base_cost(self, tables: Sequence[PlannedTable]) -> float:
         """What every rank pays alike: 4 collectives' latency, its own ids and rows (a

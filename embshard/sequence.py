@@ -154,8 +154,9 @@ def _spread(first: torch.Tensor, span: torch.Tensor, total: int) -> torch.Tensor
 class ShardedEmbeddingCollection(ShardedCollection):
     """The sharded form of a TorchRec ``EmbeddingCollection``; build it with ``shard()``.
 
-    Table-wise, row-wise, column-wise and grid plans of FP32 or FP16 tables. ``state_dict()`` has
-    the unsharded module's keys (``embeddings.<table>.weight``).
+    Table-wise, row-wise, column-wise, grid and data-parallel plans of FP32 or FP16
+    tables. ``state_dict()`` has the unsharded module's keys
+    (``embeddings.<table>.weight``).
     """
 
     _PREFIX = "embeddings"
