@@ -13,8 +13,10 @@ are compared before anything is timed; then training steps
 (forward, backward with the fused update) alternate between the two libraries. A
 step's time is the slowest rank's. It also times the same per-rank lookups, backward
 and update in a bare TBE (the data the rank's TBE received, in one process), and the
-machine's gather bandwidth against the local lookup's, and the fraction of the ids
-each rank's TBE received that repeat within their table (what deduplicating would save).
+step's collectives replayed alone with the same sizes: their sum is the step's floor
+on this machine. Also the machine's gather bandwidth against the local lookup's, and
+the fraction of the ids each rank's TBE received that repeat within their table (what
+deduplicating would save).
 Workload (e) is an EmbeddingCollection (a row per id; TorchRec's
 EmbeddingCollectionSharder); a cell embshard refuses to shard (there: compressed
 all-to-alls) is skipped, its reason recorded.
@@ -316,7 +318,7 @@ def pipelined_steps(model, batches) -> list[float]:
 
 class CollectiveBytes:
     """Counts the bytes a rank hands to torch.distributed's collectives, in all and by
-    dtype."""
+    dtype, and keeps each call (its tensors as uninitialised twins) for ``replay``."""
 
     OUTPUT_FIRST = ("all_to_all_single", "all_to_all", "all_gather", "all_gather_into_tensor",
                     "reduce_scatter_tensor")  # fmt: skip
@@ -325,11 +327,17 @@ class CollectiveBytes:
     def __init__(self) -> None:
         self.bytes = 0
         self.by_dtype: dict[torch.dtype, int] = {}
+        self.calls: list[tuple[Callable, dict]] = []
         self.originals: dict[str, Callable] = {}
 
     def __enter__(self) -> CollectiveBytes:
         import torch
         import torch.distributed as dist
+
+        def twin(value):
+            if isinstance(value, list | tuple):
+                return [twin(v) for v in value]
+            return torch.empty_like(value) if isinstance(value, torch.Tensor) else value
 
         for name in self.NAMES:
             original = getattr(dist, name)
@@ -345,6 +353,8 @@ class CollectiveBytes:
                         size = t.numel() * t.element_size()
                         self.bytes += size
                         self.by_dtype[t.dtype] = self.by_dtype.get(t.dtype, 0) + size
+                arguments = {k: twin(v) for k, v in bound.arguments.items()}
+                self.calls.append((_original, arguments))
                 return _original(*args, **kwargs)
 
             setattr(dist, name, wrapped)
@@ -356,14 +366,31 @@ class CollectiveBytes:
         for name, original in self.originals.items():
             setattr(dist, name, original)
 
+    def replay(self, repeats: int) -> float:
+        """The median time of the calls made again, one after another, each waited on,
+        with nothing else running: the collectives' share of the step's floor. The
+        ranks start each repeat together. Collective: every rank calls it."""
+        import torch.distributed as dist
 
-def per_step_comm(model, batch) -> tuple[int, int]:
-    """(backend collectives, bytes sent by this rank) of one training step."""
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            for original, arguments in self.calls:
+                work = original(**arguments)
+                if work is not None:
+                    work.wait()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+
+def per_step_comm(model, batch) -> tuple[int, CollectiveBytes]:
+    """The backend collectives of one training step, and what this rank handed them."""
     from torch.profiler import ProfilerActivity, profile
 
     with CollectiveBytes() as counter, profile(activities=[ProfilerActivity.CPU]) as prof:
         loss(model, batch).backward()
-    return sum(e.name.startswith("gloo:") for e in prof.events()), counter.bytes
+    return sum(e.name.startswith("gloo:") for e in prof.events()), counter
 
 
 def received_ids(ours, batch) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -502,26 +529,30 @@ def bench_case(
     bare, bandwidth = bare_tbe_time(ours, received, max(5, steps // 2))
     slots = len(ours._routes.slot_dims(rank))
     duplicates = duplicate_fraction(*received, slots) if received is not None else 0.0
-    bare = slowest([bare])[0]
     bandwidth = min(-x for x in slowest([-bandwidth]))
     samples = WORKLOADS[workload]["batch"] * world
     for name, times, model in (("embshard", ours_times, ours), ("torchrec", theirs_times, theirs)):
         collectives, sent = per_step_comm(model, batches[0])
+        if model is ours:
+            alone = sent.replay(max(5, steps // 2))
         record[name] = {
             "median_ms": 1e3 * statistics.median(times),
             "p10_ms": 1e3 * percentile(times, 0.1),
             "p90_ms": 1e3 * percentile(times, 0.9),
             "samples_per_s": samples / statistics.median(times),
             "collectives_per_step": collectives,
-            "bytes_sent_per_rank": max(slowest([float(sent)])),
+            "bytes_sent_per_rank": max(slowest([float(sent.bytes)])),
         }
     record["throughput_ratio"] = (
         record["embshard"]["samples_per_s"] / record["torchrec"]["samples_per_s"]
     )
     record["pipelined_median_ms"] = 1e3 * statistics.median(piped_times)
     record["pipeline_gain"] = record["embshard"]["median_ms"] / record["pipelined_median_ms"]
-    record["bare_tbe_ms"] = 1e3 * bare
+    record["bare_tbe_ms"] = 1e3 * slowest([bare])[0]
     record["overhead_vs_bare_tbe"] = record["embshard"]["median_ms"] / record["bare_tbe_ms"]
+    record["collectives_alone_ms"] = 1e3 * slowest([alone])[0]
+    record["floor_ms"] = 1e3 * slowest([bare + alone])[0]
+    record["step_over_floor"] = record["embshard"]["median_ms"] / record["floor_ms"]
     record["lookup_gather_gbps"] = bandwidth / 1e9
     record["duplicate_id_fraction_per_rank"] = per_rank(duplicates)
     return record
@@ -590,8 +621,9 @@ def summary_line(r: dict) -> str:
         f"torchrec {theirs['median_ms']:7.2f} ms [{theirs['p10_ms']:.2f}-{theirs['p90_ms']:.2f}] "
         f"{theirs['collectives_per_step']} coll {theirs['bytes_sent_per_rank'] / 2**20:6.2f} MiB | "
         f"ratio {r['throughput_ratio']:.2f}x | bare TBE {r['bare_tbe_ms']:.2f} ms "
-        f"(x{r['overhead_vs_bare_tbe']:.2f}) | pipelined {r['pipelined_median_ms']:.2f} ms "
-        f"(x{r['pipeline_gain']:.2f}) | repeated ids "
+        f"(x{r['overhead_vs_bare_tbe']:.2f}) + collectives alone "
+        f"{r['collectives_alone_ms']:.2f} ms (x{r['step_over_floor']:.2f}) | "
+        f"pipelined {r['pipelined_median_ms']:.2f} ms (x{r['pipeline_gain']:.2f}) | repeated ids "
         + " ".join(f"{f:.2f}" for f in r["duplicate_id_fraction_per_rank"])
     )
 

@@ -30,6 +30,8 @@ def test_bench_smoke(tmp_path):
             assert figures["p10_ms"] <= figures["median_ms"] <= figures["p90_ms"]
             assert figures["bytes_sent_per_rank"] > 0 and figures["samples_per_s"] > 0
         assert record["bare_tbe_ms"] > 0 and record["throughput_ratio"] > 0
+        assert 0 < record["collectives_alone_ms"] < record["floor_ms"]
+        assert record["floor_ms"] >= record["bare_tbe_ms"] and record["step_over_floor"] > 0
         assert record["pipelined_median_ms"] > 0 and record["pipeline_gain"] > 0
         assert all(0 < f < 1 for f in record["duplicate_id_fraction_per_rank"])
 
