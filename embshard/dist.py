@@ -283,7 +283,7 @@ class InputDistribution:
 
     def route(self, batch: LocalBatch) -> Routed:
         """Bucketize row-wise ids by owner (rebased into its block), and count what
-        each rank gets."""
+        each rank gets. Ids of hot rows stay home, in bucket 0."""
         lengths, values, weights = batch.lengths, batch.values, batch.weights
         positions = torch.arange(values.numel(), device=self.device) if self.sequence else None
         if self.passes:
@@ -294,7 +294,7 @@ class InputDistribution:
                     False,
                     self.sequence,
                     block_sizes,
-                    self.world,
+                    self.routes.buckets,
                     weights,
                     None,
                     -1,
@@ -302,7 +302,7 @@ class InputDistribution:
                 )
                 for block_sizes, boundaries in self.passes
             ]
-            table_rows = len(self.passes) * self.world * len(self.routes.features)
+            table_rows = len(self.passes) * self.routes.buckets * len(self.routes.features)
             lengths = torch.cat([b[0] for b in buckets]).view(table_rows, batch.batch_size)
             values = _cat([b[1] for b in buckets])
             weights = None if weights is None else _cat([b[2] for b in buckets])
@@ -572,7 +572,8 @@ class PooledAllToAll(torch.autograd.Function):
 
     Forward: [global batch, this rank's slot dims] -> [local batch, output dims]: the
     all-to-all, then every slot's columns copied to (or, for row-wise partials, added
-    into) their output columns, and ``local``'s columns copied to theirs. Backward:
+    into) their output columns, and ``local``'s copied to theirs (added, for hot rows'
+    partial sums). Backward:
     each slot takes its output columns' gradient, the all-to-all runs in reverse, and
     the result is divided by the world size, so the sparse gradients are averaged over
     ranks as DDP averages the dense ones.
@@ -594,16 +595,14 @@ class PooledAllToAll(torch.autograd.Function):
         dist.all_to_all_single(received, send, recv_splits, send_splits, group=layout.group)
         blocks = _blocks(received, recv_splits, local_batch, layout.block_dims)
         out = layout.scratch.take("out", (local_batch, layout.output_dim), pooled)
-        for m in layout.moves:
-            piece = _column_runs(blocks[m.rank], m.source, m.source_step, m)
+        moves = [(blocks[m.rank], m) for m in layout.moves]
+        for source, m in moves + [(local, m) for m in layout.local_moves]:
+            piece = _column_runs(source, m.source, m.source_step, m)
             target = _column_runs(out, m.target, m.target_step, m)
             if m.add:
                 target.add_(piece)
             else:
                 target.copy_(piece)
-        for m in layout.local_moves:
-            piece = _column_runs(local, m.source, m.source_step, m)
-            _column_runs(out, m.target, m.target_step, m).copy_(piece)
         ctx.save_for_backward(anchor)
         ctx.splits = (send_splits, recv_splits, local_batch, pooled.shape, local.shape)
         ctx.layout = layout

@@ -212,11 +212,7 @@ class ShardedCollection(nn.Module):
         self._output_layout = self._output_stage(scratch, comm_precision)
         replicated = build_replicated(
             self._routes,
-            {
-                n: (t.num_embeddings, t.embedding_dim)
-                for n, t in self._tables.items()
-                if t.replicated
-            },
+            {n: (t.copied_rows, t.embedding_dim) for n, t in self._tables.items() if t.copied_rows},
             optimizer,
             self._device,
             dtype,

@@ -39,9 +39,12 @@ class TableWise:
 
 @dataclass(frozen=True)
 class RowWise:
-    """One row block per rank, in rank order: even (``sizes=None``) or explicit sizes."""
+    """One row block per rank, in rank order: even (``sizes=None``) or explicit sizes.
+    With ``hot_rows``, the first ``hot_rows`` rows are copied on every rank instead
+    and the blocks split the rest."""
 
     sizes: tuple[int, ...] | None = None
+    hot_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -77,10 +80,17 @@ def table_wise(rank: int) -> TableWise:
     return TableWise(rank=rank)
 
 
-def row_wise(sizes: Sequence[int] | None = None) -> RowWise:
+def row_wise(sizes: Sequence[int] | None = None, hot_rows: int = 0) -> RowWise:
     """Split rows over all ranks: even blocks (as TorchRec: ceil-sized, the last ones
-    smaller or empty) or ``sizes[r]`` rows on rank ``r`` (zeros allowed)."""
-    return RowWise(sizes=None if sizes is None else tuple(sizes))
+    smaller or empty) or ``sizes[r]`` rows on rank ``r`` (zeros allowed).
+
+    ``hot_rows``: copy the table's first ``hot_rows`` rows to every rank and split only
+    the rest (``sizes`` then sum to the rows left). Each rank looks its own batch's ids
+    of those rows up in its copy, so the ids skewed traffic sends most often travel
+    nowhere and load no one rank; their gradient is averaged over the ranks in the
+    data-parallel tables' all-reduce. For ids numbered hottest first, as frequency
+    remapping numbers them. EmbeddingBagCollections only."""
+    return RowWise(sizes=None if sizes is None else tuple(sizes), hot_rows=hot_rows)
 
 
 def column_wise(ranks: Sequence[int], widths: Sequence[int] | None = None) -> ColumnWise:
@@ -114,13 +124,17 @@ def grid(
 
 @dataclass(frozen=True)
 class TableShard:
-    """The rectangle ``[row_offset:row_offset+rows, col_offset:col_offset+cols]`` on ``rank``."""
+    """The rectangle ``[row_offset:row_offset+rows, col_offset:col_offset+cols]`` on ``rank``.
+
+    A ``copy`` is one of identical rectangles on every rank (a data-parallel table, or
+    a row-wise table's hot rows): looked up where the batch is, never sent ids."""
 
     rank: int
     row_offset: int
     rows: int
     col_offset: int
     cols: int
+    copy: bool = False
 
 
 @dataclass(frozen=True)
@@ -148,6 +162,12 @@ class ShardedTable:
         return isinstance(self.spec, DataParallel)
 
     @property
+    def copied_rows(self) -> int:
+        """Rows ``[0, copied_rows)`` are copied on every rank: all of a data-parallel
+        table's, a row-wise table's hot rows, else none."""
+        return next((s.rows for s in self.shards if s.copy), 0)
+
+    @property
     def ranks(self) -> tuple[int, ...]:
         """Ranks that hold a non-empty part of the table, ascending."""
         return tuple(sorted({s.rank for s in self.shards if s.rows and s.cols}))
@@ -155,13 +175,12 @@ class ShardedTable:
 
 def local_shards(tables: Mapping[str, ShardedTable], rank: int) -> list[tuple[str, TableShard]]:
     """The non-empty shards on ``rank`` that the all-to-alls serve, in table then column
-    order: its TBE's tables. Data-parallel copies are not among them."""
+    order: its TBE's tables. Copies are not among them."""
     return [
         (n, s)
         for n, t in tables.items()
-        if not t.replicated
         for s in t.shards_on(rank)
-        if s.rows and s.cols
+        if s.rows and s.cols and not s.copy
     ]
 
 
@@ -236,9 +255,12 @@ def _spec_problems(spec: Any) -> list[str]:
             return [f"rank must be a non-negative int, got {spec.rank!r}"]
         return []
     if isinstance(spec, RowWise):
+        problems = []
         if spec.sizes is not None and not all(_is_int(s) and s >= 0 for s in spec.sizes):
-            return [f"row_wise sizes must be non-negative ints, got {list(spec.sizes)}"]
-        return []
+            problems.append(f"row_wise sizes must be non-negative ints, got {list(spec.sizes)}")
+        if not _is_int(spec.hot_rows) or spec.hot_rows < 0:
+            problems.append(f"row_wise hot_rows must be a non-negative int, got {spec.hot_rows!r}")
+        return problems
     if isinstance(spec, DataParallel):
         return []
     if isinstance(spec, ColumnWise):
@@ -367,9 +389,17 @@ def _table_problems(
                 f"row_wise gives {plural(len(sizes), 'size')} "
                 f"for a world of {plural(world_size, 'rank')}"
             )
-        if sizes is not None and sum(sizes) != rows:
+        split = rows - spec.hot_rows
+        if spec.hot_rows and split <= 0:
             problems.append(
-                f"row_wise sizes {list(sizes)} sum to {sum(sizes)}, not {plural(rows, 'row')}"
+                f"row_wise hot_rows {spec.hot_rows} leaves none of the table's "
+                f"{plural(rows, 'row')} to split (data_parallel() copies a whole table)"
+            )
+        elif sizes is not None and sum(sizes) != split:
+            left = f", the rows left after {spec.hot_rows} hot ones" if spec.hot_rows else ""
+            problems.append(
+                f"row_wise sizes {list(sizes)} sum to {sum(sizes)}, not {plural(split, 'row')}"
+                + left
             )
         return problems
 
@@ -401,11 +431,14 @@ def _table_shards(
     if isinstance(spec, TableWise):
         return (TableShard(spec.rank, 0, rows, 0, dim),)
     if isinstance(spec, DataParallel):
-        return tuple(TableShard(r, 0, rows, 0, dim) for r in range(world_size))
+        return tuple(TableShard(r, 0, rows, 0, dim, copy=True) for r in range(world_size))
     if isinstance(spec, RowWise):
-        sizes = spec.sizes if spec.sizes is not None else even_row_sizes(rows, world_size)
-        offsets = list(accumulate(sizes, initial=0))
-        return tuple(TableShard(r, offsets[r], n, 0, dim) for r, n in enumerate(sizes))
+        hot, split = spec.hot_rows, rows - spec.hot_rows
+        sizes = spec.sizes if spec.sizes is not None else even_row_sizes(split, world_size)
+        offsets = list(accumulate(sizes, initial=hot))
+        copies = tuple(TableShard(r, 0, hot, 0, dim, copy=True) for r in range(world_size))
+        blocks = tuple(TableShard(r, offsets[r], n, 0, dim) for r, n in enumerate(sizes))
+        return (copies if hot else ()) + blocks
     widths = _column_widths(dim, spec)
     offsets = list(accumulate(widths, initial=0))
     if isinstance(spec, ColumnWise):
@@ -552,7 +585,7 @@ class ShardingPlan:
 
 _SPEC_FIELDS = {
     "table_wise": {"rank"},
-    "row_wise": {"sizes"},
+    "row_wise": {"sizes", "hot_rows"},
     "column_wise": {"ranks", "widths"},
     "grid": {"column_blocks", "ranks", "sizes"},
     "data_parallel": set(),
@@ -563,7 +596,8 @@ def _spec_to_dict(spec: TableSpec) -> dict[str, Any]:
     if isinstance(spec, TableWise):
         return {"type": "table_wise", "rank": spec.rank}
     if isinstance(spec, RowWise):
-        return {"type": "row_wise"} | ({} if spec.sizes is None else {"sizes": list(spec.sizes)})
+        sizes = {} if spec.sizes is None else {"sizes": list(spec.sizes)}
+        return {"type": "row_wise"} | sizes | ({"hot_rows": spec.hot_rows} if spec.hot_rows else {})
     if isinstance(spec, Grid):
         blocks = spec.column_blocks
         return {
@@ -592,7 +626,7 @@ def _spec_from_dict(entry: Any) -> TableSpec:
             raise PlanError("table_wise needs a rank")
         return table_wise(entry["rank"])
     if kind == "row_wise":
-        return row_wise(entry.get("sizes"))
+        return row_wise(entry.get("sizes"), entry.get("hot_rows", 0))
     if kind == "grid":
         return _grid_from_dict(entry)
     if kind == "data_parallel":

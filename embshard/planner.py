@@ -339,15 +339,20 @@ class CostModel:
 
     def replica_cost(self, table: PlannedTable) -> float:
         """What a data-parallel copy of ``table`` adds to each rank, net of the
-        ``requester_cost`` it saves (so it may be negative): looking up its own batch,
-        reading and updating every row through the TBE each step, and the rows'
-        gradient all-reduced (a ring: twice the bytes)."""
+        ``requester_cost`` it saves (so it may be negative)."""
+        return self.copy_cost(table, table.num_embeddings, 1.0) - self.requester_cost(table)
+
+    def copy_cost(self, table: PlannedTable, rows: int, share: float) -> float:
+        """What a copy of ``table``'s first ``rows`` rows, which ``share`` of its ids
+        fall in, adds to each rank: looking up its own batch's ids of them, reading and
+        updating every copied row through the TBE each step, and their gradient
+        all-reduced (a ring: twice the bytes)."""
         world = self.topology.world_size
-        rows = table.num_embeddings + self.batch_size * table.ids_per_sample
-        looked_up = rows * table.embedding_dim * table.weight_bytes * _PASSES
-        gradient = table.num_embeddings * table.embedding_dim * 4  # fp32, all-reduced
+        looked_up = rows + self.batch_size * table.ids_per_sample * share
+        lookup = looked_up * table.embedding_dim * table.weight_bytes * _PASSES
+        gradient = rows * table.embedding_dim * 4  # fp32, all-reduced
         reduce = 2 * (world - 1) / world * gradient * self.topology.seconds_per_byte()
-        return looked_up / self.topology.lookup_bandwidth + reduce - self.requester_cost(table)
+        return lookup / self.topology.lookup_bandwidth + reduce
 
     def base_cost(self, tables: Sequence[PlannedTable]) -> float:
         """What every rank pays alike: 4 collectives' latency, its own ids and rows (a
@@ -1127,8 +1132,8 @@ def plan_loads(
     stats: TrafficStats | None = None,
 ) -> list[RankLoad]:
     """Per-rank memory and estimated cost of any plan, by the same cost model (row
-    blocks priced by their measured lookups, with ``stats``; data-parallel copies with
-    their all-reduce's latency)."""
+    blocks priced by their measured lookups, with ``stats``; copies, data-parallel
+    tables and hot rows, with their all-reduce's latency)."""
     model = CostModel(topology, batch_size, optimizer)
     resolved: dict[str, ShardedTable] = plan.resolve(
         [_as_config(t) for t in tables], topology.world_size
@@ -1143,12 +1148,17 @@ def plan_loads(
                 continue
             load = loads[shard.rank]
             load.memory += model.memory(table, shard.rows, shard.cols)
-            rows = shard.rows  # priced as the rows its measured lookups would fill
+            # Priced as the rows its measured lookups would fill.
+            share = shard.rows / table.num_embeddings
             if traffic is not None and sharded.kind in _ROW_SPLIT:
-                rows = traffic.share(shard.row_offset, shard.rows) * table.num_embeddings
-            load.cost += model.shard_cost(table, sharded.kind, rows, shard.cols)
+                share = traffic.share(shard.row_offset, shard.rows)
+            if shard.copy and not sharded.replicated:  # hot rows
+                load.cost += model.copy_cost(table, shard.rows, share)
+            else:
+                rows = share * table.num_embeddings
+                load.cost += model.shard_cost(table, sharded.kind, rows, shard.cols)
             load.shards.append(shard_name(table.name, shard))
-    if any(t.replicated for t in resolved.values()):  # the copies' gradient all-reduce
+    if any(t.copied_rows for t in resolved.values()):  # the copies' gradient all-reduce
         for load in loads:
             load.cost += topology.collective_latency()
     return loads

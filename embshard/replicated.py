@@ -1,4 +1,5 @@
-"""Data-parallel tables: a full copy on every rank, looked up in the rank's own batch.
+"""Copies on every rank, looked up in the rank's own batch: data-parallel tables, and the
+hot rows of row-wise tables (``row_wise(hot_rows=...)``).
 
 No ids or pooled rows travel for them. The copies live in one TBE of their own, so
 that the same fused optimizer as the sharded tables' updates them. Each step reads
@@ -61,9 +62,11 @@ class ReplicatedTables:
     # Every row of every table, one bag each (TBE indices and offsets).
     all_rows: torch.Tensor
     all_offsets: torch.Tensor
-    # Per pass, per feature: where the feature's table starts in the stacked rows, or
-    # -1 where the pass does not look the feature up.
+    # Per pass, per feature: where the feature's table starts in the stacked rows, and
+    # the rows copied (0 where the pass does not look the feature up): ids at or past
+    # them read the zero padding row.
     table_starts: torch.Tensor
+    table_rows: torch.Tensor
     # Per data-parallel embedding, in output order: (pass, feature, dim), and where its
     # table starts in the stacked rows.
     embeddings: list[tuple[int, int, int]]
@@ -71,8 +74,9 @@ class ReplicatedTables:
     group: dist.ProcessGroup | None
 
     def __call__(self, batch: LocalBatch) -> torch.Tensor:
-        """The local batch's pooled rows of every data-parallel embedding, SUM pooled,
-        side by side in output order: [local batch, their dims]."""
+        """The local batch's pooled rows of every copied embedding, SUM pooled, side by
+        side in output order: [local batch, their dims]. A hot row-wise table's are the
+        partial sums of its hot rows."""
         stacked = self._stacked_rows()
         padding = stacked.shape[0] - 1
         lengths = batch.lengths.long()
@@ -84,9 +88,9 @@ class ReplicatedTables:
         )
         bag_offsets = F.pad(lengths.view(-1).cumsum(0), (1, 0))
         pooled = []
-        for starts in self.table_starts:
-            start = starts[feature_of_id]
-            ids = torch.where(start >= 0, batch.values.long() + start, padding)
+        values = batch.values.long()
+        for starts, rows in zip(self.table_starts, self.table_rows):
+            ids = torch.where(values < rows[feature_of_id], values + starts[feature_of_id], padding)
             pooled.append(
                 F.embedding_bag(
                     ids,
@@ -134,8 +138,8 @@ def build_replicated(
     dtype: torch.dtype,
     group: dist.ProcessGroup | None,
 ) -> ReplicatedTables | None:
-    """The data-parallel tables ``shapes`` (name: rows, dim, in the model's order) in
-    one TBE, zero-filled; None when there are none."""
+    """The copies ``shapes`` (name: rows copied, dim, in the model's order) in one TBE,
+    zero-filled; None when there are none."""
     if not shapes:
         return None
     names = list(shapes)
@@ -151,7 +155,7 @@ def build_replicated(
             lengths.append(F.pad(torch.ones_like(block), (0, chunk - len(block))))
     tbe = build_tbe(list(zip(rows, dims)), optimizer, device, feature_table_map, dtype)
     passes = _passes(routes)
-    table_starts = _table_starts(passes, len(routes.features), names, rows)
+    table_starts, table_rows = _table_starts(passes, len(routes.features), names, rows)
     embeddings = _embedding_passes(routes, passes)
     return ReplicatedTables(
         tbe=tbe,
@@ -162,6 +166,7 @@ def build_replicated(
         all_rows=torch.cat(ids).to(device),
         all_offsets=F.pad(torch.cat(lengths).cumsum(0), (1, 0)).to(device),
         table_starts=table_starts.to(device),
+        table_rows=table_rows.to(device),
         embeddings=embeddings,
         embedding_starts=[int(table_starts[p, f]) for p, f, _ in embeddings],
         group=group,
@@ -169,8 +174,8 @@ def build_replicated(
 
 
 def _passes(routes: Routes) -> list[list[tuple[int, str]]]:
-    """The data-parallel (feature, table) lookups dealt into passes, each feature at
-    most once a pass: a feature feeding two such tables takes two."""
+    """The copied (feature, table) lookups dealt into passes, each feature at most once
+    a pass: a feature feeding two such tables takes two."""
     passes: list[list[tuple[int, str]]] = []
     for e in routes.local_embeddings:
         taken = next((p for p in passes if all(f != e.feature for f, _ in p)), None)
@@ -182,13 +187,17 @@ def _passes(routes: Routes) -> list[list[tuple[int, str]]]:
 
 def _table_starts(
     passes: list[list[tuple[int, str]]], features: int, names: Sequence[str], rows: Sequence[int]
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per pass and feature, its table's first row among the stacked rows and its rows
+    (0: not looked up in that pass)."""
     starts = dict(zip(names, [0, *torch.tensor(rows).cumsum(0).tolist()]))
-    table_starts = torch.full((len(passes), features), -1)
+    table_starts = torch.zeros((len(passes), features), dtype=torch.long)
+    table_rows = torch.zeros((len(passes), features), dtype=torch.long)
     for k, lookups in enumerate(passes):
         for feature, table in lookups:
             table_starts[k, feature] = starts[table]
-    return table_starts
+            table_rows[k, feature] = rows[names.index(table)]
+    return table_starts, table_rows
 
 
 def _embedding_passes(

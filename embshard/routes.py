@@ -36,6 +36,9 @@ class Embedding:
     row_wise: bool  # its table's column blocks are split by rows: row-wise or grid
     # Looked up in this rank's own copy of its table: none of its ids travel.
     data_parallel: bool = False
+    # Ids below this are looked up in this rank's copy of those rows (all of a
+    # data-parallel table's, a row-wise table's hot rows); the others travel.
+    copied_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -72,17 +75,32 @@ class Routes:
     # is row-wise or grid: pass k splits each feature by one set of row boundaries
     # (world_size + 1 of them, bucket r for rank r), the row blocks of a row-wise table
     # or of one grid column block (empty buckets for ranks outside its group), or
-    # (0, rows, ..., rows), which keeps the feature whole in bucket 0. No passes: the
-    # batch's own lengths are sent.
+    # (0, rows, ..., rows), which keeps the feature whole in bucket 0. When a table has
+    # hot rows, every pass has one more bucket first, never sent: its hot ids (the
+    # others' is empty), and bucket r + 1 is rank r's. No passes: the batch's own
+    # lengths are sent.
     bucket_passes: tuple[tuple[tuple[int, ...], ...], ...]
     # Per feature: the smallest table it feeds, whose rows bound its ids.
     feature_rows: tuple[int, ...]
     feature_table: tuple[str, ...]
     weighted: bool
+    # Per feature: its ids below this stay home (a row-wise table's hot rows), 0 for
+    # none. Such a feature feeds no other table.
+    feature_hot_rows: tuple[int, ...] = ()
 
     @property
     def world_size(self) -> int:
         return len(self.slots)
+
+    @property
+    def home_bucket(self) -> int:
+        """1 when the passes' bucket 0 holds the hot ids that stay home, else 0."""
+        return int(any(self.feature_hot_rows))
+
+    @property
+    def buckets(self) -> int:
+        """Buckets a pass splits each feature into."""
+        return self.world_size + self.home_bucket
 
     @property
     def id_dtype(self) -> torch.dtype:
@@ -97,14 +115,15 @@ class Routes:
     def send_rows(self) -> torch.Tensor:
         """For every (destination, slot) in destination order, the row of the sender's
         lengths table (pass, bucket, feature) that holds its bags: bucket 0 for a
-        whole feature, the destination's bucket for a row-wise or grid slot."""
+        whole feature, the destination's bucket for a row-wise or grid slot (each one
+        further with a home bucket)."""
         num_features, rows = len(self.features), []
         for dest, slots in enumerate(self.slots):
             for slot in slots:
                 embedding = self.embeddings[slot.embedding]
-                bucket = dest if embedding.row_wise else 0
+                bucket = (dest if embedding.row_wise else 0) + self.home_bucket
                 rows.append(
-                    (slot.bucket_pass * self.world_size + bucket) * num_features + embedding.feature
+                    (slot.bucket_pass * self.buckets + bucket) * num_features + embedding.feature
                 )
         return torch.tensor(rows, dtype=torch.long)
 
@@ -130,16 +149,18 @@ class Routes:
 
     @property
     def local_embeddings(self) -> tuple[Embedding, ...]:
-        """The data-parallel embeddings, in output order: the local lookup's columns."""
-        return tuple(e for e in self.embeddings if e.data_parallel)
+        """The embeddings looked up in copies, in output order: the local lookup's
+        columns."""
+        return tuple(e for e in self.embeddings if e.copied_rows)
 
     def local_moves(self) -> list[ColumnMove]:
-        """Where the local lookup's columns go in the output, as strided moves."""
+        """Where the local lookup's columns go in the output, as strided moves: copied
+        to a data-parallel table's, added to a hot row-wise table's partial sums."""
         singles, source = [], 0
         for e in self.local_embeddings:
-            singles.append(ColumnMove(0, source, e.out_offset, e.dim, add=False))
+            singles.append(ColumnMove(0, source, e.out_offset, e.dim, add=not e.data_parallel))
             source += e.dim
-        return _strided_runs(singles, add=False)
+        return [run for add in (False, True) for run in _strided_runs(singles, add)]
 
     def mean_feature_by_column(self) -> torch.Tensor | None:
         """Per output column: 1 + the feature whose bag lengths divide it (MEAN), or 0
@@ -193,12 +214,12 @@ def _run(first: ColumnMove, partner: ColumnMove, at: dict) -> ColumnMove:
 def _row_boundaries(table: ShardedTable, col_offset: int, world_size: int) -> tuple[int, ...]:
     """Bucket r, rows ``[b[r], b[r + 1])``, is rank r's row block of the column block at
     ``col_offset`` (empty for ranks that hold none): plans put a block's rows in rank
-    order."""
+    order, after the hot rows, which no bucket holds."""
     rows = [0] * world_size
     for s in table.shards:
-        if s.col_offset == col_offset:
+        if s.col_offset == col_offset and not s.copy:
             rows[s.rank] += s.rows
-    return tuple(accumulate(rows, initial=0))
+    return tuple(accumulate(rows, initial=table.copied_rows))
 
 
 def _bucket_passes(
@@ -261,9 +282,11 @@ def build_routes(
                     out_offset=offset,
                     row_wise=isinstance(tables[config.name].spec, RowWise | Grid),
                     data_parallel=tables[config.name].replicated,
+                    copied_rows=tables[config.name].copied_rows,
                 )
             )
             offset += config.embedding_dim
+    hot_rows = _feature_hot_rows(embeddings, features)
     rows = {c.name: c.num_embeddings for c in configs}
     smallest = [
         min((c.name for c in configs if f in c.feature_names), key=rows.__getitem__)
@@ -271,6 +294,8 @@ def build_routes(
     ]
     feature_rows = [rows[t] for t in smallest]
     passes, block_pass = _bucket_passes(embeddings, tables, feature_rows, world_size)
+    if any(hot_rows):  # bucket 0 first: [0, hot) for a hot feature, empty for the others
+        passes = tuple(tuple((0, *bounds) for bounds in p) for p in passes)
     slots = []
     for rank in range(world_size):
         shards = local_shards(tables, rank)
@@ -292,4 +317,22 @@ def build_routes(
         feature_rows=tuple(feature_rows),
         feature_table=tuple(smallest),
         weighted=weighted,
+        feature_hot_rows=hot_rows,
     )
+
+
+def _feature_hot_rows(embeddings: Sequence[Embedding], features: Sequence[str]) -> tuple[int, ...]:
+    """Each feature's hot rows (``Routes.feature_hot_rows``); a ValueError when a
+    feature of a table with hot rows feeds another table too, whose lookups would
+    lose those ids."""
+    hot = [0] * len(features)
+    for e in embeddings:
+        if e.copied_rows and not e.data_parallel:
+            others = [o.table for o in embeddings if o.feature == e.feature and o is not e]
+            if others:
+                raise ValueError(
+                    f"table {e.table!r}: hot_rows needs its features to feed no other table, "
+                    f"but feature {features[e.feature]!r} also feeds {others}"
+                )
+            hot[e.feature] = e.copied_rows
+    return tuple(hot)

@@ -169,6 +169,12 @@ class ShardedEmbeddingCollection(ShardedCollection):
                 f"comm_precision {comm_precision!r} is not supported for an EmbeddingCollection "
                 "yet: its rows travel in fp32"
             )
+        hot = [n for n, t in self._tables.items() if t.copied_rows and not t.replicated]
+        if hot:
+            raise ValueError(
+                f"tables {hot}: row_wise hot_rows is not supported for an EmbeddingCollection "
+                "yet; shard them row-wise without hot rows"
+            )
         routes, stage = self._routes, self._input_dist
         send = [s for slots in routes.slots for s in slots]
         # The sharded embeddings' rows come back in one output, in embedding order.

@@ -240,17 +240,24 @@ def gather_table(table: DTensor, group: dist.ProcessGroup | None = None) -> torc
 
     Collective over ``group`` (default: the whole world), which must hold every rank
     that owns part of the table. Each rank writes its shards at their offsets into a
-    zero tensor and the ranks sum: shards are disjoint, so the sum is exact. A table
+    zero tensor and the ranks sum; a rectangle several ranks hold (hot rows copied on
+    every rank) is written by the first of them only, so the sum is exact. A table
     replicated over several ranks is already whole on each.
     """
     local = table.to_local()
-    full = torch.zeros(table.shape, dtype=table.dtype, device=local.device)
-    if hasattr(local, "local_shards"):
-        for shard, offsets in zip(local.local_shards(), local.local_offsets()):
-            full[tuple(slice(o, o + n) for o, n in zip(offsets, shard.shape))] = shard
-    elif local.numel():
+    if local.numel() and not hasattr(local, "local_shards"):
         raise TypeError("gather_table needs a DTensor whose local tensor is a LocalShardsWrapper")
-    if table.device_mesh.size() == 1 or not all(p.is_replicate() for p in table.placements):
+    full = torch.zeros(table.shape, dtype=table.dtype, device=local.device)
+    chunks = list(zip(local.local_shards(), local.local_offsets())) if local.numel() else []
+    whole = table.device_mesh.size() > 1 and all(p.is_replicate() for p in table.placements)
+    if not whole:
+        layouts: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(layouts, [(tuple(o), tuple(s.shape)) for s, o in chunks], group)
+        earlier = {c for layout in layouts[: dist.get_rank(group)] for c in layout}
+        chunks = [(s, o) for s, o in chunks if (tuple(o), tuple(s.shape)) not in earlier]
+    for shard, offsets in chunks:
+        full[tuple(slice(o, o + n) for o, n in zip(offsets, shard.shape))] = shard
+    if not whole:
         dist.all_reduce(full, group=group)
     return full
 
@@ -348,7 +355,10 @@ def allocate_storage(
     shards = local_shards(tables, rank)
     shapes = [(s.rows, s.cols) for _, s in shards]
     tbe = build_tbe(shapes, optimizer, device, feature_table_map, dtype) if shards else None
-    copies = [(n, tables[n].shards_on(rank)[0]) for n in replicated.names] if replicated else []
+    copies = [
+        (n, next(s for s in tables[n].shards_on(rank) if s.copy))
+        for n in (replicated.names if replicated else [])
+    ]
     storage = LocalStorage(tbe, shards, replicated, copies, {}, {})
     storage.weights = _per_table(tables, storage.weight_views(), _at_offset, device, dtype)
     if isinstance(optimizer, Adagrad):

@@ -12,12 +12,13 @@ from embshard.planner import RankLoad, format_bytes
 _SYMBOLS = string.digits + string.ascii_lowercase + string.ascii_uppercase
 
 
-def _symbol(rank: int) -> str:
-    """Symbols repeat every 62 ranks, so neighbouring ranks always differ."""
-    return _SYMBOLS[rank % len(_SYMBOLS)]
+def _symbol(rank: int | None) -> str:
+    """Symbols repeat every 62 ranks, so neighbouring ranks always differ; ``*`` (rank
+    None) marks rows copied on every rank."""
+    return "*" if rank is None else _SYMBOLS[rank % len(_SYMBOLS)]
 
 
-def _bar(extents: Sequence[tuple[int, int]], total: int, width: int) -> str:
+def _bar(extents: Sequence[tuple[int | None, int]], total: int, width: int) -> str:
     """``width`` characters split by (rank, length) in order, by rounding the running
     totals, so the bar is exact; a non-empty piece gets at least one while there are
     enough characters for all, else the pieces stay proportional and small ones vanish."""
@@ -60,8 +61,14 @@ def draw_table(table: ShardedTable, width: int = 60, sequence: bool = False) -> 
             extents = [(s.rank, s.rows) for s in shards if s.col_offset == start]
             lines.append(f"  {label:<{pad}} rows |{_bar(extents, table.num_embeddings, width)}|")
     else:
-        extents = [(s.rank, s.rows) for s in shards]
+        hot = table.copied_rows
+        shards = [s for s in shards if not s.copy]
+        extents: list[tuple[int | None, int]] = [(None, hot)] if hot else []
+        extents += [(s.rank, s.rows) for s in shards]
         lines.append(f"  rows |{_bar(extents, table.num_embeddings, width)}|")
+        if hot:
+            ranks = plural(len({s.rank for s in table.shards if s.copy}), "rank")
+            lines.append(f"    *: hot rows 0:{hot}, copied on each of {ranks}")
     lines += [
         f"    rank {s.rank}: rows {s.row_offset}:{s.row_offset + s.rows}, "
         f"cols {s.col_offset}:{s.col_offset + s.cols}"

@@ -27,6 +27,7 @@ from embshard import module
 from embshard.config import TrainConfig, load_config
 from embshard.data import Feed
 from embshard.dist import Counts, InputDistribution, Scratch
+from embshard.inputs import LocalBatch
 from embshard.module import start_input_dist
 from embshard.plan import Grid, RowWise, ShardingPlan, TableSpec, plural
 from embshard.planner import _PASSES, Topology, format_bytes, plan_config, plan_loads, topology_for
@@ -109,7 +110,7 @@ class RankReport:
     rank: int
     samples: int = 0  # its own
     ids_received: int = 0  # = the rows its TBE looks up
-    ids_local: int = 0  # its own batch's ids of data-parallel tables, looked up locally
+    ids_local: int = 0  # its own batch's ids of copies (data-parallel, hot rows), looked up here
     bags_received: int = 0  # = the pooled rows it sends back
     lookup_bytes: int = 0  # embedding bytes all those lookups read
     counts: Traffic = Traffic()
@@ -254,10 +255,10 @@ def _pair(traffic: Traffic, steps: int) -> str:
 
 
 def _step_report(
-    routes: Routes, rank: int, counts: Counts, offsets: torch.Tensor, lengths: torch.Tensor
+    routes: Routes, rank: int, counts: Counts, offsets: torch.Tensor, own: LocalBatch
 ) -> RankReport:
     """What one step moved through ``rank``, from the counts exchange, the TBE offsets
-    its ids unpacked into and its own batch's ``lengths`` (data-parallel lookups)."""
+    its ids unpacked into and its own batch (the lookups in copies)."""
     world, batch = routes.world_size, sum(counts.batch_sizes)
     local = counts.batch_sizes[rank]
     dims = routes.slot_dims(rank)
@@ -266,7 +267,8 @@ def _step_report(
     id_bytes = routes.id_dtype.itemsize
     blocks = sum(sum(routes.slot_dims(r)) for r in range(world))
     pooled = Traffic(batch * sum(dims) * _WEIGHT_BYTES, local * blocks * _WEIGHT_BYTES)
-    copies = [(int(lengths[e.feature].sum()), e.dim) for e in routes.local_embeddings]
+    ids = own.values.split(own.lengths.sum(1).tolist())
+    copies = [(int((ids[e.feature] < e.copied_rows).sum()), e.dim) for e in routes.local_embeddings]
     step = RankReport(
         rank,
         samples=local,
@@ -297,8 +299,7 @@ def _simulate_rank(config: TrainConfig, routes: Routes, batches: int) -> RankRep
         in_flight.work.wait()
         counts = in_flight.counts
         _, offsets, _ = input_dist.unpack(in_flight.received, counts.recv_sizes, counts.batch_sizes)
-        lengths = in_flight.batch.lengths
-        report.add_step(_step_report(routes, rank, counts, offsets, lengths))
+        report.add_step(_step_report(routes, rank, counts, offsets, in_flight.batch))
     return report
 
 

@@ -58,13 +58,13 @@ def to_torchrec_plan(
     ``tables`` (both shard their tables alike), FUSED kernel
     (data-parallel tables: TorchRec's DENSE kernel, on every rank); ``local_size``
     ranks a host (default: all on one). A grid table TorchRec cannot shard as a grid
-    (see ``_grid_misfit``) is a PlanError naming it.
+    (see ``_grid_misfit``), or a row-wise table with hot rows, is a PlanError naming it.
 
     Wrap it as ``torchrec.distributed.types.ShardingPlan({module_path: result})``.
     """
     local_size = local_size or world_size
     resolved = plan.resolve(tables, world_size)
-    misfits = {n: _grid_misfit(t, local_size) for n, t in resolved.items()}
+    misfits = {n: _hot_misfit(t) or _grid_misfit(t, local_size) for n, t in resolved.items()}
     raise_problems(
         "cannot convert to a TorchRec plan",
         [f"table {n!r}: {why}" for n, why in misfits.items() if why is not None],
@@ -101,6 +101,12 @@ def _sharding_type(table: ShardedTable) -> ShardingType:
         one_block = len(table.spec.ranks) == 1
         return ShardingType.TABLE_ROW_WISE if one_block else ShardingType.GRID_SHARD
     return _SHARDING_TYPE[type(table.spec)]
+
+
+def _hot_misfit(table: ShardedTable) -> str | None:
+    if table.copied_rows and not table.replicated:
+        return "TorchRec has no row-wise sharding with hot rows copied on every rank"
+    return None
 
 
 def _grid_misfit(table: ShardedTable, local_size: int) -> str | None:

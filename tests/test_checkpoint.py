@@ -170,6 +170,53 @@ def test_data_parallel_tables_reshard_to_and_from_every_layout(world, optimizer,
             torch.testing.assert_close(tables[f"state.{t.name}"], state, rtol=1e-6, atol=0)
 
 
+HOT_PLANS = {
+    4: {
+        "a": row_wise(hot_rows=6),
+        "b": row_wise([0, 10, 4, 10], hot_rows=6),  # an empty block on rank 0
+        "c": data_parallel(),
+        "d": row_wise(hot_rows=10),
+    },
+    2: {
+        "a": row_wise([20, 0], hot_rows=10),
+        "b": table_wise(1),
+        "c": row_wise(hot_rows=1),
+        "d": row_wise([1, 25], hot_rows=14),
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("saved_as", "loaded_as"),
+    [(("hot", 4), ("mixed", 2)), (("mixed", 3), ("hot", 2)), (("hot", 4), ("hot", 2))],
+    ids=str,
+)
+def test_hot_rows_reshard_to_and_from_other_layouts(world, tmp_path, saved_as, loaded_as):
+    """Hot rows, copied on every rank, are saved once and load into any layout; any
+    layout loads into hot rows and their copies (weights exact, row-wise Adagrad
+    state too)."""
+    layouts = {"hot": HOT_PLANS, "mixed": PLANS}
+    (saved_kind, saved_world), (loaded_kind, loaded_world) = saved_as, loaded_as
+    saved_plan, loaded_plan = layouts[saved_kind][saved_world], layouts[loaded_kind][loaded_world]
+    optimizer = embshard.RowWiseAdagrad(lr=0.1)
+    saved = world(saved_world).run(save_trained, str(tmp_path), optimizer, 2, saved_plan)[0]
+    path = ckpt.latest(str(tmp_path))
+    assert ckpt.verify(path).ok
+    for key, entry in ckpt.read_metadata(path).state_dict_metadata.items():
+        chunks = [tuple(c.offsets) for c in getattr(entry, "chunks", [])]
+        assert len(chunks) == len(set(chunks)), key  # each copy saved once
+    for step, loaded in world(loaded_world).run(load_into, str(tmp_path), optimizer, loaded_plan):
+        assert step == 2
+        for t in TABLES:
+            assert torch.equal(loaded[f"weight.{t.name}"], saved[f"weight.{t.name}"]), t.name
+            expected = expected_rowwise(
+                saved[f"state.{t.name}"],
+                blocks_of(saved_plan[t.name]),
+                blocks_of(loaded_plan[t.name]),
+            )
+            torch.testing.assert_close(loaded[f"state.{t.name}"], expected, rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize(
     ("saved_as", "loaded_as"),
     [

@@ -27,7 +27,7 @@ aten = torch.ops.aten
 TABLES = (
     Table("tw", 40, 8, ("f_a", "f_b")),
     Table("rw", 30, 12, ("f_a",)),  # f_a is whole for one table, bucketized for the other
-    Table("uneven", 25, 16, ("f_c",), mean=True),
+    Table("uneven", 25, 16, ("f_c",), mean=True),  # 10 hot rows, looked up locally
     Table("cw", 20, 16, ("f_d",)),
     Table("dp", 12, 8, ("f_b", "f_d")),  # looked up locally
 )
@@ -35,7 +35,7 @@ PLAN = ShardingPlan(
     {
         "tw": table_wise(1),
         "rw": row_wise(),
-        "uneven": row_wise([25, 0]),
+        "uneven": row_wise([15, 0], hot_rows=10),
         "cw": column_wise([1, 0, 1, 0]),
         "dp": data_parallel(),
     }

@@ -75,6 +75,14 @@ def plans(world: int) -> dict[str, ShardingPlan]:
                 "d": data_parallel(),
             }
         ),
+        "hot_rows": ShardingPlan(
+            {
+                "a": table_wise(last),
+                "b": row_wise(hot_rows=7),  # f_b1 and f_b2: two features, one hot table
+                "c": row_wise([s * 4 // 5 for s in uneven], hot_rows=5),  # MEAN, uneven
+                "d": data_parallel(),  # its all-reduce also carries the hot rows'
+            }
+        ),
         "grid": ShardingPlan(
             {
                 "a": grid(2, [ends, [last]]),
@@ -110,6 +118,7 @@ ALL_PLANS = [
     "grid_mixed",
     "data_parallel",
     "mixed_data_parallel",
+    "hot_rows",
 ]
 
 
@@ -122,7 +131,7 @@ def test_training_matches_unsharded(world, world_size, plan):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("plan", ["mixed", "mixed_data_parallel", "grid"])
+@pytest.mark.parametrize("plan", ["mixed", "mixed_data_parallel", "grid", "hot_rows"])
 @pytest.mark.parametrize(
     "optimizer",
     [embshard.RowWiseAdagrad(lr=0.1, eps=1e-4), embshard.Adagrad(lr=0.1, eps=1e-4)],
@@ -137,7 +146,7 @@ def test_adagrad_matches_unsharded(world, world_size, plan, optimizer):
 
 
 @pytest.mark.parametrize("world_size", [1, 3])
-@pytest.mark.parametrize("plan", ["mixed", "mixed_data_parallel", "grid"])
+@pytest.mark.parametrize("plan", ["mixed", "mixed_data_parallel", "grid", "hot_rows"])
 def test_weighted_features(world, world_size, plan):
     tables = tuple(Table(t.name, t.rows, t.dim, t.features) for t in TABLES)  # SUM only
     case = Case(tables, plans(world_size)[plan], batch_sizes(world_size), weighted=True)
@@ -162,13 +171,14 @@ def count_collectives(case: Case) -> list[int]:
 
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize(
-    "plan", ["table_wise", "mixed", "grid_mixed", "mixed_data_parallel", "data_parallel"]
+    "plan",
+    ["table_wise", "mixed", "grid_mixed", "mixed_data_parallel", "data_parallel", "hot_rows"],
 )
 def test_collectives_per_step(world, world_size, plan):
     # Counts, ids and pooled all-to-alls, the pooled rows' gradient all-to-all; and one
-    # all-reduce for all data-parallel tables' gradients.
+    # all-reduce for all copies' gradients (data-parallel tables and hot rows).
     case = Case(tables_for(plan), plans(world_size)[plan], batch_sizes(world_size))
-    expected = 5 if "data_parallel" in plan else 4
+    expected = 5 if "data_parallel" in plan or plan == "hot_rows" else 4
     for counts in world(world_size).run(count_collectives, case):
         assert counts == [expected, expected]
 
@@ -193,6 +203,17 @@ def test_column_blocks_rotated_over_ranks_place_their_columns_in_two_moves_per_r
     moves = strided_moves(lambda i: column_wise([i % 2, (i + 1) % 2]))
     assert moves == [(0, 0, 0, 3, 8, 16), (0, 4, 12, 3, 8, 16),
                      (1, 0, 4, 3, 8, 16), (1, 4, 8, 3, 8, 16)]  # fmt: skip
+
+
+def test_hot_rows_need_their_features_to_feed_no_other_table():
+    # f_a feeds tables a and d: d's lookups would lose a's hot ids.
+    configs = [t.config() for t in TABLES]
+    plan = ShardingPlan(
+        {"a": row_wise(hot_rows=4), "b": row_wise(), "c": row_wise(), "d": row_wise()}
+    )
+    with pytest.raises(ValueError, match=r"table 'a': hot_rows needs its features to feed no "
+                       r"other table, but feature 'f_a' also feeds \['d'\]"):  # fmt: skip
+        build_routes(configs, plan.resolve(configs, 2), 2, weighted=False)
 
 
 def bucket_passes(plan: ShardingPlan, world: int) -> list[tuple[tuple[int, ...], ...]]:

@@ -179,6 +179,17 @@ def test_grid_blocks_split_rows_over_their_own_groups():
             TABLES[0],
             "table 'a': grid block 0 sizes [3, 3] sum to 6, not 10 rows",
         ),
+        (
+            row_wise([3, 3, 3, 1], hot_rows=2),
+            TABLES[0],
+            "table 'a': row_wise sizes [3, 3, 3, 1] sum to 10, not 8 rows, the rows left after "
+            "2 hot ones",
+        ),
+        (
+            row_wise(hot_rows=10),
+            TABLES[0],
+            "table 'a': row_wise hot_rows 10 leaves none of the table's 10 rows to split",
+        ),
     ],
 )
 def test_validation_names_table_and_problem(spec, table, message):
@@ -201,6 +212,8 @@ def test_validation_reports_missing_and_unknown_tables_together():
     [
         (table_wise(-1), "rank must be a non-negative int"),
         (row_wise([2, -1]), "row_wise sizes must be non-negative ints"),
+        (row_wise(hot_rows=-3), "row_wise hot_rows must be a non-negative int, got -3"),
+        (row_wise(hot_rows=2.5), "row_wise hot_rows must be a non-negative int, got 2.5"),
         (column_wise([]), "column_wise needs at least one rank"),
         (column_wise([0, 1], [8]), "column_wise gives 1 width for 2 ranks"),
         (column_wise([0], [0]), "column_wise widths must be positive ints"),
@@ -297,7 +310,11 @@ def test_world_size_must_be_positive():
 specs = st.one_of(
     st.builds(table_wise, st.integers(0, 7)),
     st.builds(data_parallel),
-    st.builds(row_wise, st.none() | st.lists(st.integers(0, 100), min_size=1, max_size=8)),
+    st.builds(
+        row_wise,
+        st.none() | st.lists(st.integers(0, 100), min_size=1, max_size=8),
+        st.integers(0, 50),
+    ),
     st.builds(
         column_wise,
         st.lists(st.integers(0, 7), min_size=1, max_size=6),
@@ -524,6 +541,35 @@ def test_grids_torchrec_cannot_shard_are_refused_naming_table_and_block():
         "  table 'g': TorchRec's grid sharding needs column blocks of equal widths",
         "  table 'h': TorchRec's grid sharding splits each column block evenly over the 2 "
         "ranks of one host; the block at column 0 has rows [3, 2] on ranks [1, 2]",
+    ]
+
+
+def test_hot_rows_resolve_to_a_copy_on_every_rank_then_row_blocks():
+    table = config("t", 100, 16)
+    plan = ShardingPlan({"t": row_wise([0, 30, 50], hot_rows=20)})
+    shards = plan.resolve([table], 3)["t"].shards
+    assert [(s.rank, s.row_offset, s.rows, s.copy) for s in shards] == [
+        (0, 0, 20, True),
+        (1, 0, 20, True),
+        (2, 0, 20, True),
+        (0, 20, 0, False),
+        (1, 20, 30, False),
+        (2, 50, 50, False),
+    ]
+    even = ShardingPlan({"t": row_wise(hot_rows=10)}).resolve([table], 4)["t"]
+    assert [s.rows for s in even.shards if not s.copy] == [23, 23, 23, 21]
+    assert even.copied_rows == 10 and not even.replicated
+    assert ShardingPlan.from_yaml(plan.to_yaml(), [table], 3) == plan
+    assert "hot_rows: 20" in plan.to_yaml()
+
+
+def test_hot_rows_have_no_torchrec_plan():
+    plan = ShardingPlan({"t": row_wise(hot_rows=5), "u": row_wise()})
+    with pytest.raises(PlanError) as err:
+        embshard.to_torchrec_plan(plan, [config("t", 40, 8), config("u", 40, 8)], 2)
+    assert str(err.value).splitlines() == [
+        "cannot convert to a TorchRec plan:",
+        "  table 't': TorchRec has no row-wise sharding with hot rows copied on every rank",
     ]
 
 

@@ -46,6 +46,7 @@ from embshard.planner import (
     plan_tables,
     planned_tables,
 )
+from embshard.show import draw_table
 from embshard.traffic import TableTraffic, TrafficStats
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -714,6 +715,20 @@ def test_show_draws_a_copy_in_one_line(tmp_path):
     at = lines.index("category (1000 x 16) DataParallel")
     assert lines[at + 1] == "  every row and column on each of 2 ranks"
     assert lines[at + 2].startswith("city ")
+
+
+def test_show_draws_hot_rows_as_stars_then_the_row_blocks():
+    tables = [
+        EmbeddingBagConfig(name="t", num_embeddings=100, embedding_dim=8, feature_names=["f"])
+    ]
+    plan = ShardingPlan({"t": row_wise([30, 0, 50], hot_rows=20)})
+    assert draw_table(plan.resolve(tables, 3)["t"], width=20) == [
+        "t (100 x 8) RowWise",
+        "  rows |****0000002222222222|",
+        "    *: hot rows 0:20, copied on each of 3 ranks",
+        "    rank 0: rows 20:50, cols 0:8",
+        "    rank 2: rows 50:100, cols 0:8",
+    ]
 
 
 def test_show_needs_a_world_size_for_even_row_wise(tmp_path):

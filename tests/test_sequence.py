@@ -243,8 +243,15 @@ def shard_error(case: Case, comm_precision: str | None) -> str:
             "fp16",
             "comm_precision 'fp16' is not supported for an EmbeddingCollection yet",
         ),
+        (
+            ShardingPlan(
+                {t.name: row_wise(hot_rows=2) if t.name in "bc" else table_wise(0) for t in TABLES}
+            ),
+            None,
+            "tables ['b', 'c']: row_wise hot_rows is not supported for an EmbeddingCollection yet",
+        ),
     ],
-    ids=["comm_precision"],
+    ids=["comm_precision", "hot_rows"],
 )
 def test_what_is_not_supported_says_so(world, plan, comm_precision, message):
     case = Case(TABLES, plan, (2,), sequence=True)

@@ -44,12 +44,12 @@ def write_config(tmp_path: Path, data: dict) -> str:
 
 def synthetic_config(tmp_path: Path, world: int) -> str:
     """configs/small.yaml, small batches, every kind of sharding (row-wise and grid
-    uneven too)."""
+    uneven too, and row-wise with hot rows)."""
     data = yaml.safe_load((ROOT / "configs" / "small.yaml").read_text())
     last = world - 1
     data.update(batch_size=32)
     data["plan"] = {
-        "user": {"type": "row_wise"},
+        "user": {"type": "row_wise", "hot_rows": 40},
         "item": {"type": "column_wise", "ranks": [last, 0, last, 0]},
         "category": {"type": "table_wise", "rank": last},
         "city": {"type": "row_wise", "sizes": [1000] + [0] * (world - 2) + [4000]},
@@ -137,7 +137,8 @@ def test_simulated_traffic_and_memory_match_real_gloo_runs(
 def lookups_from_batches(config_path: str, world: int, batches: int) -> list[list[int]]:
     """Per rank [ids, bags, bytes looked up], counted on every rank's batches: each
     non-empty shard gets, for each feature of its table, every sample's bag and the
-    ids that fall in its rows, and reads its columns of their rows."""
+    ids that fall in its rows, and reads its columns of their rows; a copy (hot rows)
+    reads those of its own rank's ids only, and gets none."""
     config = load_config(config_path)
     tables = config.sharding_plan().resolve(config.embedding_bag_configs(), world)
     feeds = [Feed(build_data(config, r, world)) for r in range(world)]
@@ -152,10 +153,12 @@ def lookups_from_batches(config_path: str, world: int, batches: int) -> list[lis
                 if not (shard.rows and shard.cols):
                     continue
                 for feature in t.features:
-                    ids = torch.cat([s[feature].values() for s in sparse])
+                    mine = [sparse[shard.rank]] if shard.copy else sparse
+                    ids = torch.cat([s[feature].values() for s in mine])
                     inside = (ids >= shard.row_offset) & (ids < shard.row_offset + shard.rows)
                     n = int(inside.sum())
-                    for i, add in enumerate((n, samples, n * shard.cols * 4)):
+                    got = (0, 0) if shard.copy else (n, samples)
+                    for i, add in enumerate((*got, n * shard.cols * 4)):
                         counted[shard.rank][i] += add
     return counted
 
@@ -189,7 +192,9 @@ def test_the_slowest_rank_is_the_one_holding_the_tables(tmp_path):
 
 
 @pytest.mark.parametrize("world_size", [5, 6, 7, 8])
-@pytest.mark.parametrize("plan", ["table_wise", "row_wise", "column_wise", "mixed", "grid_mixed"])
+@pytest.mark.parametrize(
+    "plan", ["table_wise", "row_wise", "column_wise", "mixed", "grid_mixed", "hot_rows"]
+)
 def test_oracle_cases_at_up_to_8_ranks_in_one_process(world_size, plan):
     batch_sizes = tuple([5, 0, 3, 6, 2, 7, 1, 4][:world_size])
     case = Case(tables_for(plan), plans(world_size)[plan], batch_sizes, seed=world_size)
