@@ -29,9 +29,11 @@ slowest rank: whole, where it can be.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -40,6 +42,7 @@ from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, Emb
 
 from embshard.config import TableConfig, TrainConfig
 from embshard.plan import (
+    RowWise,
     ShardedTable,
     ShardingPlan,
     TableShard,
@@ -49,7 +52,7 @@ from embshard.plan import (
     row_wise,
     table_wise,
 )
-from embshard.traffic import TableTraffic, TrafficStats, balanced_sizes
+from embshard.traffic import TableTraffic, TrafficStats, balanced_sizes, hot_rows
 
 GiB = 2**30
 _UNITS = {
@@ -1087,7 +1090,9 @@ def plan_tables(
     least-loaded rank that may take it, where memory allows), nor below the reported
     lower bound (``_lower_bound``). With measured ``stats`` (``embshard.traffic``),
     tables are priced by their measured ids, row blocks are cut so each gets an even
-    share of its table's lookups, and each is priced by the lookups landing in it.
+    share of its table's lookups, and each is priced by the lookups landing in it; a
+    row-wise table whose hottest rows no cut can balance gets them copied on every rank
+    (``_copy_hot_rows``) where that lowers the slowest rank.
     """
     specs = planned_tables(tables, mean_pooling, stats)
     measured = stats.tables if stats is not None else {}
@@ -1118,7 +1123,58 @@ def plan_tables(
         lower_bound=_lower_bound(specs, constraints, model),
         topology=topology,
     )
-    return ShardingPlan({t.name: _spec(*layouts[t.name], world) for t in specs}), report
+    plan = ShardingPlan({t.name: _spec(*layouts[t.name], world) for t in specs})
+    if stats is None:
+        return plan, report
+    loads = functools.partial(
+        plan_loads, tables=tables, topology=topology, batch_size=batch_size,
+        optimizer=optimizer, mean_pooling=mean_pooling, stats=stats,
+    )  # fmt: skip
+    return _copy_hot_rows(plan, report, measured, loads)
+
+
+def _copy_hot_rows(
+    plan: ShardingPlan,
+    report: PlanReport,
+    measured: Mapping[str, TableTraffic],
+    loads: Callable[[ShardingPlan], list[RankLoad]],
+) -> tuple[ShardingPlan, PlanReport]:
+    """Each row-wise table in turn, with the measured traffic: its ``hot_rows`` copied on
+    every rank and the rest cut by ``balanced_sizes`` over the same ranks, kept where
+    that lowers the slowest rank by the cost model (``loads``), every rank still has
+    the memory, and the reported lower bound still holds (it prices no copies, whose
+    ids stay home). The report then gives the plan's loads."""
+    usable = report.topology.usable_memory
+    best = max(load.cost for load in loads(plan))
+    copied: dict[str, tuple[int, int]] = {}
+    for name, spec in plan.tables.items():
+        traffic = measured.get(name)
+        if not isinstance(spec, RowWise) or spec.sizes is None or traffic is None:
+            continue
+        holders = [r for r, rows in enumerate(spec.sizes) if rows]
+        hot = hot_rows(traffic, len(holders))
+        if not 0 < hot < traffic.num_embeddings:  # a whole copy is the search's to weigh
+            continue
+        sizes = [0] * len(spec.sizes)
+        for rank, rows in zip(holders, balanced_sizes(traffic, len(holders), hot)):
+            sizes[rank] = rows
+        candidate = ShardingPlan(plan.tables | {name: row_wise(sizes, hot_rows=hot)})
+        found = loads(candidate)
+        slowest = max(load.cost for load in found)
+        fits = all(load.memory <= usable for load in found)
+        if report.lower_bound <= slowest < best / _SAME and fits:
+            plan, best = candidate, slowest
+            copied[name] = hot, sum(1 for rows in sizes if rows)
+    if not copied:
+        return plan, report
+    tables = []
+    for choice in report.tables:
+        if choice.table in copied:
+            hot, pieces = copied[choice.table]
+            reason = f"{choice.reason}; its {hot} hot rows copied on every rank"
+            choice = dataclasses.replace(choice, pieces=pieces, reason=reason)
+        tables.append(choice)
+    return plan, dataclasses.replace(report, ranks=loads(plan), tables=tables)
 
 
 def plan_loads(

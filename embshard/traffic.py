@@ -5,7 +5,8 @@ skewed (low ids are hot in the synthetic data and in Criteo), so an even row-wis
 split sends most of a table's lookups to its first rank. ``measure_traffic`` counts,
 over a few batches of the readers training uses, the lookups of every row that got
 any (a histogram with one-row buckets, kept sparse), and the bags and ids per sample;
-``balanced_sizes`` cuts a table's rows where its cumulative lookups divide evenly.
+``balanced_sizes`` cuts a table's rows where its cumulative lookups divide evenly,
+after the ``hot_rows`` that no cut could balance.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 
 from embshard.config import TrainConfig
 from embshard.data import Batch
+from embshard.plan import ShardingPlan, data_parallel, row_wise
 
 
 @dataclass(frozen=True)
@@ -89,21 +91,56 @@ def measure_traffic(
     return count_traffic(config, read())
 
 
-def balanced_sizes(traffic: TableTraffic, pieces: int) -> list[int]:
-    """Row block sizes (summing to the table's rows, each at least 0) that give every
-    block about ``1 / pieces`` of the lookups: each cut falls between the rows where
-    the cumulative lookups cross ``k / pieces`` of them, on the side nearer it. Rows
-    with no lookups measured are split evenly."""
+def balanced_sizes(traffic: TableTraffic, pieces: int, first_row: int = 0) -> list[int]:
+    """Row block sizes for rows ``[first_row, rows)`` (summing to their count, each at
+    least 0) that give every block about ``1 / pieces`` of their lookups: each cut
+    falls between the rows where the cumulative lookups cross ``k / pieces`` of them,
+    on the side nearer it. Rows with no lookups measured are split evenly."""
     n = traffic.num_embeddings
-    if not traffic.lookups:
-        base, extra = divmod(n, pieces)
+    start = int(np.searchsorted(traffic.ids, first_row))
+    ids, counts = traffic.ids[start:], traffic.counts[start:]
+    if not counts.sum():
+        base, extra = divmod(n - first_row, pieces)
         return [base + (i < extra) for i in range(pieces)]
-    cumulative = np.cumsum(traffic.counts)
+    cumulative = np.cumsum(counts)
     targets = cumulative[-1] * np.arange(1, pieces) / pieces
     j = np.searchsorted(cumulative, targets)  # the row where the target is crossed
-    before = cumulative[j] - traffic.counts[j]
+    before = cumulative[j] - counts[j]
     nearer_before = targets - before < cumulative[j] - targets
-    cuts = np.where(nearer_before, traffic.ids[j], traffic.ids[j] + 1)
-    cuts = np.maximum.accumulate(np.clip(cuts, 0, n))
-    edges = np.concatenate([[0], cuts, [n]])
+    cuts = np.where(nearer_before, ids[j], ids[j] + 1)
+    cuts = np.maximum.accumulate(np.clip(cuts, first_row, n))
+    edges = np.concatenate([[first_row], cuts, [n]])
     return np.diff(edges).astype(int).tolist()
+
+
+def hot_rows(traffic: TableTraffic, pieces: int, tolerance: float = 0.1) -> int:
+    """The fewest leading rows to copy on every rank (``row_wise(hot_rows=...)``) so that
+    no row left holds more than ``tolerance`` of a block's even share (``1 / pieces``)
+    of the lookups left: ``balanced_sizes`` then cuts those rows into blocks within
+    about ``tolerance`` of even. 0 where no row is that hot; every row (the table's
+    ``num_embeddings``: copy it whole) where no cut of fewer would do."""
+    if pieces < 2 or not traffic.lookups:
+        return 0
+    counts = traffic.counts
+    left = np.cumsum(counts[::-1])[::-1]  # lookups of row i and every row after it
+    hottest = np.maximum.accumulate(counts[::-1])[::-1]  # the most any of them got
+    fine = np.flatnonzero(hottest * pieces <= tolerance * left)
+    if not len(fine):
+        return traffic.num_embeddings
+    return int(traffic.ids[fine[0]]) if fine[0] else 0
+
+
+def balanced_plan(stats: TrafficStats, world_size: int) -> ShardingPlan:
+    """Every table row-wise over all ranks, its lookups balanced: its ``hot_rows``
+    copied on every rank and the rest cut by ``balanced_sizes``; a table no cut can
+    balance (a few rows over many ranks) copied whole. Each rank then receives about
+    as many lookups as any other, whatever that costs in ids and pooled rows moved
+    (the planner weighs those)."""
+    specs = {}
+    for name, traffic in stats.tables.items():
+        hot = hot_rows(traffic, world_size)
+        if hot == traffic.num_embeddings:
+            specs[name] = data_parallel()
+        else:
+            specs[name] = row_wise(balanced_sizes(traffic, world_size, hot), hot_rows=hot)
+    return ShardingPlan(specs)

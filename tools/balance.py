@@ -1,12 +1,15 @@
-"""Lookups per rank of the planner's plans on skewed ids, measured with simulate.
+"""Lookups per rank of plans on skewed ids, measured with simulate.
 
     .venv/bin/python tools/balance.py configs/criteo_1tb.yaml --world-sizes 8 64
 
-For each world size: the planner's plan without and with measured traffic
-(``measure_traffic``, 4 batches), each simulated over 2 batches of every rank's own
-data; prints the slowest rank's lookups (ids its TBE receives plus its own batch's
-ids of data-parallel tables) and the bytes they read, each over the mean rank's, and
-how many tables the plan copies to every rank.
+For each world size, each plan simulated over 2 batches of every rank's own data:
+the planner's plan without and with measured traffic (``measure_traffic``, 4
+batches), and every table row-wise over all ranks: even, cut by the traffic, and cut
+by the traffic after its hot rows are copied on every rank (``traffic.balanced_plan``:
+a table no cut balances copied whole).
+Prints the slowest rank's lookups (ids its TBE receives plus its own batch's ids of
+copies) and the bytes they read, each over the mean rank's, and how many tables the
+plan copies whole and how many it gives hot rows.
 """
 
 from __future__ import annotations
@@ -16,17 +19,17 @@ import tempfile
 from pathlib import Path
 
 from embshard.config import load_config
-from embshard.plan import DataParallel
+from embshard.plan import DataParallel, RowWise, ShardingPlan, row_wise
 from embshard.planner import plan_config
 from embshard.simulate import simulate
-from embshard.traffic import measure_traffic
+from embshard.traffic import balanced_plan, balanced_sizes, measure_traffic
 
 
 def slowest_over_mean(values: list[int]) -> float:
     return max(values) / (sum(values) / len(values))
 
 
-def balance(config_path: str, world: int, plan) -> tuple[float, float]:
+def balance(config_path: str, world: int, plan: ShardingPlan) -> tuple[float, float]:
     """Slowest over mean rank: lookups (rows read), and the bytes they read."""
     with tempfile.TemporaryDirectory() as tmp:
         plan.save(Path(tmp) / "plan.yaml")
@@ -42,13 +45,25 @@ def main() -> None:
     args = parser.parse_args()
     config = load_config(args.config)
     for world in args.world_sizes:
-        for label, stats in (("even", None), ("traffic", measure_traffic(config, world, 4))):
-            plan, _ = plan_config(config, world, stats=stats)
-            copies = sum(isinstance(s, DataParallel) for s in plan.tables.values())
+        stats = measure_traffic(config, world, 4)
+        plans = {
+            "planner, even": plan_config(config, world)[0],
+            "planner, traffic": plan_config(config, world, stats=stats)[0],
+            "row-wise, even": ShardingPlan({t.name: row_wise() for t in config.tables}),
+            "row-wise, traffic": ShardingPlan(
+                {n: row_wise(balanced_sizes(t, world)) for n, t in stats.tables.items()}
+            ),
+            "row-wise, traffic, hot rows": balanced_plan(stats, world),
+        }
+        for label, plan in plans.items():
+            specs = plan.tables.values()
+            copies = sum(isinstance(s, DataParallel) for s in specs)
+            hot = sum(isinstance(s, RowWise) and bool(s.hot_rows) for s in specs)
             rows, read = balance(args.config, world, plan)
             print(
-                f"W={world} {label:<8} slowest/mean rank: lookups {rows:.2f}, "
-                f"bytes looked up {read:.2f} ({copies} copied tables)"
+                f"W={world} {label:<28} slowest/mean rank: lookups {rows:.2f}, bytes looked "
+                f"up {read:.2f} ({copies} tables copied, {hot} with hot rows)",
+                flush=True,
             )
 
 
