@@ -170,6 +170,20 @@ def test_data_parallel_tables_reshard_to_and_from_every_layout(world, optimizer,
             torch.testing.assert_close(tables[f"state.{t.name}"], state, rtol=1e-6, atol=0)
 
 
+def assert_loaded_as_saved(loaded: dict, saved: dict, saved_plan: dict, loaded_plan: dict) -> None:
+    """Every table bit-exact, and its row-wise Adagrad state (non-zero) converted from
+    the saved column blocks to the loaded ones."""
+    for t in TABLES:
+        assert torch.equal(loaded[f"weight.{t.name}"], saved[f"weight.{t.name}"]), t.name
+        expected = expected_rowwise(
+            saved[f"state.{t.name}"],
+            blocks_of(saved_plan[t.name]),
+            blocks_of(loaded_plan[t.name]),
+        )
+        torch.testing.assert_close(loaded[f"state.{t.name}"], expected, rtol=1e-6, atol=0)
+        assert loaded[f"state.{t.name}"].abs().sum() > 0
+
+
 HOT_PLANS = {
     4: {
         "a": row_wise(hot_rows=6),
@@ -207,14 +221,7 @@ def test_hot_rows_reshard_to_and_from_other_layouts(world, tmp_path, saved_as, l
         assert len(chunks) == len(set(chunks)), key  # each copy saved once
     for step, loaded in world(loaded_world).run(load_into, str(tmp_path), optimizer, loaded_plan):
         assert step == 2
-        for t in TABLES:
-            assert torch.equal(loaded[f"weight.{t.name}"], saved[f"weight.{t.name}"]), t.name
-            expected = expected_rowwise(
-                saved[f"state.{t.name}"],
-                blocks_of(saved_plan[t.name]),
-                blocks_of(loaded_plan[t.name]),
-            )
-            torch.testing.assert_close(loaded[f"state.{t.name}"], expected, rtol=1e-6, atol=0)
+        assert_loaded_as_saved(loaded, saved, saved_plan, loaded_plan)
 
 
 @pytest.mark.parametrize(
@@ -238,15 +245,7 @@ def test_grid_reshards_to_and_from_every_layout(world, tmp_path, saved_as, loade
     saved = world(saved_world).run(save_trained, str(tmp_path), optimizer, 2, saved_plan)[0]
     for step, loaded in world(loaded_world).run(load_into, str(tmp_path), optimizer, loaded_plan):
         assert step == 2
-        for t in TABLES:
-            assert torch.equal(loaded[f"weight.{t.name}"], saved[f"weight.{t.name}"]), t.name
-            expected = expected_rowwise(
-                saved[f"state.{t.name}"],
-                blocks_of(saved_plan[t.name]),
-                blocks_of(loaded_plan[t.name]),
-            )
-            torch.testing.assert_close(loaded[f"state.{t.name}"], expected, rtol=1e-6, atol=0)
-            assert loaded[f"state.{t.name}"].abs().sum() > 0
+        assert_loaded_as_saved(loaded, saved, saved_plan, loaded_plan)
     exported = tmp_path / "exported.pt"
     ckpt.export(tmp_path, exported)
     tables = torch.load(exported)
