@@ -135,7 +135,8 @@ def balanced_plan(stats: TrafficStats, world_size: int) -> ShardingPlan:
     copied on every rank and the rest cut by ``balanced_sizes``; a table no cut can
     balance (a few rows over many ranks) copied whole. Each rank then receives about
     as many lookups as any other, whatever that costs in ids and pooled rows moved
-    (the planner weighs those)."""
+    (the planner weighs those). ``shard`` refuses hot rows on a table whose features
+    feed another table too."""
     specs = {}
     for name, traffic in stats.tables.items():
         hot = hot_rows(traffic, world_size)
