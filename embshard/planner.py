@@ -741,14 +741,23 @@ def _lower_bound(
 def _bound_with(
     tables: Sequence[PlannedTable], kept: Sequence[TableConstraint], model: CostModel, copies: bool
 ) -> float:
+    """``_copied_bound``, plus the copies' all-reduce latency where any may be copied."""
+    copied = any(_copied(t, model, c, copies) for t, c in zip(tables, kept))
+    latency = model.topology.collective_latency() if copied else 0.0
+    return _copied_bound(tables, kept, model, copies) + latency
+
+
+def _copied_bound(
+    tables: Sequence[PlannedTable], kept: Sequence[TableConstraint], model: CostModel, copies: bool
+) -> float:
     """``_cut_bound`` less all that copies could save each rank (a copy's negative
-    ``replica_cost``), plus their all-reduce's latency where any may be copied."""
-    copied = [t for t, c in zip(tables, kept) if _copied(t, model, c, copies)]
-    if not copied:
-        return _cut_bound(tables, kept, model, copies)
-    saving = sum(max(0.0, -model.replica_cost(t)) for t in copied)
-    latency = model.topology.collective_latency()
-    return _cut_bound(tables, kept, model, copies) - saving + latency
+    ``replica_cost``): no rank of a packing carries less, the all-reduce apart."""
+    saving = sum(
+        max(0.0, -model.replica_cost(t))
+        for t, c in zip(tables, kept)
+        if _copied(t, model, c, copies)
+    )
+    return _cut_bound(tables, kept, model, copies) - saving
 
 
 def _cut_bound(
@@ -1062,7 +1071,7 @@ def _packed(
         ),
     )
     kept = [constraints.get(t.name, free) for t in specs]
-    packing = _search(prepared, model, max(_cut_bound(specs, kept, model, copies), 1e-12))
+    packing = _search(prepared, model, max(_copied_bound(specs, kept, model, copies), 1e-12))
     reasons = _unsplit(packing, prepared, model)
     if any(kind == "data_parallel" for kind, _ in packing.layouts.values()):
         packing.cost += model.topology.collective_latency()
