@@ -202,6 +202,19 @@ def export(directory: str, out: str) -> None:
     click.echo(f"wrote {plural(len(keys), 'tensor')} to {out}")
 
 
+def _check_fits(report) -> None:
+    """A PlanningError naming the first rank whose shards exceed its usable memory."""
+    from embshard.planner import PlanningError, format_bytes
+
+    usable = report.topology.usable_memory
+    for load in report.ranks:
+        if load.memory > usable:
+            raise PlanningError(
+                f"the lookup-balanced plan does not fit: rank {load.rank} needs "
+                f"{format_bytes(load.memory)} of {format_bytes(usable)} usable"
+            )
+
+
 @main.command()
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.option(
@@ -218,6 +231,13 @@ def export(directory: str, out: str) -> None:
     help="Plan from the traffic measured over this many batches of 2 ranks' data "
     "(0: from each table's mean_pooling, ids spread evenly).",
 )
+@click.option(
+    "--balance-lookups",
+    is_flag=True,
+    help="With --batches: not the planner's plan but every table row-wise by the "
+    "traffic, its hot rows copied on every rank (embshard.traffic.balanced_plan), so "
+    "each rank makes about as many lookups; slower steps where pooled rows dominate.",
+)
 def plan(
     config: str,
     world_size: int,
@@ -225,6 +245,7 @@ def plan(
     out: str | None,
     as_json: bool,
     batches: int,
+    balance_lookups: bool,
 ) -> None:
     """Plan CONFIG's tables for WORLD_SIZE ranks.
 
@@ -238,13 +259,22 @@ def plan(
     import yaml
 
     from embshard.config import ConfigError, load_config
-    from embshard.planner import PlanningError, plan_config
-    from embshard.traffic import measure_traffic
+    from embshard.planner import PlanningError, plan_config, plan_report, topology_for
+    from embshard.traffic import balanced_plan, measure_traffic
 
+    if balance_lookups and not batches:
+        raise click.ClickException("--balance-lookups needs the traffic: give --batches N")
     try:
         model = load_config(config, check_files=batches > 0, trains=False)  # data: to measure
         stats = measure_traffic(model, world_size, batches) if batches else None
-        sharding, report = plan_config(model, world_size, memory_per_rank, stats)
+        if balance_lookups:
+            sharding = balanced_plan(stats, world_size)
+            topology = topology_for(model, world_size, memory_per_rank)
+            reason = "lookups balanced (--balance-lookups)"
+            report = plan_report(sharding, model, topology, reason, stats)
+            _check_fits(report)
+        else:
+            sharding, report = plan_config(model, world_size, memory_per_rank, stats)
     except (ConfigError, PlanningError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     if out:

@@ -141,16 +141,20 @@ class Topology:
 
     @classmethod
     def cpu(cls, world_size: int, **overrides: Any) -> Topology:
-        """Processes on CPU hosts: gloo over loopback inside a host, 10 GbE between;
-        an eighth of each rank's memory reserved."""
+        """Processes on CPU hosts, one thread each: gloo over loopback inside a host,
+        10 GbE between; an eighth of each rank's memory reserved. Inside a host, the
+        project's 2-core machine's figures (``tools/gloo_alltoall.py``: 0.2 ms for a
+        small all-to-all, 1.1 GB/s for 4 MiB a peer; FBGEMM's forward, backward and
+        update at about 4 GB/s counted as three passes over the rows;
+        ``tools/calibrate.py`` sets the model against the bench)."""
         values = {
             "ranks_per_host": world_size,
             "memory_per_rank": 8 * GiB,
-            "intra_bandwidth": 5e9,
-            "intra_latency": 50e-6,
+            "intra_bandwidth": 1.2e9,
+            "intra_latency": 200e-6,
             "inter_bandwidth": 1.25e9,
-            "inter_latency": 100e-6,
-            "lookup_bandwidth": 10e9,
+            "inter_latency": 250e-6,
+            "lookup_bandwidth": 4e9,
         } | overrides
         values.setdefault("reserved_memory", values["memory_per_rank"] // 8)
         return cls(world_size, **values)
@@ -1264,7 +1268,7 @@ def plan_config(
     optimizer = config.sparse_optimizer.type
     given = config.sharding_plan()
     if given is not None:
-        return given, _given_report(given, config, topology)
+        return given, plan_report(given, config, topology, "the config's own plan")
     constraints = {
         t.name: TableConstraint(
             tuple(t.shardings) if t.shardings else None,
@@ -1278,19 +1282,30 @@ def plan_config(
     )
 
 
-_GIVEN = "the config's own plan"
-
-
-def _given_report(plan: ShardingPlan, config: TrainConfig, topology: Topology) -> PlanReport:
-    """The report of a config's own plan: its loads, and the bound of any plan."""
+def plan_report(
+    plan: ShardingPlan,
+    config: TrainConfig,
+    topology: Topology,
+    reason: str,
+    stats: TrafficStats | None = None,
+) -> PlanReport:
+    """The report of a plan the planner did not make (a config's own, a lookup-balanced
+    one): its loads (priced by ``stats`` where given), each table's sharding for
+    ``reason``, and the bound of any plan."""
     model = CostModel(topology, config.batch_size, config.sparse_optimizer.type)
     resolved = plan.resolve(config.torchrec_configs(), topology.world_size)
-    specs = planned_tables(config.tables)
+    specs = planned_tables(config.tables, stats=stats)
+    loads = plan_loads(plan, config.tables, topology, model.batch_size, model.optimizer,
+                       stats=stats)  # fmt: skip
     return PlanReport(
-        ranks=plan_loads(plan, config.tables, topology, model.batch_size, model.optimizer),
+        ranks=loads,
         tables=[  # the plan resolved in the tables' order
             TableChoice(
-                t.name, r.kind, sum(bool(s.rows and s.cols) for s in r.shards), _GIVEN, t.sequence
+                t.name,
+                r.kind,
+                sum(bool(s.rows and s.cols) and not s.copy for s in r.shards) or len(r.shards),
+                reason,
+                t.sequence,
             )
             for r, t in zip(resolved.values(), specs)
         ],

@@ -807,7 +807,8 @@ def test_sequence_tables_send_a_row_back_per_id():
     x 4 bytes each way, and a row piece of it only its share of them (by hand)."""
     pooled = TableConfig("t", 1000, 16, ["f"], mean_pooling=5.0)
     sequence = dataclasses.replace(pooled, pooling="none")
-    model = CostModel(Topology.cpu(2), 100)  # one host: every byte at 5e9 B/s
+    topology = Topology.cpu(2, intra_bandwidth=5e9, lookup_bandwidth=10e9)
+    model = CostModel(topology, 100)  # one host: every byte at 5e9 B/s
     p, s = planned_tables([pooled, sequence])
     assert (p.sequence, s.sequence) == (False, True)
     ids, bags, per_byte = 2 * 100 * 5, 2 * 100, 1 / 5e9

@@ -208,3 +208,26 @@ def test_a_balanced_plan_gives_every_rank_its_share_of_the_lookups(tmp_path, wor
         spread[name] = lookups.max() / lookups.mean()
     assert spread["balanced"] <= 1.1, spread
     assert spread["cut"] > (1.5 if world_size == 64 else 1.0), spread
+
+
+def test_plan_command_balances_lookups_where_the_plan_fits(tmp_path):
+    from click.testing import CliRunner
+
+    from embshard.cli import main as cli
+
+    config = str(ROOT / "configs" / "criteo_1tb.yaml")
+    args = ["plan", config, "-w", "64", "--batches", "2", "--balance-lookups", "--json"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    specs = out["plan"]["tables"].values()
+    assert {s["type"] for s in specs} == {"row_wise", "data_parallel"}
+    assert any(s.get("hot_rows") for s in specs)
+    reasons = {t["reason"] for t in out["report"]["tables"]}
+    assert reasons == {"lookups balanced (--balance-lookups)"}
+    # At 8 ranks the cold rows of the 40M-row tables all land in the last blocks.
+    result = CliRunner().invoke(cli, [*args[:3], "8", *args[4:]])
+    assert result.exit_code == 1
+    assert "the lookup-balanced plan does not fit: rank 7 needs" in result.output
+    result = CliRunner().invoke(cli, ["plan", config, "-w", "8", "--balance-lookups"])
+    assert result.exit_code == 1 and "--balance-lookups needs the traffic" in result.output

@@ -274,7 +274,9 @@ def test_start_up_memory_is_what_the_planner_counts():
     plan, report = plan_config(config, 2)
     lines = describe_plan(plan, config, 2).splitlines()
     assert "per rank (table weights + rowwise_adagrad state):" in lines
-    # Rank 0 holds item (50,000 rows) and city (5,000) of 16 columns, each row with
-    # one row-wise Adagrad accumulator: 4 bytes x 55,000 x 17 = 3.57 MiB.
-    assert report.ranks[0].memory == 4 * 55_000 * 17
-    assert "  rank 0: 3.6 MiB  item[0:+50000, 0:+16], city[0:+5000, 0:+16]" in lines
+    # Rank 0 holds item (50,000 rows) and copies of category (1,000) and device (200)
+    # of 16 columns, each row with one row-wise Adagrad accumulator: 4 bytes x 51,200
+    # x 17 = 3.32 MiB.
+    assert report.ranks[0].memory == 4 * 51_200 * 17
+    shards = "item[0:+50000, 0:+16], category[0:+1000, 0:+16], device[0:+200, 0:+16]"
+    assert f"  rank 0: 3.3 MiB  {shards}" in lines

@@ -6,8 +6,8 @@ For every timed cell at W = 2 of the given bench results (``tools/bench.py --jso
 such results keyed by id law): the cost model's estimate of a step, its slowest rank
 (``plan_loads``) plus what every rank pays alike (``CostModel.base_cost``), for 2
 ranks, the workload's batch per rank and mean ids a bag, against embshard's
-measured median step: with the CPU topology's defaults, and with this machine's
-measured figures (``MEASURED``: a config's ``topology:`` takes the same keys). The
+measured median step. The topology is the CPU defaults, with ``--set KEY=VALUE``
+overrides (a config's ``topology:`` keys, e.g. ``--set lookup_bandwidth=4e9``). The
 model knows no id law: its estimate is the same for uniform and power-law ids.
 """
 
@@ -19,12 +19,6 @@ from pathlib import Path
 
 from embshard.bench import WORKLOADS, make_plan, table_configs
 from embshard.planner import CostModel, Topology, plan_loads, planned_tables
-
-# The project's 2-core machine, one thread a rank: tools/gloo_alltoall.py gave 0.21 ms
-# for a 1 KiB all-to-all at W = 2 and 3.85 ms for 4 MiB a peer (1.1 GB/s); FBGEMM's
-# forward, backward and update ran the bench's lookups at about 4 GB/s counted as
-# three passes over the rows (the bare TBE of (a) and (b) table-wise).
-MEASURED = {"intra_latency": 200e-6, "intra_bandwidth": 1.2e9, "lookup_bandwidth": 4e9}
 
 
 def estimate_ms(workload: str, plan_name: str, world: int, **topology: float) -> float:
@@ -47,19 +41,20 @@ def timed_cells(path: str) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", help="bench JSON files")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="topology overrides, in bytes/s and seconds")  # fmt: skip
     args = parser.parse_args()
-    print("| workload | ids | plan | measured ms | estimated ms, defaults (measured / "
-          "estimated) | estimated ms, this machine's figures (measured / estimated) |")  # fmt: skip
+    overrides = {key: float(value) for key, value in (s.split("=", 1) for s in args.set)}
+    print("| workload | ids | plan | measured ms | estimated ms | measured / estimated |")
     print("| --- | --- | --- | --- | --- | --- |")
     for path in args.results:
         for r in timed_cells(path):
             if r["world_size"] != 2:
                 continue
             measured = r["embshard"]["median_ms"]
-            default = estimate_ms(r["workload"], r["plan"], 2)
-            here = estimate_ms(r["workload"], r["plan"], 2, **MEASURED)
-            print(f"| {r['workload']} | {r['ids']} | {r['plan']} | {measured:.1f} | {default:.1f} "
-                  f"({measured / default:.2f}) | {here:.1f} ({measured / here:.2f}) |")  # fmt: skip
+            estimated = estimate_ms(r["workload"], r["plan"], 2, **overrides)
+            print(f"| {r['workload']} | {r['ids']} | {r['plan']} | {measured:.1f} | "
+                  f"{estimated:.1f} | {measured / estimated:.2f} |")  # fmt: skip
 
 
 if __name__ == "__main__":
