@@ -162,6 +162,11 @@ class ShardedTable:
         return isinstance(self.spec, DataParallel)
 
     @property
+    def hot_rows(self) -> int:
+        """A row-wise table's rows copied on every rank (``row_wise(hot_rows=...)``), else 0."""
+        return self.spec.hot_rows if isinstance(self.spec, RowWise) else 0
+
+    @property
     def copied_rows(self) -> int:
         """Rows ``[0, copied_rows)`` are copied on every rank: all of a data-parallel
         table's, a row-wise table's hot rows, else none."""

@@ -1221,7 +1221,7 @@ def plan_loads(
             share = shard.rows / table.num_embeddings
             if traffic is not None and sharded.kind in _ROW_SPLIT:
                 share = traffic.share(shard.row_offset, shard.rows)
-            if shard.copy and not sharded.replicated:  # hot rows
+            if shard.copy and sharded.hot_rows:
                 load.cost += model.copy_cost(table, shard.rows, share)
             else:
                 rows = share * table.num_embeddings

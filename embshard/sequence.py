@@ -169,7 +169,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
                 f"comm_precision {comm_precision!r} is not supported for an EmbeddingCollection "
                 "yet: its rows travel in fp32"
             )
-        hot = [n for n, t in self._tables.items() if t.copied_rows and not t.replicated]
+        hot = [n for n, t in self._tables.items() if t.hot_rows]
         if hot:
             raise ValueError(
                 f"tables {hot}: row_wise hot_rows is not supported for an EmbeddingCollection "

@@ -104,7 +104,7 @@ def _sharding_type(table: ShardedTable) -> ShardingType:
 
 
 def _hot_misfit(table: ShardedTable) -> str | None:
-    if table.copied_rows and not table.replicated:
+    if table.hot_rows:
         return "TorchRec has no row-wise sharding with hot rows copied on every rank"
     return None
 
