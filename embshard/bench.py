@@ -579,16 +579,14 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, results)
 
 
 def leave() -> None:
-    """End a worker process that built TorchRec's DMP. Its gloo groups can abort the
-    process at exit with torch 2.13 ("terminate called without an active exception",
-    2 runs in 25); the work is done and reported, so leave without running C++
-    destructors."""
+    """End a worker process that built TorchRec's DMP, whose gloo groups can abort the
+    process at exit with torch 2.13 (2 runs in 25): the work is done and reported."""
     import torch.distributed as dist
 
+    from embshard.train import exit_process
+
     dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_process(0)
 
 
 def gather_bandwidth(rows: int = 1 << 22, dim: int = 64, ids: int = 8 * 1024 * 20) -> float:
