@@ -202,19 +202,6 @@ def export(directory: str, out: str) -> None:
     click.echo(f"wrote {plural(len(keys), 'tensor')} to {out}")
 
 
-def _check_fits(report) -> None:
-    """A PlanningError naming the first rank whose shards exceed its usable memory."""
-    from embshard.planner import PlanningError, format_bytes
-
-    usable = report.topology.usable_memory
-    for load in report.ranks:
-        if load.memory > usable:
-            raise PlanningError(
-                f"the lookup-balanced plan does not fit: rank {load.rank} needs "
-                f"{format_bytes(load.memory)} of {format_bytes(usable)} usable"
-            )
-
-
 @main.command()
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.option(
@@ -235,7 +222,7 @@ def _check_fits(report) -> None:
     "--balance-lookups",
     is_flag=True,
     help="With --batches: not the planner's plan but every table row-wise by the "
-    "traffic, its hot rows copied on every rank (embshard.traffic.balanced_plan), so "
+    "traffic, its hot rows copied on every rank (embshard.planner.lookup_balanced_plan), so "
     "each rank makes about as many lookups; slower steps where pooled rows dominate.",
 )
 def plan(
@@ -259,8 +246,8 @@ def plan(
     import yaml
 
     from embshard.config import ConfigError, load_config
-    from embshard.planner import PlanningError, plan_config, plan_report, topology_for
-    from embshard.traffic import balanced_plan, measure_traffic
+    from embshard.planner import PlanningError, lookup_balanced_plan, plan_config
+    from embshard.traffic import measure_traffic
 
     if balance_lookups and not batches:
         raise click.ClickException("--balance-lookups needs the traffic: give --batches N")
@@ -268,11 +255,7 @@ def plan(
         model = load_config(config, check_files=batches > 0, trains=False)  # data: to measure
         stats = measure_traffic(model, world_size, batches) if batches else None
         if balance_lookups:
-            sharding = balanced_plan(stats, world_size)
-            topology = topology_for(model, world_size, memory_per_rank)
-            reason = "lookups balanced (--balance-lookups)"
-            report = plan_report(sharding, model, topology, reason, stats)
-            _check_fits(report)
+            sharding, report = lookup_balanced_plan(model, world_size, stats, memory_per_rank)
         else:
             sharding, report = plan_config(model, world_size, memory_per_rank, stats)
     except (ConfigError, PlanningError, ValueError) as e:
@@ -387,8 +370,8 @@ def _implied_world_size(sharding) -> int:
             highest = max(highest, *spec.ranks)
         elif isinstance(spec, Grid):
             highest = max(highest, *(r for group in spec.ranks for r in group))
-        elif isinstance(spec, RowWise) and spec.sizes is not None:
-            sizes.add(len(spec.sizes))
+        elif isinstance(spec, RowWise) and (spec.sizes or spec.ranks) is not None:
+            sizes.add(len(spec.sizes or spec.ranks))
     if len(sizes) == 1:
         return sizes.pop()
     if (

@@ -39,12 +39,14 @@ class TableWise:
 
 @dataclass(frozen=True)
 class RowWise:
-    """One row block per rank, in rank order: even (``sizes=None``) or explicit sizes.
-    With ``hot_rows``, the first ``hot_rows`` rows are copied on every rank instead
-    and the blocks split the rest."""
+    """One row block per rank, in row order: block ``i`` on ``ranks[i]`` (rank ``i``
+    when ``ranks`` is None), even (``sizes=None``) or ``sizes[i]`` rows. With
+    ``hot_rows``, the first ``hot_rows`` rows are copied on every rank instead and the
+    blocks split the rest."""
 
     sizes: tuple[int, ...] | None = None
     hot_rows: int = 0
+    ranks: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -80,9 +82,17 @@ def table_wise(rank: int) -> TableWise:
     return TableWise(rank=rank)
 
 
-def row_wise(sizes: Sequence[int] | None = None, hot_rows: int = 0) -> RowWise:
+def row_wise(
+    sizes: Sequence[int] | None = None,
+    hot_rows: int = 0,
+    ranks: Sequence[int] | None = None,
+) -> RowWise:
     """Split rows over all ranks: even blocks (as TorchRec: ceil-sized, the last ones
-    smaller or empty) or ``sizes[r]`` rows on rank ``r`` (zeros allowed).
+    smaller or empty) or ``sizes[i]`` rows in block ``i`` (zeros allowed), blocks in
+    row order on ranks ``0, 1, ...`` (as TorchRec places them) or on ``ranks``, an
+    order of all the world's ranks. An order other than the ranks' own spreads the
+    tables' last (with ids numbered hottest first, their largest) blocks over the
+    ranks instead of piling them on the last rank.
 
     ``hot_rows``: copy the table's first ``hot_rows`` rows to every rank and split only
     the rest (``sizes`` then sum to the rows left). Each rank looks its own batch's ids
@@ -90,7 +100,11 @@ def row_wise(sizes: Sequence[int] | None = None, hot_rows: int = 0) -> RowWise:
     nowhere and load no one rank; their gradient is averaged over the ranks in the
     data-parallel tables' all-reduce. For ids numbered hottest first, as frequency
     remapping numbers them. EmbeddingBagCollections only."""
-    return RowWise(sizes=None if sizes is None else tuple(sizes), hot_rows=hot_rows)
+    return RowWise(
+        sizes=None if sizes is None else tuple(sizes),
+        hot_rows=hot_rows,
+        ranks=None if ranks is None else tuple(ranks),
+    )
 
 
 def column_wise(ranks: Sequence[int], widths: Sequence[int] | None = None) -> ColumnWise:
@@ -265,6 +279,18 @@ def _spec_problems(spec: Any) -> list[str]:
             problems.append(f"row_wise sizes must be non-negative ints, got {list(spec.sizes)}")
         if not _is_int(spec.hot_rows) or spec.hot_rows < 0:
             problems.append(f"row_wise hot_rows must be a non-negative int, got {spec.hot_rows!r}")
+        if spec.ranks is not None:
+            if not all(_is_int(r) and r >= 0 for r in spec.ranks):
+                problems.append(f"row_wise ranks must be non-negative ints, got {list(spec.ranks)}")
+            elif len(set(spec.ranks)) != len(spec.ranks):
+                problems.append(
+                    f"row_wise ranks {list(spec.ranks)} repeat a rank (one block a rank)"
+                )
+            if spec.sizes is not None and len(spec.sizes) != len(spec.ranks):
+                problems.append(
+                    f"row_wise gives {plural(len(spec.sizes), 'size')} "
+                    f"for {plural(len(spec.ranks), 'rank')}"
+                )
         return problems
     if isinstance(spec, DataParallel):
         return []
@@ -394,6 +420,12 @@ def _table_problems(
                 f"row_wise gives {plural(len(sizes), 'size')} "
                 f"for a world of {plural(world_size, 'rank')}"
             )
+        world = None if world_size is None else list(range(world_size))
+        if spec.ranks is not None and world is not None and sorted(spec.ranks) != world:
+            problems.append(
+                f"row_wise ranks {list(spec.ranks)} are not an order of the world's "
+                f"{plural(world_size, 'rank')} (each rank once)"
+            )
         split = rows - spec.hot_rows
         if spec.hot_rows and split <= 0:
             problems.append(
@@ -440,9 +472,10 @@ def _table_shards(
     if isinstance(spec, RowWise):
         hot, split = spec.hot_rows, rows - spec.hot_rows
         sizes = spec.sizes if spec.sizes is not None else even_row_sizes(split, world_size)
-        offsets = list(accumulate(sizes, initial=hot))
+        ranks = spec.ranks if spec.ranks is not None else range(world_size)
+        offsets = accumulate(sizes, initial=hot)
         copies = tuple(TableShard(r, 0, hot, 0, dim, copy=True) for r in range(world_size))
-        blocks = tuple(TableShard(r, offsets[r], n, 0, dim) for r, n in enumerate(sizes))
+        blocks = tuple(TableShard(r, o, n, 0, dim) for r, o, n in zip(ranks, offsets, sizes))
         return (copies if hot else ()) + blocks
     widths = _column_widths(dim, spec)
     offsets = list(accumulate(widths, initial=0))
@@ -590,7 +623,7 @@ class ShardingPlan:
 
 _SPEC_FIELDS = {
     "table_wise": {"rank"},
-    "row_wise": {"sizes", "hot_rows"},
+    "row_wise": {"sizes", "hot_rows", "ranks"},
     "column_wise": {"ranks", "widths"},
     "grid": {"column_blocks", "ranks", "sizes"},
     "data_parallel": set(),
@@ -602,7 +635,9 @@ def _spec_to_dict(spec: TableSpec) -> dict[str, Any]:
         return {"type": "table_wise", "rank": spec.rank}
     if isinstance(spec, RowWise):
         sizes = {} if spec.sizes is None else {"sizes": list(spec.sizes)}
-        return {"type": "row_wise"} | sizes | ({"hot_rows": spec.hot_rows} if spec.hot_rows else {})
+        hot = {"hot_rows": spec.hot_rows} if spec.hot_rows else {}
+        ranks = {} if spec.ranks is None else {"ranks": list(spec.ranks)}
+        return {"type": "row_wise"} | sizes | hot | ranks
     if isinstance(spec, Grid):
         blocks = spec.column_blocks
         return {
@@ -631,7 +666,7 @@ def _spec_from_dict(entry: Any) -> TableSpec:
             raise PlanError("table_wise needs a rank")
         return table_wise(entry["rank"])
     if kind == "row_wise":
-        return row_wise(entry.get("sizes"), entry.get("hot_rows", 0))
+        return row_wise(entry.get("sizes"), entry.get("hot_rows", 0), entry.get("ranks"))
     if kind == "grid":
         return _grid_from_dict(entry)
     if kind == "data_parallel":

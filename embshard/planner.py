@@ -52,7 +52,7 @@ from embshard.plan import (
     row_wise,
     table_wise,
 )
-from embshard.traffic import TableTraffic, TrafficStats, balanced_sizes, hot_rows
+from embshard.traffic import TableTraffic, TrafficStats, balanced_plan, balanced_sizes, hot_rows
 
 GiB = 2**30
 _UNITS = {
@@ -1280,6 +1280,29 @@ def plan_config(
     return plan_tables(
         config.tables, topology, config.batch_size, constraints, optimizer, stats=stats
     )
+
+
+def lookup_balanced_plan(
+    config: TrainConfig,
+    world_size: int,
+    stats: TrafficStats,
+    memory_per_rank: str | int | None = None,
+) -> tuple[ShardingPlan, PlanReport]:
+    """``traffic.balanced_plan`` of a config's tables, their row blocks spread over the
+    ranks by the bytes of their rows (weights and optimizer state), and its report; a
+    PlanningError naming the first rank whose shards exceed its usable memory."""
+    topology = topology_for(config, world_size, memory_per_rank)
+    model = CostModel(topology, config.batch_size, config.sparse_optimizer.type)
+    row_bytes = {t.name: model.memory(t, 1, t.embedding_dim) for t in planned_tables(config.tables)}
+    plan = balanced_plan(stats, world_size, row_bytes)
+    report = plan_report(plan, config, topology, "lookups balanced (--balance-lookups)", stats)
+    for load in report.ranks:
+        if load.memory > topology.usable_memory:
+            raise PlanningError(
+                f"the lookup-balanced plan does not fit: rank {load.rank} needs "
+                f"{format_bytes(load.memory)} of {format_bytes(topology.usable_memory)} usable"
+            )
+    return plan, report
 
 
 def plan_report(

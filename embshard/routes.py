@@ -47,6 +47,9 @@ class Slot:
     shard: TableShard
     tbe_table: int
     bucket_pass: int  # the pass whose buckets carry its ids (see Routes.bucket_passes)
+    # The bucket of that pass its ids are in: its row block's place in row order for a
+    # row-wise or grid shard, 0 (the whole feature) for the others.
+    bucket: int = 0
 
 
 @dataclass(frozen=True)
@@ -73,12 +76,12 @@ class Routes:
     slots: tuple[tuple[Slot, ...], ...]
     # Ids are bucketized by owner before sending, all features at once, when any table
     # is row-wise or grid: pass k splits each feature by one set of row boundaries
-    # (world_size + 1 of them, bucket r for rank r), the row blocks of a row-wise table
-    # or of one grid column block (empty buckets for ranks outside its group), or
-    # (0, rows, ..., rows), which keeps the feature whole in bucket 0. When a table has
-    # hot rows, every pass has one more bucket first, never sent: its hot ids (the
-    # others' is empty), and bucket r + 1 is rank r's. No passes: the batch's own
-    # lengths are sent.
+    # (world_size + 1 of them, bucket k for the k-th row block: ``Slot.bucket``), the
+    # row blocks of a row-wise table or of one grid column block (empty buckets last,
+    # for ranks outside its group), or (0, rows, ..., rows), which keeps the feature
+    # whole in bucket 0. When a table has hot rows, every pass has one more bucket
+    # first, never sent: its hot ids (the others' is empty), and bucket k + 1 is the
+    # k-th block's. No passes: the batch's own lengths are sent.
     bucket_passes: tuple[tuple[tuple[int, ...], ...], ...]
     # Per feature: the smallest table it feeds, whose rows bound its ids.
     feature_rows: tuple[int, ...]
@@ -114,17 +117,13 @@ class Routes:
 
     def send_rows(self) -> torch.Tensor:
         """For every (destination, slot) in destination order, the row of the sender's
-        lengths table (pass, bucket, feature) that holds its bags: bucket 0 for a
-        whole feature, the destination's bucket for a row-wise or grid slot (each one
-        further with a home bucket)."""
+        lengths table (pass, bucket, feature) that holds its bags: the slot's bucket,
+        one further with a home bucket."""
         num_features, rows = len(self.features), []
-        for dest, slots in enumerate(self.slots):
+        for slots in self.slots:
             for slot in slots:
-                embedding = self.embeddings[slot.embedding]
-                bucket = (dest if embedding.row_wise else 0) + self.home_bucket
-                rows.append(
-                    (slot.bucket_pass * self.buckets + bucket) * num_features + embedding.feature
-                )
+                bucket = slot.bucket_pass * self.buckets + slot.bucket + self.home_bucket
+                rows.append(bucket * num_features + self.embeddings[slot.embedding].feature)
         return torch.tensor(rows, dtype=torch.long)
 
     def slot_dims(self, rank: int) -> list[int]:
@@ -211,15 +210,26 @@ def _run(first: ColumnMove, partner: ColumnMove, at: dict) -> ColumnMove:
     return replace(first, count=count, source_step=source_step, target_step=target_step)
 
 
+def _block_order(table: ShardedTable, col_offset: int, world_size: int) -> tuple[int, ...]:
+    """Every rank, in the row order of its block of the column block at ``col_offset``
+    (ranks that hold none last): bucket k of the pass that splits that column block
+    holds the rows of rank ``order[k]``."""
+    start = {
+        s.rank: s.row_offset for s in table.shards if s.col_offset == col_offset and not s.copy
+    }
+    return tuple(sorted(range(world_size), key=lambda r: (start.get(r, table.num_embeddings), r)))
+
+
 def _row_boundaries(table: ShardedTable, col_offset: int, world_size: int) -> tuple[int, ...]:
-    """Bucket r, rows ``[b[r], b[r + 1])``, is rank r's row block of the column block at
-    ``col_offset`` (empty for ranks that hold none): plans put a block's rows in rank
-    order, after the hot rows, which no bucket holds."""
+    """Bucket k, rows ``[b[k], b[k + 1])``, is the k-th row block of the column block at
+    ``col_offset`` (``_block_order``; empty for ranks that hold none), after the hot
+    rows, which no bucket holds."""
     rows = [0] * world_size
     for s in table.shards:
         if s.col_offset == col_offset and not s.copy:
             rows[s.rank] += s.rows
-    return tuple(accumulate(rows, initial=table.copied_rows))
+    order = _block_order(table, col_offset, world_size)
+    return tuple(accumulate((rows[r] for r in order), initial=table.copied_rows))
 
 
 def _bucket_passes(
@@ -296,6 +306,13 @@ def build_routes(
     passes, block_pass = _bucket_passes(embeddings, tables, feature_rows, world_size)
     if any(hot_rows):  # bucket 0 first: [0, hot) for a hot feature, empty for the others
         passes = tuple(tuple((0, *bounds) for bounds in p) for p in passes)
+    row_bucket = {  # (table, column offset, rank): the bucket of its row block
+        (name, col, rank): k
+        for name, table in tables.items()
+        if isinstance(table.spec, RowWise | Grid)
+        for col in {s.col_offset for s in table.shards}
+        for k, rank in enumerate(_block_order(table, col, world_size))
+    }
     slots = []
     for rank in range(world_size):
         shards = local_shards(tables, rank)
@@ -303,7 +320,13 @@ def build_routes(
         # to be contiguous in the TBE.
         slots.append(
             tuple(
-                Slot(e, shard, index, block_pass[e, shard.col_offset])
+                Slot(
+                    e,
+                    shard,
+                    index,
+                    block_pass[e, shard.col_offset],
+                    row_bucket.get((table, shard.col_offset, rank), 0),
+                )
                 for index, (table, shard) in enumerate(shards)
                 for e, emb in enumerate(embeddings)
                 if table == emb.table

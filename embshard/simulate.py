@@ -383,9 +383,12 @@ def _single_threaded_ops() -> Iterator[None]:
 
 
 def _shrunk(spec: TableSpec, rows: int, kept: int) -> TableSpec:
-    """``spec`` for the table cut to ``kept`` rows: row blocks keep their shares."""
-    if isinstance(spec, RowWise) and spec.sizes is not None:
-        return RowWise(_shrunk_sizes(spec.sizes, rows, kept))
+    """``spec`` for the table cut to ``kept`` rows: hot rows (one at least) and row
+    blocks keep their shares, blocks their ranks."""
+    if isinstance(spec, RowWise):
+        hot = max(1, spec.hot_rows * kept // rows) if spec.hot_rows else 0
+        sizes = spec.sizes and _shrunk_sizes(spec.sizes, rows - spec.hot_rows, kept - hot)
+        return replace(spec, sizes=sizes, hot_rows=hot)
     if isinstance(spec, Grid) and spec.sizes is not None:
         return replace(spec, sizes=tuple(_shrunk_sizes(s, rows, kept) for s in spec.sizes))
     return spec

@@ -58,13 +58,14 @@ def to_torchrec_plan(
     ``tables`` (both shard their tables alike), FUSED kernel
     (data-parallel tables: TorchRec's DENSE kernel, on every rank); ``local_size``
     ranks a host (default: all on one). A grid table TorchRec cannot shard as a grid
-    (see ``_grid_misfit``), or a row-wise table with hot rows, is a PlanError naming it.
+    (see ``_grid_misfit``), or a row-wise table with hot rows or with its row blocks
+    out of rank order, is a PlanError naming it.
 
     Wrap it as ``torchrec.distributed.types.ShardingPlan({module_path: result})``.
     """
     local_size = local_size or world_size
     resolved = plan.resolve(tables, world_size)
-    misfits = {n: _hot_misfit(t) or _grid_misfit(t, local_size) for n, t in resolved.items()}
+    misfits = {n: _row_wise_misfit(t) or _grid_misfit(t, local_size) for n, t in resolved.items()}
     raise_problems(
         "cannot convert to a TorchRec plan",
         [f"table {n!r}: {why}" for n, why in misfits.items() if why is not None],
@@ -103,9 +104,18 @@ def _sharding_type(table: ShardedTable) -> ShardingType:
     return _SHARDING_TYPE[type(table.spec)]
 
 
-def _hot_misfit(table: ShardedTable) -> str | None:
+def _row_wise_misfit(table: ShardedTable) -> str | None:
+    """Why TorchRec cannot shard a row-wise table as embshard does: hot rows, or row
+    blocks out of rank order (TorchRec gives rank r the r-th block, whatever its
+    placement says); None when it can (or the table is not row-wise)."""
     if table.hot_rows:
         return "TorchRec has no row-wise sharding with hot rows copied on every rank"
+    ranks = table.spec.ranks if isinstance(table.spec, RowWise) else None
+    if ranks is not None and list(ranks) != sorted(ranks):
+        return (
+            "TorchRec's row-wise sharding puts row block r on rank r; "
+            f"these are on ranks {list(ranks)}"
+        )
     return None
 
 
@@ -160,10 +170,12 @@ def _spec_from_parameter_sharding(sharding: ParameterSharding) -> TableSpec:
 
     if kind == ShardingType.ROW_WISE.value:
         by_row = sorted(zip(shards, ranks), key=lambda sr: sr[0].shard_offsets[0])
-        if [r for _, r in by_row] != list(range(len(by_row))):
-            raise PlanError(f"row blocks are on ranks {[r for _, r in by_row]}, not in rank order")
+        order = [r for _, r in by_row]
         sizes = tuple(s.shard_sizes[0] for s, _ in by_row)
-        return row_wise(None if sizes == even_row_sizes(sum(sizes), len(sizes)) else sizes)
+        return row_wise(
+            None if sizes == even_row_sizes(sum(sizes), len(sizes)) else sizes,
+            ranks=None if order == list(range(len(order))) else order,
+        )
 
     by_col = sorted(zip(shards, ranks), key=lambda sr: sr[0].shard_offsets[1])
     widths = [s.shard_sizes[1] for s, _ in by_col]

@@ -11,7 +11,7 @@ after the ``hot_rows`` that no cut could balance.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -130,18 +130,43 @@ def hot_rows(traffic: TableTraffic, pieces: int, tolerance: float = 0.1) -> int:
     return int(traffic.ids[fine[0]]) if fine[0] else 0
 
 
-def balanced_plan(stats: TrafficStats, world_size: int) -> ShardingPlan:
+def balanced_plan(
+    stats: TrafficStats, world_size: int, row_bytes: Mapping[str, float] | None = None
+) -> ShardingPlan:
     """Every table row-wise over all ranks, its lookups balanced: its ``hot_rows``
     copied on every rank and the rest cut by ``balanced_sizes``; a table no cut can
     balance (a few rows over many ranks) copied whole. Each rank then receives about
     as many lookups as any other, whatever that costs in ids and pooled rows moved
     (the planner weighs those). ``shard`` refuses hot rows on a table whose features
-    feed another table too."""
-    specs = {}
+    feed another table too.
+
+    A table's blocks get about equal lookups whichever ranks hold them, so they go
+    where they even out memory (``spread_blocks``; ``row_bytes``: the bytes of a row
+    of each table, 1 where not given): in rank order, every table's coldest and
+    largest block would land on the last rank."""
+    weight = row_bytes or {}
+    specs, cuts = {}, {}
     for name, traffic in stats.tables.items():
         hot = hot_rows(traffic, world_size)
         if hot == traffic.num_embeddings:
             specs[name] = data_parallel()
         else:
-            specs[name] = row_wise(balanced_sizes(traffic, world_size, hot), hot_rows=hot)
-    return ShardingPlan(specs)
+            cuts[name] = hot, balanced_sizes(traffic, world_size, hot)
+    held = [0.0] * world_size
+    largest_first = sorted(cuts, key=lambda n: -weight.get(n, 1) * sum(cuts[n][1]))
+    for name in largest_first:
+        hot, sizes = cuts[name]
+        ranks = spread_blocks([weight.get(name, 1) * rows for rows in sizes], held)
+        specs[name] = row_wise(sizes, hot_rows=hot, ranks=ranks)
+    return ShardingPlan({name: specs[name] for name in stats.tables})
+
+
+def spread_blocks(blocks: Sequence[float], held: list[float]) -> list[int] | None:
+    """Ranks for a table's row blocks of ``blocks`` bytes each: the largest to the rank
+    that ``held`` least so far, and so on, ``held`` updated; None for rank order."""
+    ranks = [0] * len(blocks)
+    by_size = sorted(range(len(blocks)), key=lambda i: -blocks[i])
+    for i, rank in zip(by_size, sorted(range(len(held)), key=held.__getitem__)):
+        ranks[i] = rank
+        held[rank] += blocks[i]
+    return None if ranks == sorted(ranks) else ranks

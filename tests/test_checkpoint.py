@@ -37,7 +37,7 @@ PLANS = {
         "a": table_wise(3),
         "b": row_wise([0, 20, 0, 10]),
         "c": column_wise([3, 0, 3, 1]),
-        "d": row_wise(),
+        "d": row_wise(ranks=[2, 0, 3, 1]),  # row blocks out of rank order
     },
     1: {t.name: table_wise(0) for t in TABLES},
     2: {"a": row_wise(), "b": column_wise([1, 0]), "c": table_wise(1), "d": row_wise([5, 35])},
@@ -186,7 +186,7 @@ def assert_loaded_as_saved(loaded: dict, saved: dict, saved_plan: dict, loaded_p
 
 HOT_PLANS = {
     4: {
-        "a": row_wise(hot_rows=6),
+        "a": row_wise(hot_rows=6, ranks=[1, 2, 3, 0]),
         "b": row_wise([0, 10, 4, 10], hot_rows=6),  # an empty block on rank 0
         "c": data_parallel(),
         "d": row_wise(hot_rows=10),

@@ -122,6 +122,25 @@ def test_yaml_syntax_errors_name_the_file_and_line(tmp_path):
     assert "<unicode string>" not in result.output
 
 
+def test_show_draws_row_blocks_out_of_rank_order_and_reads_the_world_from_them(tmp_path):
+    plan = plan_file(tmp_path)
+    plan.write_text(
+        plan.read_text().replace(
+            "device: {type: table_wise, rank: 0}", "device: {type: row_wise, ranks: [2, 0, 1]}"
+        )
+    )
+    result = CliRunner().invoke(cli, ["show", str(plan), "--config", str(SMALL), "--width", "30"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    at = lines.index("device (200 x 16) RowWise")
+    assert lines[at + 1 : at + 5] == [
+        f"  rows |{'2' * 10}{'0' * 10}{'1' * 10}|",
+        "    rank 2: rows 0:67, cols 0:16",
+        "    rank 0: rows 67:134, cols 0:16",
+        "    rank 1: rows 134:200, cols 0:16",
+    ]
+
+
 def bar(sizes: list[int], width: int) -> str:
     """The text bar of a row-wise table split into ``sizes`` rows per rank."""
     config = EmbeddingBagConfig(

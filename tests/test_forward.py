@@ -61,7 +61,7 @@ def plans(world: int) -> dict[str, ShardingPlan]:
         "mixed": ShardingPlan(
             {
                 "a": table_wise(last),
-                "b": row_wise(),
+                "b": row_wise(ranks=everyone[::-1]),  # row blocks out of rank order
                 "c": row_wise(uneven),  # an empty rank in the middle
                 "d": column_wise([last, 0, last, 0]),  # two blocks per rank, out of order
             }
@@ -78,7 +78,8 @@ def plans(world: int) -> dict[str, ShardingPlan]:
         "hot_rows": ShardingPlan(
             {
                 "a": table_wise(last),
-                "b": row_wise(hot_rows=7),  # f_b1 and f_b2: two features, one hot table
+                # f_b1 and f_b2: two features, one hot table, row blocks out of rank order.
+                "b": row_wise(hot_rows=7, ranks=everyone[1:] + everyone[:1]),
                 "c": row_wise([s * 4 // 5 for s in uneven], hot_rows=5),  # MEAN, uneven
                 "d": data_parallel(),  # its all-reduce also carries the hot rows'
             }
@@ -222,13 +223,27 @@ def bucket_passes(plan: ShardingPlan, world: int) -> list[tuple[tuple[int, ...],
 
 
 def test_grid_blocks_bucketize_once_per_distinct_row_split():
-    """Each grid block's ids are cut by its own row blocks (bucket r for rank r, empty
-    outside its group); blocks split alike share one pass."""
+    """Each grid block's ids are cut by its own row blocks (bucket k for its k-th block,
+    empty buckets last); blocks split alike share one pass, whichever ranks hold them."""
     assert bucket_passes(ShardingPlan({"t": grid(2, [[0, 1], [2, 3]])}), 4) == [
-        ((0, 5, 10, 10, 10),),
-        ((0, 0, 0, 5, 10),),
+        ((0, 5, 10, 10, 10),)
     ]
-    assert bucket_passes(ShardingPlan({"t": grid(2, [[1, 3], [1, 3]])}), 4) == [((0, 0, 5, 5, 10),)]
+    assert bucket_passes(ShardingPlan({"t": grid(2, [[1, 3], [1, 3]])}), 4) == [
+        ((0, 5, 10, 10, 10),)
+    ]
+    assert bucket_passes(ShardingPlan({"t": grid(2, [[0, 1], [2, 3]], [[5, 5], [3, 7]])}), 4) == [
+        ((0, 5, 10, 10, 10),),
+        ((0, 3, 10, 10, 10),),
+    ]
+
+
+def test_row_blocks_out_of_rank_order_bucketize_in_row_order():
+    """Bucket k holds the k-th row block's ids, whichever rank holds it."""
+    plan = ShardingPlan({"t": row_wise([2, 3, 5], ranks=[2, 0, 1])})
+    configs = [Table("t", 10, 8, ("f",)).config()]
+    routes = build_routes(configs, plan.resolve(configs, 3), 3, False)
+    assert routes.bucket_passes == (((0, 2, 5, 10),),)
+    assert [[s.bucket for s in slots] for slots in routes.slots] == [[1], [2], [0]]
 
 
 def test_scratch_hands_out_a_buffer_again_only_when_nothing_holds_it():

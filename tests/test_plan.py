@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 
 import pytest
@@ -190,6 +191,16 @@ def test_grid_blocks_split_rows_over_their_own_groups():
             TABLES[0],
             "table 'a': row_wise hot_rows 10 leaves none of the table's 10 rows to split",
         ),
+        (
+            row_wise(ranks=[0, 1, 4, 2]),
+            TABLES[0],
+            "table 'a': row_wise ranks [0, 1, 4, 2] are not an order of the world's 4 ranks",
+        ),
+        (
+            row_wise(ranks=[2, 1, 0]),
+            TABLES[0],
+            "table 'a': row_wise ranks [2, 1, 0] are not an order of the world's 4 ranks",
+        ),
     ],
 )
 def test_validation_names_table_and_problem(spec, table, message):
@@ -214,6 +225,12 @@ def test_validation_reports_missing_and_unknown_tables_together():
         (row_wise([2, -1]), "row_wise sizes must be non-negative ints"),
         (row_wise(hot_rows=-3), "row_wise hot_rows must be a non-negative int, got -3"),
         (row_wise(hot_rows=2.5), "row_wise hot_rows must be a non-negative int, got 2.5"),
+        (row_wise(ranks=[0, -1]), r"row_wise ranks must be non-negative ints, got \[0, -1\]"),
+        (
+            row_wise(ranks=[1, 0, 1]),
+            r"row_wise ranks \[1, 0, 1\] repeat a rank \(one block a rank\)",
+        ),
+        (row_wise([5, 5], ranks=[1, 0, 2]), "row_wise gives 2 sizes for 3 ranks"),
         (column_wise([]), "column_wise needs at least one rank"),
         (column_wise([0, 1], [8]), "column_wise gives 1 width for 2 ranks"),
         (column_wise([0], [0]), "column_wise widths must be positive ints"),
@@ -314,6 +331,14 @@ specs = st.one_of(
         row_wise,
         st.none() | st.lists(st.integers(0, 100), min_size=1, max_size=8),
         st.integers(0, 50),
+    ),
+    st.integers(1, 8).flatmap(
+        lambda n: st.builds(
+            row_wise,
+            st.none() | st.lists(st.integers(0, 100), min_size=n, max_size=n),
+            st.integers(0, 50),
+            st.permutations(range(n)),
+        )
     ),
     st.builds(
         column_wise,
@@ -561,6 +586,47 @@ def test_hot_rows_resolve_to_a_copy_on_every_rank_then_row_blocks():
     assert even.copied_rows == 10 and not even.replicated
     assert ShardingPlan.from_yaml(plan.to_yaml(), [table], 3) == plan
     assert "hot_rows: 20" in plan.to_yaml()
+
+
+def test_row_blocks_go_to_their_ranks_in_row_order():
+    table = config("t", 100, 16)
+    plan = ShardingPlan({"t": row_wise([10, 30, 60], hot_rows=0, ranks=[2, 0, 1])})
+    shards = plan.resolve([table], 3)["t"].shards
+    assert [(s.rank, s.row_offset, s.rows) for s in shards] == [
+        (2, 0, 10),
+        (0, 10, 30),
+        (1, 40, 60),
+    ]
+    even = ShardingPlan({"t": row_wise(hot_rows=10, ranks=[3, 2, 1, 0])}).resolve([table], 4)["t"]
+    assert [(s.rank, s.row_offset, s.rows) for s in even.shards if not s.copy] == [
+        (3, 10, 23),
+        (2, 33, 23),
+        (1, 56, 23),
+        (0, 79, 21),
+    ]
+    assert ShardingPlan.from_yaml(plan.to_yaml(), [table], 3) == plan
+    assert "ranks: [2, 0, 1]" in plan.to_yaml()
+
+
+def test_row_blocks_out_of_rank_order_convert_from_torchrec_but_not_to_it():
+    """TorchRec's row-wise sharding gives rank r the r-th row block whatever the plan's
+    placements say: embshard reads such a plan by its placements, and never writes one."""
+    tables = [config("t", 40, 8)]
+    plan = ShardingPlan({"t": row_wise([10, 30], ranks=[1, 0])})
+    with pytest.raises(PlanError) as err:
+        embshard.to_torchrec_plan(plan, tables, 2)
+    assert str(err.value).splitlines() == [
+        "cannot convert to a TorchRec plan:",
+        "  table 't': TorchRec's row-wise sharding puts row block r on rank r; "
+        "these are on ranks [1, 0]",
+    ]
+    in_order = embshard.to_torchrec_plan(ShardingPlan({"t": row_wise([10, 30])}), tables, 2)
+    spec = in_order["t"].sharding_spec
+    spec.shards = [
+        dataclasses.replace(shard, placement=tr.placement("cpu", rank, 2))
+        for shard, rank in zip(spec.shards, [1, 0])
+    ]
+    assert embshard.from_torchrec_plan(in_order) == plan
 
 
 def test_hot_rows_have_no_torchrec_plan():

@@ -19,7 +19,7 @@ import embshard
 from embshard import LocalShardsWrapper
 from embshard.config import ConfigError, load_config
 from embshard.data import Feed
-from embshard.plan import PlanError, RowWise, grid
+from embshard.plan import PlanError, RowWise, grid, row_wise
 from embshard.simulate import (
     SimulationError,
     Traffic,
@@ -44,7 +44,7 @@ def write_config(tmp_path: Path, data: dict) -> str:
 
 def synthetic_config(tmp_path: Path, world: int) -> str:
     """configs/small.yaml, small batches, every kind of sharding (row-wise and grid
-    uneven too, and row-wise with hot rows)."""
+    uneven too, row-wise with hot rows and with its blocks out of rank order)."""
     data = yaml.safe_load((ROOT / "configs" / "small.yaml").read_text())
     last = world - 1
     data.update(batch_size=32)
@@ -52,7 +52,11 @@ def synthetic_config(tmp_path: Path, world: int) -> str:
         "user": {"type": "row_wise", "hot_rows": 40},
         "item": {"type": "column_wise", "ranks": [last, 0, last, 0]},
         "category": {"type": "table_wise", "rank": last},
-        "city": {"type": "row_wise", "sizes": [1000] + [0] * (world - 2) + [4000]},
+        "city": {  # blocks out of rank order
+            "type": "row_wise",
+            "sizes": [1000] + [0] * (world - 2) + [4000],
+            "ranks": list(range(world))[::-1],
+        },
         "device": {
             "type": "grid",
             "column_blocks": 2,
@@ -226,6 +230,10 @@ def test_check_runs_the_config_model_against_the_oracle(tmp_path):
 def test_a_cut_row_wise_table_keeps_its_blocks_shares():
     assert _shrunk(RowWise((10, 0, 30, 60)), 100, 20) == RowWise((2, 0, 6, 12))
     assert _shrunk(RowWise(None), 100, 20) == RowWise(None)
+    hot = _shrunk(row_wise([10, 20, 30], hot_rows=40, ranks=[1, 2, 0]), 100, 20)
+    assert hot == row_wise([2, 4, 6], hot_rows=8, ranks=[1, 2, 0])
+    assert _shrunk(row_wise(hot_rows=99), 100, 20) == row_wise(hot_rows=19)
+    assert _shrunk(row_wise(hot_rows=2), 100, 20) == row_wise(hot_rows=1)
     cut = _shrunk(grid(2, [[0, 2], [1]], [[10, 90], [100]]), 100, 20)
     assert cut == grid(2, [[0, 2], [1]], [[2, 18], [20]])
 

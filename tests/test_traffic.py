@@ -33,6 +33,7 @@ from embshard.traffic import (
     balanced_sizes,
     hot_rows,
     measure_traffic,
+    spread_blocks,
 )
 from embshard.train import build_data
 
@@ -210,6 +211,13 @@ def test_a_balanced_plan_gives_every_rank_its_share_of_the_lookups(tmp_path, wor
     assert spread["cut"] > (1.5 if world_size == 64 else 1.0), spread
 
 
+def test_blocks_spread_largest_first_onto_the_ranks_holding_least():
+    held = [0.0, 5.0, 0.0]
+    assert spread_blocks([1.0, 2.0, 10.0], held) == [1, 2, 0]
+    assert held == [10.0, 6.0, 2.0]
+    assert spread_blocks([5.0, 1.0], [0.0, 0.0]) is None  # rank order
+
+
 def test_plan_command_balances_lookups_where_the_plan_fits(tmp_path):
     from click.testing import CliRunner
 
@@ -225,9 +233,17 @@ def test_plan_command_balances_lookups_where_the_plan_fits(tmp_path):
     assert any(s.get("hot_rows") for s in specs)
     reasons = {t["reason"] for t in out["report"]["tables"]}
     assert reasons == {"lookups balanced (--balance-lookups)"}
-    # At 8 ranks the cold rows of the 40M-row tables all land in the last blocks.
+    # At 8 ranks the cold rows of the five 40M-row tables make five blocks of 16 GiB:
+    # in rank order all on rank 7 (84.5 GiB), spread they fit.
     result = CliRunner().invoke(cli, [*args[:3], "8", *args[4:]])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)["report"]
+    usable = report["memory_per_rank"] - report["reserved_memory"]
+    assert max(r["memory"] for r in report["ranks"]) < usable / 3
+    result = CliRunner().invoke(cli, [*args[:3], "8", *args[4:], "--memory-per-rank", "16GiB"])
     assert result.exit_code == 1
-    assert "the lookup-balanced plan does not fit: rank 7 needs" in result.output
+    assert (
+        "the lookup-balanced plan does not fit: rank 0 needs 16.6 GiB of 12.0 GiB" in result.output
+    )
     result = CliRunner().invoke(cli, ["plan", config, "-w", "8", "--balance-lookups"])
     assert result.exit_code == 1 and "--balance-lookups needs the traffic" in result.output

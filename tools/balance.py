@@ -5,8 +5,9 @@
 For each world size, each plan simulated over 2 batches of every rank's own data:
 the planner's plan without and with measured traffic (``measure_traffic``, 4
 batches), and every table row-wise over all ranks: even, cut by the traffic, and cut
-by the traffic after its hot rows are copied on every rank (``traffic.balanced_plan``:
-a table no cut balances copied whole).
+by the traffic after its hot rows are copied on every rank
+(``planner.lookup_balanced_plan``, as ``plan --balance-lookups`` makes it: a table no
+cut balances copied whole, row blocks spread over the ranks by their bytes).
 Prints the slowest rank's lookups (ids its TBE receives plus its own batch's ids of
 copies) and the bytes they read, each over the mean rank's, and how many tables the
 plan copies whole and how many it gives hot rows.
@@ -20,9 +21,9 @@ from pathlib import Path
 
 from embshard.config import load_config
 from embshard.plan import DataParallel, RowWise, ShardingPlan, row_wise
-from embshard.planner import plan_config
+from embshard.planner import lookup_balanced_plan, plan_config
 from embshard.simulate import simulate
-from embshard.traffic import balanced_plan, balanced_sizes, measure_traffic
+from embshard.traffic import balanced_sizes, measure_traffic
 
 
 def slowest_over_mean(values: list[int]) -> float:
@@ -53,7 +54,7 @@ def main() -> None:
             "row-wise, traffic": ShardingPlan(
                 {n: row_wise(balanced_sizes(t, world)) for n, t in stats.tables.items()}
             ),
-            "row-wise, traffic, hot rows": balanced_plan(stats, world),
+            "row-wise, traffic, hot rows": lookup_balanced_plan(config, world, stats)[0],
         }
         for label, plan in plans.items():
             specs = plan.tables.values()
