@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate, pairwise
+from itertools import accumulate
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -66,8 +66,9 @@ class DataParallel:
 @dataclass(frozen=True)
 class Grid:
     """Column blocks in column order, block ``i`` row-wise over the ranks ``ranks[i]``
-    (ascending: its rows go in rank order), even or ``sizes[i]``. ``column_blocks`` is
-    the number of equal-width blocks, or their widths."""
+    (its row blocks in row order on those ranks in the order given), even or
+    ``sizes[i]``. ``column_blocks`` is the number of equal-width blocks, or their
+    widths."""
 
     column_blocks: int | tuple[int, ...]
     ranks: tuple[tuple[int, ...], ...]
@@ -124,9 +125,9 @@ def grid(
     sizes: Sequence[Sequence[int]] | None = None,
 ) -> Grid:
     """Split columns into ``column_blocks`` blocks (a count: equal widths; or the
-    widths), block ``i`` row-wise over the ascending ranks ``ranks[i]``: even blocks as
-    ``row_wise()`` cuts them over the group, or ``sizes[i][j]`` rows on ``ranks[i][j]``
-    (zeros allowed). With one host's ranks as every group, this is TorchRec's grid
+    widths), block ``i`` row-wise over the ranks ``ranks[i]``, in that order: even
+    blocks as ``row_wise()`` cuts them over the group, or ``sizes[i][j]`` rows on
+    ``ranks[i][j]`` (zeros allowed). With one host's ranks as every group, this is TorchRec's grid
     sharding (table-row-wise with one block)."""
     blocks = column_blocks if isinstance(column_blocks, int) else tuple(column_blocks)
     return Grid(
@@ -339,11 +340,8 @@ def _grid_problems(spec: Grid) -> list[str]:
             problems.append(f"grid block {i} has an empty group of ranks")
         elif not all(_is_int(r) and r >= 0 for r in group):
             problems.append(f"grid block {i}: ranks must be non-negative ints, got {list(group)}")
-        elif any(a >= b for a, b in pairwise(group)):
-            problems.append(
-                f"grid block {i}: ranks {list(group)} are not ascending "
-                "(a block's row blocks go to its ranks in rank order)"
-            )
+        elif len(set(group)) != len(group):
+            problems.append(f"grid block {i}: ranks {list(group)} repeat a rank (one block a rank)")
     if count is not None and groups and count != len(groups):
         problems.append(
             f"grid has {plural(count, 'column block')} but {plural(len(groups), 'group')} of ranks"

@@ -89,7 +89,8 @@ def plans(world: int) -> dict[str, ShardingPlan]:
                 "a": grid(2, [ends, [last]]),
                 "b": grid([4, 8], [everyone, [0]]),  # one block row-wise, one whole
                 # Uneven, an empty rank in block 1: ranks hold different rows per block.
-                "c": grid(2, [ends, ends], [[10, 15], [25, 0]] if world > 1 else None),
+                # Block 1's rows in reverse rank order.
+                "c": grid(2, [ends, ends[::-1]], [[10, 15], [25, 0]] if world > 1 else None),
                 "d": grid(4, [everyone, [last], ends, everyone]),  # f_a: a's and d's splits
             }
         ),
