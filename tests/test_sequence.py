@@ -49,7 +49,7 @@ def plans(world: int) -> dict[str, ShardingPlan]:
         "mixed": ShardingPlan(
             {
                 "a": table_wise(last),
-                "b": row_wise(),
+                "b": row_wise(ranks=everyone[::-1]),  # row blocks out of rank order
                 "c": row_wise(uneven),  # an empty rank in the middle
                 "d": table_wise(0),  # f_a is whole for d, bucketized for nothing
             }
