@@ -127,8 +127,8 @@ def grid(
     """Split columns into ``column_blocks`` blocks (a count: equal widths; or the
     widths), block ``i`` row-wise over the ranks ``ranks[i]``, in that order: even
     blocks as ``row_wise()`` cuts them over the group, or ``sizes[i][j]`` rows on
-    ``ranks[i][j]`` (zeros allowed). With one host's ranks as every group, this is TorchRec's grid
-    sharding (table-row-wise with one block)."""
+    ``ranks[i][j]`` (zeros allowed). With one host's ranks as every group, this is
+    TorchRec's grid sharding (table-row-wise with one block)."""
     blocks = column_blocks if isinstance(column_blocks, int) else tuple(column_blocks)
     return Grid(
         column_blocks=blocks,
