@@ -220,15 +220,29 @@ def _block_order(table: ShardedTable, col_offset: int, world_size: int) -> tuple
     return tuple(sorted(range(world_size), key=lambda r: (start.get(r, table.num_embeddings), r)))
 
 
-def _row_boundaries(table: ShardedTable, col_offset: int, world_size: int) -> tuple[int, ...]:
-    """Bucket k, rows ``[b[k], b[k + 1])``, is the k-th row block of the column block at
-    ``col_offset`` (``_block_order``; empty for ranks that hold none), after the hot
+def _block_orders(
+    tables: dict[str, ShardedTable], world_size: int
+) -> dict[tuple[str, int], tuple[int, ...]]:
+    """``_block_order`` of every column block (table, column offset) of every row-wise
+    and grid table: both the boundaries and each slot's bucket come from here."""
+    return {
+        (name, col): _block_order(table, col, world_size)
+        for name, table in tables.items()
+        if isinstance(table.spec, RowWise | Grid)
+        for col in {s.col_offset for s in table.shards}
+    }
+
+
+def _row_boundaries(
+    table: ShardedTable, col_offset: int, order: tuple[int, ...]
+) -> tuple[int, ...]:
+    """Bucket k, rows ``[b[k], b[k + 1])``, is the row block of rank ``order[k]`` in the
+    column block at ``col_offset`` (empty for ranks that hold none), after the hot
     rows, which no bucket holds."""
-    rows = [0] * world_size
+    rows = [0] * len(order)
     for s in table.shards:
         if s.col_offset == col_offset and not s.copy:
             rows[s.rank] += s.rows
-    order = _block_order(table, col_offset, world_size)
     return tuple(accumulate((rows[r] for r in order), initial=table.copied_rows))
 
 
@@ -237,6 +251,7 @@ def _bucket_passes(
     tables: dict[str, ShardedTable],
     feature_rows: Sequence[int],
     world_size: int,
+    orders: dict[tuple[str, int], tuple[int, ...]],
 ) -> tuple[tuple[tuple[tuple[int, ...], ...], ...], dict[tuple[int, int], int]]:
     """Each feature's distinct row boundaries (whole for its table-wise and column-wise
     tables, the row blocks of each row-wise table and of each grid column block),
@@ -250,8 +265,10 @@ def _bucket_passes(
             continue
         table = tables[e.table]
         for col in sorted({s.col_offset for s in table.shards}):
-            whole = wholes[e.feature]
-            bounds[i, col] = _row_boundaries(table, col, world_size) if e.row_wise else whole
+            if e.row_wise:
+                bounds[i, col] = _row_boundaries(table, col, orders[e.table, col])
+            else:
+                bounds[i, col] = wholes[e.feature]
     needed: list[list[tuple[int, ...]]] = [[] for _ in feature_rows]
     # Wholes first: a feature's whole boundaries, where it needs them, are pass 0's.
     for (i, _), b in sorted(bounds.items(), key=lambda item: embeddings[item[0][0]].row_wise):
@@ -303,15 +320,14 @@ def build_routes(
         for f in features
     ]
     feature_rows = [rows[t] for t in smallest]
-    passes, block_pass = _bucket_passes(embeddings, tables, feature_rows, world_size)
+    orders = _block_orders(tables, world_size)
+    passes, block_pass = _bucket_passes(embeddings, tables, feature_rows, world_size, orders)
     if any(hot_rows):  # bucket 0 first: [0, hot) for a hot feature, empty for the others
         passes = tuple(tuple((0, *bounds) for bounds in p) for p in passes)
     row_bucket = {  # (table, column offset, rank): the bucket of its row block
         (name, col, rank): k
-        for name, table in tables.items()
-        if isinstance(table.spec, RowWise | Grid)
-        for col in {s.col_offset for s in table.shards}
-        for k, rank in enumerate(_block_order(table, col, world_size))
+        for (name, col), order in orders.items()
+        for k, rank in enumerate(order)
     }
     slots = []
     for rank in range(world_size):
