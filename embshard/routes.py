@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from itertools import accumulate
+from itertools import accumulate, groupby
 
 import torch
 from torchrec.modules.embedding_configs import (
@@ -144,7 +144,7 @@ class Routes:
                 singles.append(ColumnMove(rank, source, target, slot.shard.cols, key in written))
                 written.add(key)
                 source += slot.shard.cols
-        return [run for add in (False, True) for run in _strided_runs(singles, add)]
+        return _merged(singles)
 
     @property
     def local_embeddings(self) -> tuple[Embedding, ...]:
@@ -159,7 +159,7 @@ class Routes:
         for e in self.local_embeddings:
             singles.append(ColumnMove(0, source, e.out_offset, e.dim, add=not e.data_parallel))
             source += e.dim
-        return [run for add in (False, True) for run in _strided_runs(singles, add)]
+        return _merged(singles)
 
     def mean_feature_by_column(self) -> torch.Tensor | None:
         """Per output column: 1 + the feature whose bag lengths divide it (MEAN), or 0
@@ -172,6 +172,38 @@ class Routes:
 
 
 _PARTNERS_TRIED = 64
+
+
+def _merged(singles: list[ColumnMove]) -> list[ColumnMove]:
+    """``singles`` (one slot each, in rank and source order) as few moves as found,
+    every copy before any add. For each rank, equally spaced moves merge into strided
+    runs, either as they are or after fusing the moves that continue each other
+    (``_fused``), whichever makes fewer: fusing widens moves but can break a spacing."""
+    runs: dict[bool, list[ColumnMove]] = {False: [], True: []}
+    for _, of_rank in groupby(singles, key=lambda m: m.rank):
+        moves = list(of_rank)
+        for add, found in runs.items():
+            found += min(_strided_runs(_fused(moves), add), _strided_runs(moves, add), key=len)
+    return runs[False] + runs[True]
+
+
+def _fused(singles: list[ColumnMove]) -> list[ColumnMove]:
+    """``singles`` with each move that takes the columns right after the one before it
+    in both source and target (same rank, both copies or both adds) folded into it.
+    A rank's blocks of consecutive row-wise tables, or its whole tables in output
+    order, are then one wide move whatever their widths: strided runs need one width."""
+    fused: list[ColumnMove] = []
+    for m in singles:
+        last = fused[-1] if fused else None
+        if (
+            last is not None
+            and (last.rank, last.add) == (m.rank, m.add)
+            and (last.source + last.width, last.target + last.width) == (m.source, m.target)
+        ):
+            fused[-1] = replace(last, width=last.width + m.width)
+        else:
+            fused.append(m)
+    return fused
 
 
 def _strided_runs(singles: list[ColumnMove], add: bool) -> list[ColumnMove]:

@@ -25,7 +25,7 @@ from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
 import embshard
 from embshard import ShardingPlan, column_wise, data_parallel, grid, row_wise, table_wise
 from embshard.dist import Scratch
-from embshard.routes import build_routes
+from embshard.routes import ColumnMove, build_routes
 
 TOL = 1e-5
 
@@ -201,10 +201,26 @@ def test_tables_dealt_round_robin_place_their_columns_in_one_move_per_rank():
 
 
 def test_column_blocks_rotated_over_ranks_place_their_columns_in_two_moves_per_rank():
-    # Rank 0 holds block 0 of tables 0, 2, 4 and block 1 of tables 1, 3, 5.
+    # Rank 0 holds block 0 of tables 0, 2, 4 and block 1 of tables 1, 3, 5: block 1 of
+    # table 1 and block 0 of table 2 are neighbours in its pooled block and in the
+    # output, and fuse (as 3 with 4). Rank 1's blocks all fuse in pairs: one run.
     moves = strided_moves(lambda i: column_wise([i % 2, (i + 1) % 2]))
-    assert moves == [(0, 0, 0, 3, 8, 16), (0, 4, 12, 3, 8, 16),
-                     (1, 0, 4, 3, 8, 16), (1, 4, 8, 3, 8, 16)]  # fmt: skip
+    assert moves == [(0, 0, 0, 2, 20, 44), (0, 4, 12, 2, 8, 16),
+                     (1, 0, 4, 3, 8, 16)]  # fmt: skip
+
+
+def test_row_wise_tables_of_mixed_widths_place_their_columns_in_one_move_per_rank():
+    """A rank's blocks of consecutive row-wise tables continue each other in its pooled
+    block and in the output, whatever their widths: one copy from the first rank, one
+    add from the other, each the whole output wide."""
+    configs = [Table(f"t{i}", 10, 8 * (1 + i % 3), (f"f{i}",)).config() for i in range(6)]
+    plan = ShardingPlan({c.name: row_wise() for c in configs})
+    routes = build_routes(configs, plan.resolve(configs, 2), 2, weighted=False)
+    width = sum(c.embedding_dim for c in configs)
+    assert routes.column_moves() == [
+        ColumnMove(rank=0, source=0, target=0, width=width, add=False),
+        ColumnMove(rank=1, source=0, target=0, width=width, add=True),
+    ]
 
 
 def test_hot_rows_need_their_features_to_feed_no_other_table():
