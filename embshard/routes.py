@@ -182,8 +182,9 @@ def _merged(singles: list[ColumnMove]) -> list[ColumnMove]:
     runs: dict[bool, list[ColumnMove]] = {False: [], True: []}
     for _, of_rank in groupby(singles, key=lambda m: m.rank):
         moves = list(of_rank)
+        fused = _fused(moves)
         for add, found in runs.items():
-            found += min(_strided_runs(_fused(moves), add), _strided_runs(moves, add), key=len)
+            found += min(_strided_runs(fused, add), _strided_runs(moves, add), key=len)
     return runs[False] + runs[True]
 
 

@@ -200,10 +200,11 @@ def test_tables_dealt_round_robin_place_their_columns_in_one_move_per_rank():
     assert moves == [(0, 0, 0, 3, 8, 16), (1, 0, 8, 3, 8, 16)]
 
 
-def test_column_blocks_rotated_over_ranks_place_their_columns_in_two_moves_per_rank():
+def test_column_blocks_rotated_over_ranks_place_their_columns_in_two_moves_at_most():
     # Rank 0 holds block 0 of tables 0, 2, 4 and block 1 of tables 1, 3, 5: block 1 of
     # table 1 and block 0 of table 2 are neighbours in its pooled block and in the
-    # output, and fuse (as 3 with 4). Rank 1's blocks all fuse in pairs: one run.
+    # output, and fuse, as do block 1 of table 3 and block 0 of table 4. Rank 1's
+    # blocks all fuse in pairs, equally spaced: one run.
     moves = strided_moves(lambda i: column_wise([i % 2, (i + 1) % 2]))
     assert moves == [(0, 0, 0, 2, 20, 44), (0, 4, 12, 2, 8, 16),
                      (1, 0, 4, 3, 8, 16)]  # fmt: skip

@@ -51,15 +51,24 @@ ALL_TO_ALLS = ("counts", "ids", "pooled", "gradients")
 
 
 class Landmarks:
-    """Times of one step's landmarks: wraps ``all_to_all_single`` and the TBE call."""
+    """Times of one step's landmarks: while entered, wraps ``all_to_all_single`` and
+    the model's TBE call."""
 
     def __init__(self, model) -> None:
         self.times: dict[str, float] = {}
         self.calls = 0
+        self._storage = model._storage
         self._all_to_all = dist.all_to_all_single
         self._tbe = model._storage.tbe
+
+    def __enter__(self) -> Landmarks:
         dist.all_to_all_single = self._timed_all_to_all
-        model._storage.tbe = self._timed_tbe
+        self._storage.tbe = self._timed_tbe
+        return self
+
+    def __exit__(self, *exc) -> None:
+        dist.all_to_all_single = self._all_to_all
+        self._storage.tbe = self._tbe
 
     def start(self) -> float:
         self.times.clear()
@@ -67,6 +76,8 @@ class Landmarks:
         return time.perf_counter()
 
     def _timed_all_to_all(self, *args, **kwargs):
+        if self.calls == len(ALL_TO_ALLS):
+            raise RuntimeError(f"more than {len(ALL_TO_ALLS)} all-to-alls in a step")
         name = ALL_TO_ALLS[self.calls]
         self.calls += 1
         self.times[f"{name} start"] = time.perf_counter()
@@ -104,25 +115,29 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, results)
     rows = {}
     for plan_name in args.plans:
         model = bench.build("embshard", configs, bench.make_plan(plan_name, configs, world), world)
-        landmarks = Landmarks(model)
-        phases: dict[str, list[float]] = {name: [] for name, _ in (*PHASES, ("step", ""))}
-        for step, batch in enumerate(batches):
-            dist.barrier()
-            start = landmarks.start()
-            loss = bench.loss(model, batch)
-            landmarks.times["forward end"] = time.perf_counter()
-            loss.backward()
-            landmarks.times["step end"] = time.perf_counter()
-            if landmarks.calls != len(ALL_TO_ALLS):
-                raise RuntimeError(f"{plan_name}: {landmarks.calls} all-to-alls in a step, not 4")
-            if step < WARMUP:
-                continue
-            phases["step"].append(landmarks.times["step end"] - start)
-            for name, landmark in PHASES:
-                phases[name].append(landmarks.times[landmark] - start)
-                start = landmarks.times[landmark]
-        dist.all_to_all_single = landmarks._all_to_all
+        phases: dict[str, list[float]] = {name: [] for name, _ in PHASES}
+        steps = []
+        with Landmarks(model) as landmarks:
+            for step, batch in enumerate(batches):
+                dist.barrier()
+                start = landmarks.start()
+                loss = bench.loss(model, batch)
+                landmarks.times["forward end"] = time.perf_counter()
+                loss.backward()
+                landmarks.times["step end"] = time.perf_counter()
+                if landmarks.calls != len(ALL_TO_ALLS):
+                    raise RuntimeError(
+                        f"{plan_name}: {landmarks.calls} all-to-alls in a step, "
+                        f"not {len(ALL_TO_ALLS)}"
+                    )
+                if step < WARMUP:
+                    continue
+                steps.append(landmarks.times["step end"] - start)
+                for name, landmark in PHASES:
+                    phases[name].append(landmarks.times[landmark] - start)
+                    start = landmarks.times[landmark]
         rows[plan_name] = {name: 1e3 * statistics.median(t) for name, t in phases.items()}
+        rows[plan_name]["step"] = 1e3 * statistics.median(steps)
     results.put((rank, rows))
     bench.leave()
 
