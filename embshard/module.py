@@ -307,7 +307,11 @@ class ShardedCollection(nn.Module):
         return None
 
     def _fill(self, seed: int, weights: Mapping[str, torch.Tensor] | None) -> None:
-        """Write each local shard: from ``weights`` (full tables) or the seeded init."""
+        """Write each local shard: from ``weights`` (full tables) or the seeded init.
+
+        Copies (data-parallel tables, hot rows) filled from ``weights`` then take
+        rank 0's: a module built differently on each rank still has one value per
+        replicated row, as DDP makes of its parameters."""
         configs = {c.name: c for c in self._configs}
         for name, s, view in self._storage.weight_views():
             if weights is None:
@@ -315,6 +319,8 @@ class ShardedCollection(nn.Module):
             else:
                 source = weights[name][s.row_offset : s.row_offset + s.rows]
                 view.copy_(source[:, s.col_offset : s.col_offset + s.cols])
+        if weights is not None and self._storage.replicated is not None:
+            self._storage.replicated.broadcast(src=0)
 
     @property
     def feature_names(self) -> set[str]:

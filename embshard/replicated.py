@@ -114,6 +114,16 @@ class ReplicatedTables:
             for (_, feature, dim), start in zip(self.embeddings, self.embedding_starts)
         ]
 
+    def broadcast(self, src: int = 0) -> None:
+        """Give every rank ``src``'s copies, in one broadcast: copies filled from each
+        rank's own module only agree after it (DDP broadcasts its parameters alike)."""
+        weights = self.tbe.split_embedding_weights()
+        flat = torch.cat([w.reshape(-1) for w in weights])
+        dist.broadcast(flat, src=src, group=self.group)
+        with torch.no_grad():
+            for weight, part in zip(weights, flat.split([w.numel() for w in weights])):
+                weight.copy_(part.view_as(weight))
+
     def _stacked_rows(self) -> torch.Tensor:
         """Every table's rows, read through the TBE (so its fused backward updates
         them), one table after another, padded to the widest dim, and one zero row

@@ -20,7 +20,13 @@ from oracle import (
     weight_gap,
 )
 from torch.profiler import ProfilerActivity, profile
-from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
+from torchrec import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
+    KeyedJaggedTensor,
+)
 
 import embshard
 from embshard import ShardingPlan, column_wise, data_parallel, grid, row_wise, table_wise
@@ -222,6 +228,55 @@ def test_row_wise_tables_of_mixed_widths_place_their_columns_in_one_move_per_ran
         ColumnMove(rank=0, source=0, target=0, width=width, add=False),
         ColumnMove(rank=1, source=0, target=0, width=width, add=True),
     ]
+
+
+def _copies_of_per_rank_modules(sequence: bool) -> dict[str, bool]:
+    """Shard a module whose weights differ on every rank (seeded by rank); report
+    whether each table's rows match rank 0's module (copies) or this rank's (row
+    blocks), and whether a lookup of copied rows gives the same on every rank."""
+    rank = dist.get_rank()
+    torch.manual_seed(rank)
+    if sequence:
+        configs = [
+            EmbeddingConfig(name="a", num_embeddings=30, embedding_dim=8, feature_names=["f"])
+        ]
+        module, plan = EmbeddingCollection(tables=configs), {"a": data_parallel()}
+    else:
+        configs = [
+            EmbeddingBagConfig(name="a", num_embeddings=30, embedding_dim=8, feature_names=["f"]),
+            EmbeddingBagConfig(name="b", num_embeddings=40, embedding_dim=8, feature_names=["g"]),
+        ]
+        module = EmbeddingBagCollection(tables=configs)
+        plan = {"a": data_parallel(), "b": row_wise(hot_rows=10)}
+    tables = module.embeddings if sequence else module.embedding_bags
+    mine = {n: t.weight.detach().clone() for n, t in tables.items()}
+    rank0 = {n: w.clone() for n, w in mine.items()}
+    for w in rank0.values():
+        dist.broadcast(w, src=0)
+    sharded = embshard.shard(module, ShardingPlan(plan))
+    found = {}
+    for name, weight in sharded.weights.items():
+        local = weight.to_local()
+        for shard, (row, col) in zip(local.local_shards(), local.local_offsets()):
+            rows = slice(row, row + shard.shape[0])
+            copied = name == "a" or row < 10
+            expected = (rank0 if copied else mine)[name][rows, col : col + shard.shape[1]]
+            found[f"{name}@{row} {'copy' if copied else 'block'}"] = torch.equal(shard, expected)
+    ids = torch.tensor([0, 3, 7] if sequence else [0, 3, 7, 1, 9])
+    keys = ["f"] if sequence else ["f", "g"]
+    batch = KeyedJaggedTensor(keys, ids, lengths=torch.tensor([3] if sequence else [3, 2]))
+    out = sharded(batch)
+    looked_up = out["f"].values() if sequence else out.values()
+    everyone = [torch.empty_like(looked_up) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, looked_up.detach().contiguous())
+    found["same lookup on every rank"] = all(torch.equal(everyone[0], e) for e in everyone)
+    return found
+
+
+@pytest.mark.parametrize("sequence", [False, True], ids=["bags", "sequence"])
+def test_copies_take_rank_0s_weights_from_modules_that_differ_per_rank(world, sequence):
+    for found in world(2).run(_copies_of_per_rank_modules, sequence):
+        assert found and all(found.values()), found
 
 
 def test_hot_rows_need_their_features_to_feed_no_other_table():
