@@ -19,7 +19,7 @@ import torch.distributed as dist
 from embshard.inputs import InputError, LocalBatch
 from embshard.routes import ColumnMove, Routes
 
-_OK, _BAD = 0, 1
+_OK, _BAD, _ENDED = 0, 1, 2  # a rank's status in the counts exchange
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class Counts:
     recv_sizes: list[int]  # payload elements from each rank
     batch_sizes: list[int]  # each rank's local batch size
     failed: bool  # some rank's batch is bad
+    ended: tuple[int, ...]  # ranks that have no batch: their batches ran out
     send_sizes: list[int]  # payload elements for each rank
     sent_ids: list[int]  # ids this rank sends each rank
     # Sequence lookups only (``sent_ids`` then counts distinct ids): ids of each feature
@@ -49,15 +50,17 @@ def exchange_counts(
     valid: torch.Tensor,
     group: dist.ProcessGroup | None,
     sequence: SequenceCounts | None = None,
+    ended: bool = False,
 ) -> Counts:
     """Tell every rank how much this rank sends it, its batch size, and whether its
-    batch is good (and for a sequence lookup, the distinct ids it sends for each of
-    that rank's slots). The step's one host sync: reading back what arrived, together
-    with ``send_sizes`` and ``sent_ids`` (per destination), which size the payload, and
-    for a sequence lookup its ids per feature and per destination, which size its
-    outputs."""
+    batch is good or it has none (``ended``: its batches ran out), and for a sequence
+    lookup, the distinct ids it sends for each of that rank's slots. The step's one
+    host sync: reading back what arrived, together with ``send_sizes`` and
+    ``sent_ids`` (per destination), which size the payload, and for a sequence lookup
+    its ids per feature and per destination, which size its outputs."""
     world = send_sizes.numel()
-    status = torch.where(valid, _OK, _BAD).expand(world)
+    status = torch.full_like(send_sizes, _ENDED) if ended else torch.where(valid, _OK, _BAD)
+    status = status.expand(world)
     columns = [send_sizes, torch.full_like(send_sizes, batch_size), status]
     counts = torch.stack(columns, dim=1)
     local = []
@@ -75,7 +78,8 @@ def exchange_counts(
     found = Counts(
         recv_sizes=[r[0] for r in rows],
         batch_sizes=[r[1] for r in rows],
-        failed=any(r[2] != _OK for r in rows),
+        failed=any(r[2] == _BAD for r in rows),
+        ended=tuple(rank for rank, r in enumerate(rows) if r[2] == _ENDED),
         send_sizes=rest[:world],
         sent_ids=rest[world : 2 * world],
     )

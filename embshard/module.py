@@ -109,6 +109,8 @@ class InputInFlight:
     error: InputError | None = None
     # Sequence lookups only: where the ids sent went.
     sent: SentIds | None = None
+    # Ranks whose batches ran out (``signal_end``): nothing travels, the batch is not used.
+    ended: tuple[int, ...] = ()
 
 
 class Pooled(NamedTuple):
@@ -262,11 +264,19 @@ class ShardedCollection(nn.Module):
         in_flight = self._take_prefetched(features) or self.input_dist(features)
         return self.output_dist(self.lookup(in_flight), in_flight)
 
-    def prefetch(self, features: KeyedJaggedTensor) -> None:
+    def prefetch(self, features: KeyedJaggedTensor) -> tuple[int, ...]:
         """Start ``features``' input distribution now (collective), so that its
         forward, later, begins with the lookup: what a training pipeline overlaps
-        with the step before. Errors surface at that forward, on every rank."""
-        self._prefetched.append((features, self.input_dist(features)))
+        with the step before. Errors surface at that forward, on every rank. Returns
+        the ranks that called ``signal_end`` instead (the batch then is not used)."""
+        in_flight = self.input_dist(features)
+        self._prefetched.append((features, in_flight))
+        return in_flight.ended
+
+    def signal_end(self) -> tuple[int, ...]:
+        """Join the other ranks' ``prefetch`` with no batch, telling them this rank's
+        batches ran out (collective). Returns every rank that did so."""
+        return start_input_dist(None, self._input_dist, self._group).ended
 
     def input_dist(self, features: KeyedJaggedTensor) -> InputInFlight:
         """Stage 1 (collective): see ``start_input_dist``."""
@@ -475,12 +485,19 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
 
 
 def start_input_dist(
-    features: KeyedJaggedTensor, stage: InputDistribution, group: dist.ProcessGroup | None
+    features: KeyedJaggedTensor | None,
+    stage: InputDistribution,
+    group: dist.ProcessGroup | None,
 ) -> InputInFlight:
     """Stage 1 (collective): check the batch, route its ids to their owners,
     exchange counts (the one host sync), and start the ids all-to-all. Needs only the
-    input distribution, no tables: ``embshard simulate`` runs it too."""
-    batch, routed, problem = _route(features, stage)
+    input distribution, no tables: ``embshard simulate`` runs it too.
+
+    ``features`` None says, in the counts exchange, that this rank's batches ran out;
+    when any rank says so, no ids travel and every rank learns which ranks ended."""
+    batch, routed, problem = (None, stage.nothing(), None)
+    if features is not None:
+        batch, routed, problem = _route(features, stage)
     sequence = stage.sequence_counts(batch, routed) if stage.sequence else None
     counts = exchange_counts(
         stage.send_sizes(routed),
@@ -491,7 +508,11 @@ def start_input_dist(
         else torch.zeros((), dtype=torch.bool, device=stage.device),
         group,
         sequence,
+        ended=features is None,
     )
+    if counts.ended:
+        error = InputError(f"{_ranks(counts.ended)} ran out of batches: this batch was not used")
+        return InputInFlight(counts, error=error, ended=counts.ended)
     if counts.failed:
         problem = _problem(features, stage.routes, batch, problem)
         return InputInFlight(error=gather_input_error(problem, group))
@@ -499,6 +520,11 @@ def start_input_dist(
     received, work = stage.exchange(payload, counts.send_sizes, counts.recv_sizes, group)
     sent = stage.sent_ids(routed, counts) if stage.sequence else None
     return InputInFlight(counts, batch, received, work, sent=sent)
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    """``rank 1`` or ``ranks 1, 3``."""
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
 def _route(

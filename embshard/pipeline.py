@@ -9,6 +9,7 @@ those of the plain loop, bit for bit: the input distribution reads ids, not weig
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -29,17 +30,36 @@ def prefetch(model: nn.Module, batch: Any) -> list[tuple[str, KeyedJaggedTensor]
     forward must then hand it that very object. Returns what was started: (module
     path, features).
     """
+    return _start(model, batch)[0]
+
+
+def signal_end(model: nn.Module) -> tuple[int, ...]:
+    """Join the other ranks' ``prefetch`` with no batch, telling them this rank's
+    batches ran out (collective). Returns every rank whose batches ran out."""
+    ended: tuple[int, ...] = ()
+    for _, module in _sharded(model):
+        ended = module.signal_end()
+    return ended
+
+
+def _sharded(model: nn.Module) -> list[tuple[str, ShardedCollection]]:
+    return [(p, m) for p, m in model.named_modules() if isinstance(m, ShardedCollection)]
+
+
+def _start(
+    model: nn.Module, batch: Any
+) -> tuple[list[tuple[str, KeyedJaggedTensor]], tuple[int, ...]]:
+    """``prefetch``'s work; also the ranks that called ``signal_end`` instead."""
     found = _jagged_tensors(batch)
-    started = []
-    for path, module in model.named_modules():
-        if not isinstance(module, ShardedCollection):
-            continue
+    started: list[tuple[str, KeyedJaggedTensor]] = []
+    ended: tuple[int, ...] = ()
+    for path, module in _sharded(model):
         holding = [f for f in found if module.feature_names <= set(f.keys())]
         features = min(holding, key=lambda f: len(f.keys()), default=None)
         if features is not None:
-            module.prefetch(features)
+            ended = module.prefetch(features)
             started.append((path, features))
-    return started
+    return started, ended
 
 
 def drain(model: nn.Module) -> None:
@@ -69,9 +89,13 @@ class TrainPipeline:
 
     ``model(batch)`` returns ``(loss, output)``, as TorchRec's pipelines expect;
     ``progress()`` runs one step (forward, backward, ``optimizer.step()``) and returns
-    its output, raising StopIteration when the batches are done. Every rank must have
-    as many batches: each step is collective. An InputError of the next batch is
-    raised by the step that uses it, on every rank.
+    its output, raising StopIteration when the batches are done. Each step is
+    collective: when one rank's batches run out, every rank stops after the same step
+    (the ranks learn it in the next batch's counts exchange: no collective of its own)
+    and warns, naming the ranks that ran out; the batches left on the others are not
+    trained. An InputError of the next batch is raised by the step that uses it, on
+    every rank. Every sharded collection of the model must find its features in each
+    batch, so that all ranks start the same input distributions.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterable):
@@ -80,6 +104,7 @@ class TrainPipeline:
         self._batches = iter(batches)
         self._next: tuple[Any, list] | None = None
         self._started = False
+        self._steps = 0
 
     def progress(self) -> Any:
         if not self._started:
@@ -93,6 +118,7 @@ class TrainPipeline:
         _check_consumed(self._model, prefetched)
         loss.backward()
         self._optimizer.step()
+        self._steps += 1
         return output
 
     def __iter__(self) -> Iterator[Any]:
@@ -103,11 +129,38 @@ class TrainPipeline:
                 return
 
     def _fetch(self) -> tuple[Any, list] | None:
-        """The next batch with its input distribution started, or None at the end."""
+        """The next batch with its input distribution started, or None at the end:
+        this rank's or another's (collective either way)."""
         batch = next(self._batches, None)
         if batch is None:
-            return None
-        return batch, prefetch(self._model, batch)
+            ended = signal_end(self._model)
+        else:
+            started, ended = _start(self._model, batch)
+            _check_fed(self._model, started)
+        if not ended:
+            return batch, started
+        drain(self._model)
+        if len(ended) < torch.distributed.get_world_size():
+            steps = self._steps + (self._next is not None)
+            warnings.warn(
+                f"TrainPipeline: every rank stops after {steps} steps: ranks {list(ended)} "
+                "ran out of batches; the other ranks' remaining batches are not trained",
+                stacklevel=4,
+            )
+        return None
+
+
+def _check_fed(model: nn.Module, started: list[tuple[str, KeyedJaggedTensor]]) -> None:
+    """Every sharded collection must start its input distribution with every batch:
+    a rank whose batches ran out tells the others in each collection's."""
+    fed = {path for path, _ in started}
+    for path, module in _sharded(model):
+        if path not in fed:
+            raise ValueError(
+                f"TrainPipeline: the batch holds no KeyedJaggedTensor with every feature "
+                f"of {path or 'the model'} ({sorted(module.feature_names)}); hand the "
+                "pipeline batches that carry each sharded collection's features"
+            )
 
 
 def _check_consumed(model: nn.Module, prefetched: list[tuple[str, KeyedJaggedTensor]]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 
 import pytest
@@ -165,3 +166,32 @@ def test_a_model_that_transforms_the_features_is_refused(world):
     case = replace(Case(TABLES, PLAN, (5, 3)), steps=1)
     messages = world(2).run(transformed_features, case)
     assert "module.ebc" in messages[0]
+
+
+def uneven_batch_counts(case: Case, counts: tuple[int, ...]) -> dict:
+    rank = dist.get_rank()
+    model = sharded_ranker(case)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = batches(case, rank)[: counts[rank]]
+    pipeline = TrainPipeline(model, optimizer, data)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        steps = sum(1 for _ in pipeline)
+    model(batches(case, rank)[0])[0].backward()  # the world is still in step
+    return {"steps": steps, "warnings": [str(w.message) for w in caught]}
+
+
+@pytest.mark.parametrize("counts", [(3, 2), (0, 2), (2, 2)])
+def test_uneven_batch_counts_stop_every_rank_after_the_same_step(world, counts):
+    case = Case(TABLES, PLAN, (5, 3))
+    reports = world(2).run(uneven_batch_counts, case, counts)
+    assert [r["steps"] for r in reports] == [min(counts)] * 2
+    if len(set(counts)) == 1:
+        assert all(r["warnings"] == [] for r in reports)
+    else:
+        short = counts.index(min(counts))
+        expected = (
+            f"TrainPipeline: every rank stops after {min(counts)} steps: ranks [{short}] "
+            "ran out of batches; the other ranks' remaining batches are not trained"
+        )
+        assert all(r["warnings"] == [expected] for r in reports), reports
