@@ -44,10 +44,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict import (
@@ -62,6 +60,7 @@ from embshard.lookup import Adagrad, RowWiseAdagrad
 from embshard.module import ShardedCollection
 from embshard.plan import TableShard, plural
 from embshard.shards import LocalShardsWrapper, column_blocks
+from embshard.untrusted import SafeLoadPlanner, SafeReader, load_bytes
 
 META = "embshard"
 CHECKSUMS = "embshard_checksums.json"
@@ -180,7 +179,7 @@ def read_metadata(path: str | Path) -> Metadata:
     """DCP's metadata, after checking every file it names is there and long enough."""
     path = Path(path)
     try:
-        metadata = FileSystemReader(path).read_metadata()
+        metadata = SafeReader(path).read_metadata()
     except Exception as e:
         raise CheckpointError(f"{path}: cannot read the checkpoint's metadata: {e}") from None
     needed: dict[str, int] = {}
@@ -201,7 +200,7 @@ def _load_alone(state: dict[str, Any], path: Path) -> None:
     """DCP load in this process alone, whatever the process group."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner(), no_dist=True)
 
 
 def read_description(path: str | Path) -> dict[str, Any]:
@@ -211,7 +210,7 @@ def read_description(path: str | Path) -> dict[str, Any]:
         _load_alone(holder, Path(path))
         return json.loads(holder[META])
     except (CheckpointException, ValueError) as e:
-        raise CheckpointError(f"{path}: reading the checkpoint failed: {e}") from None
+        raise _read_failed(path, e) from None
 
 
 @dataclass(frozen=True)
@@ -305,7 +304,7 @@ def _record_checksums(aside: Path) -> None:
     """After DCP's save, each rank checksums a share of the files and rank 0 writes
     them all to ``CHECKSUMS``, before the checkpoint is renamed into place. Collective."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    chunks = _chunks(FileSystemReader(aside).read_metadata())
+    chunks = _chunks(SafeReader(aside).read_metadata())
     files = sorted({c.file for c in chunks})[rank::world]
     mine = [c for c in chunks if c.file in files] + ([_metadata_chunk(aside)] if rank == 0 else [])
     records = [[c.file, c.offset, c.length, crc] for c, crc in zip(mine, _checksums(aside, mine))]
@@ -360,7 +359,7 @@ def _verify_layout(path: Path, metadata: Metadata, recorded: Checksums | None) -
         raise _corrupt(path, [str(c) for c in bad])
 
 
-class _DryRun(DefaultLoadPlanner):
+class _DryRun(SafeLoadPlanner):
     """Reads and decodes every chunk a load would, copying it nowhere (a meta tensor):
     without checksums, proof before anything is written that the load can read it all."""
 
@@ -369,7 +368,7 @@ class _DryRun(DefaultLoadPlanner):
         return torch.empty(read_item.lengths, dtype=like.dtype, device="meta")
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        torch.load(value, weights_only=False)
+        load_bytes(value, read_item.dest_index.fqn)
 
 
 def _verify_reads(
@@ -386,7 +385,7 @@ def _verify_reads(
     if recorded is None:
         _read(path, state, _DryRun())
         return
-    planner = DefaultLoadPlanner()
+    planner = SafeLoadPlanner()
     planner.set_up_planner(state, metadata)
     indices = {item.storage_index for item in planner.create_local_plan().items}
     bad = [str(c) for c in _mismatched(path, _chunks(metadata, indices), recorded)]
@@ -445,7 +444,7 @@ def load(
     return int(saved["step"])
 
 
-class _ChunkByChunk(FileSystemReader):
+class _ChunkByChunk(SafeReader):
     """DCP's file reader, handed one read item at a time: at most one saved chunk is
     decoded in memory at once (DCP's own loop holds the last while decoding the next)."""
 
@@ -457,11 +456,28 @@ class _ChunkByChunk(FileSystemReader):
         return done
 
 
-def _read(path: Path, state: dict[str, Any], planner: DefaultLoadPlanner | None = None) -> None:
+def _read(path: Path, state: dict[str, Any], planner: SafeLoadPlanner | None = None) -> None:
     try:
-        dcp.load(state, storage_reader=_ChunkByChunk(path), planner=planner)
+        dcp.load(state, storage_reader=_ChunkByChunk(path), planner=planner or SafeLoadPlanner())
     except CheckpointException as e:
-        raise CheckpointError(f"{path}: reading the checkpoint failed: {e}") from None
+        raise _read_failed(path, e) from None
+
+
+def rank_failures(error: CheckpointException) -> str:
+    """What failed on which rank, without DCP's tracebacks."""
+    return "; ".join(
+        f"rank {rank}: {first_line(exc)}" for rank, (exc, _) in sorted(error.failures.items())
+    )
+
+
+def first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
+def _read_failed(path: Path, error: CheckpointException | ValueError) -> CheckpointError:
+    reason = rank_failures(error) if isinstance(error, CheckpointException) else first_line(error)
+    return CheckpointError(f"{path}: reading the checkpoint failed: {reason}")
 
 
 def _load_model_state(
@@ -660,7 +676,7 @@ def read_tensors(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
     try:
         _load_alone(tensors, path)
     except CheckpointException as e:
-        raise CheckpointError(f"{path}: reading the checkpoint failed: {e}") from None
+        raise _read_failed(path, e) from None
     return {key.removeprefix(prefix): value for key, value in tensors.items()}
 
 

@@ -192,18 +192,6 @@ def _take_ahead(model: nn.Module, feed: Feed) -> tuple[Batch, str | None]:
     return batch, problem
 
 
-def _rank_failures(error: CheckpointException) -> str:
-    """What failed on which rank, without DCP's tracebacks."""
-    return "; ".join(
-        f"rank {rank}: {_first_line(exc)}" for rank, (exc, _) in sorted(error.failures.items())
-    )
-
-
-def _first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"
-
-
 def _next_epoch(feed: Feed) -> int:
     """Start the next pass on every rank (collective); its first step's global batch
     size, 0 when no pass is left."""
@@ -365,7 +353,7 @@ def _train(config: TrainConfig, resume: bool) -> dict:
                 try:
                     checkpoint.save(saves.dir, model, optimizer, step=step, keep=saves.keep)
                 except CheckpointException as e:  # DCP raises it on every rank
-                    raise TrainingError(f"{phase} failed: {_rank_failures(e)}") from None
+                    raise TrainingError(f"{phase} failed: {checkpoint.rank_failures(e)}") from None
             if stop:
                 say(f"stopping at step {step}: a rank received SIGTERM")
                 summary["stopped"] = True
@@ -380,8 +368,8 @@ def _train(config: TrainConfig, resume: bool) -> dict:
     except RuntimeError as e:  # a collective failed: a rank is stuck or gone
         collectives_failed = True
         raise TrainingError(
-            f"rank {rank}, {phase}: {_first_line(e)} (a collective failed: another rank may "
-            f"be stuck or gone; timeout_s is {config.timeout_s})",
+            f"rank {rank}, {phase}: {checkpoint.first_line(e)} (a collective failed: another "
+            f"rank may be stuck or gone; timeout_s is {config.timeout_s})",
             agreed=False,
         ) from e
     finally:

@@ -764,3 +764,104 @@ def test_ckpt_verify(world, tmp_path):
     assert result.exit_code == 1
     expected = f"table 'a' (model.embedding_bags.a.weight): {bad.file} at offset {bad.offset}"
     assert expected in result.output, result.output
+
+
+class _Gadget:
+    """Unpickling it calls ``call(*args)``: what a crafted checkpoint would run."""
+
+    def __init__(self, call, *args) -> None:
+        self.call, self.args = call, args
+
+    def __reduce__(self):
+        return self.call, self.args
+
+
+def _gadgets(marker: str) -> dict[str, object]:
+    touch = f"open({marker!r}, 'w').close()"
+    return {
+        "os.system": _Gadget(os.system, f"touch {marker}"),
+        "builtins.eval": _Gadget(eval, touch),
+        "subprocess.Popen": _Gadget(subprocess.call, ["touch", marker]),
+    }
+
+
+def _craft_checkpoints(root, marker: str) -> dict[str, str]:
+    """Copies of the saved checkpoint under ``root``, each with a crafted ``.metadata``
+    (every gadget alone, and one inside the real metadata), and one whose embshard
+    description (a byte item) is a gadget. Returns name: checkpoint path."""
+    import copy
+    import pickle
+    import shutil
+
+    saved = ckpt.latest(root)
+    crafted = {}
+    gadgets = _gadgets(marker)
+    with open(saved / ".metadata", "rb") as f:
+        real = pickle.load(f)  # our own file, just saved
+    nested = copy.copy(real)
+    nested.planner_data = {"model.embedding_bags.a.weight": [gadgets["os.system"]]}
+    for name, payload in [*gadgets.items(), ("nested in the metadata", nested)]:
+        path = root / "crafted" / name.replace(" ", "_") / "step_00000002"
+        shutil.copytree(saved, path)
+        (path / ".metadata").write_bytes(pickle.dumps(payload))
+        crafted[name] = str(path)
+    item = root / "crafted" / "byte_item" / "step_00000002"
+    dcp.save(
+        {ckpt.META: gadgets["builtins.eval"], "model.embedding_bags.a.weight": torch.ones(30, 16)},
+        checkpoint_id=str(item),
+        no_dist=True,
+    )
+    crafted["byte item"] = str(item)
+    return crafted
+
+
+def load_crafted(paths: dict[str, str]) -> dict[str, tuple[str | None, bool]]:
+    sharded = build(dist.get_world_size(), embshard.SGD(lr=0.1), seed=9)
+    before, results = full(sharded), {}
+    for name, path in paths.items():
+        try:
+            ckpt.load(path, sharded)
+            results[name] = (None, False)
+        except ckpt.CheckpointError as e:
+            after = full(sharded)
+            results[name] = (str(e), all(torch.equal(before[k], after[k]) for k in before))
+    return results
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.filterwarnings("ignore:.*has no checksums")
+def test_a_crafted_checkpoint_runs_no_code_and_fails_on_every_rank(world, tmp_path):
+    marker = tmp_path / "ran"
+    world(2).run(save_trained, str(tmp_path / "saved"), embshard.SGD(lr=0.1))
+    crafted = _craft_checkpoints(tmp_path / "saved", str(marker))
+    refused = {
+        "os.system": "refused to load posix.system",
+        "builtins.eval": "refused to load builtins.eval",
+        "subprocess.Popen": "refused to load subprocess.call",
+        "nested in the metadata": "refused to load posix.system",
+        "byte item": "refused to load the item 'embshard': it names eval, which a checkpoint's "
+        "plain values may not hold",
+    }
+    for size in (1, 2):
+        reports = world(size).run(load_crafted, crafted)
+        assert all(r == reports[0] for r in reports)  # the same error on every rank
+        for name, (error, unchanged) in reports[0].items():
+            assert error is not None and refused[name] in error and "\n" not in error, error
+            assert unchanged, name
+    for name, path in crafted.items():
+        for command in (["inspect", path], ["verify", path], ["export", path, str(tmp_path / "x")]):
+            result = CliRunner().invoke(cli, ["ckpt", *command])
+            if name == "byte item" and command[0] != "inspect":
+                continue  # they never read the item: verify finds no checksums, export no tensor
+            assert result.exit_code != 0, (name, command, result.output)
+            assert result.output.startswith("Error: ") and result.output.count("\n") == 1
+            assert refused[name] in result.output, result.output
+    assert not marker.exists()
+
+
+def test_an_export_loads_with_weights_only(world, tmp_path):
+    saved = world(2).run(save_trained, str(tmp_path), embshard.SGD(lr=0.1))[0]
+    assert ckpt.export(tmp_path, tmp_path / "out.pt")
+    exported = torch.load(tmp_path / "out.pt", weights_only=True)
+    for name in ("a", "b", "c", "d"):
+        assert torch.equal(exported[f"embedding_bags.{name}.weight"], saved[f"weight.{name}"])
