@@ -865,3 +865,40 @@ def test_an_export_loads_with_weights_only(world, tmp_path):
     exported = torch.load(tmp_path / "out.pt", weights_only=True)
     for name in ("a", "b", "c", "d"):
         assert torch.equal(exported[f"embedding_bags.{name}.weight"], saved[f"weight.{name}"])
+
+
+def save_dmp_then_load(root: str) -> bool:
+    """TorchRec's DistributedModelParallel saves its sharded EBC with DCP; embshard loads
+    that checkpoint under another plan and must hold the same tables."""
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingPlan as TorchRecPlan
+
+    world = dist.get_world_size()
+    configs = [t.config() for t in TABLES]
+    torch.manual_seed(3)
+    full_ebc = EmbeddingBagCollection(tables=configs)
+    reference = {n: b.weight.detach().clone() for n, b in full_ebc.embedding_bags.items()}
+    theirs_plan = ShardingPlan({t.name: row_wise() for t in TABLES})
+    dmp = DistributedModelParallel(
+        EmbeddingBagCollection(tables=configs, device="meta"),
+        device=torch.device("cpu"),
+        plan=TorchRecPlan({"": embshard.to_torchrec_plan(theirs_plan, configs, world)}),
+        sharders=[EmbeddingBagCollectionSharder()],
+    )
+    with torch.no_grad():
+        for key, table in dmp.state_dict().items():
+            weight = reference[key.split(".")[-2]]
+            for shard in table.local_shards():
+                (row, col), (rows, cols) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                shard.tensor.copy_(weight[row : row + rows, col : col + cols])
+    dcp.save(dmp.state_dict(), checkpoint_id=root)
+    ours = build(world, embshard.SGD(lr=0.1), seed=9)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*has no checksums")
+        ckpt.load(root, ours)
+    return all(torch.equal(embshard.gather_table(w), reference[n]) for n, w in ours.weights.items())
+
+
+def test_a_torchrec_dmp_checkpoint_loads_under_another_plan(world, tmp_path):
+    assert world(2).run(save_dmp_then_load, str(tmp_path / "dmp")) == [True, True]
