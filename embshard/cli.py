@@ -148,6 +148,8 @@ def inspect(directory: str, as_json: bool) -> None:
     click.echo(f"{info['path']}: step {info['step']}, {saved_by}, {shown} on disk")
     dense = plural(info["dense_tensors"], "tensor")
     click.echo(f"dense: {dense}, optimizer state: {info['dense_optimizer']}")
+    if any(info["modules"]):  # not a collection's own keys: export --module takes these
+        click.echo(f"modules with tables: {', '.join(m or '(top level)' for m in info['modules'])}")
     for name, table in info["tables"].items():
         state = table["optimizer_state_shape"]
         click.echo(
@@ -189,14 +191,21 @@ def verify(directory: str) -> None:
 @ckpt.command()
 @click.argument("directory", type=click.Path(exists=True, file_okay=False))
 @click.argument("out", type=OutputFile())
-def export(directory: str, out: str) -> None:
-    """Write DIRECTORY's model as a plain unsharded state dict (torch.save) to OUT."""
+@click.option(
+    "--module",
+    metavar="PREFIX",
+    help="Only the keys under PREFIX. (say ebc), PREFIX. stripped: that module's own "
+    "state dict, for EmbeddingBagCollection.load_state_dict. ckpt inspect lists them.",
+)
+def export(directory: str, out: str, module: str | None) -> None:
+    """Write DIRECTORY's model as a plain unsharded state dict (torch.save) to OUT:
+    the whole model's keys, or with --module one module's. No optimizer state."""
     from embshard.checkpoint import CheckpointError
     from embshard.checkpoint import export as export_checkpoint
     from embshard.plan import plural
 
     try:
-        keys = export_checkpoint(directory, out)
+        keys = export_checkpoint(directory, out, module=module)
     except CheckpointError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"wrote {plural(len(keys), 'tensor')} to {out}")
