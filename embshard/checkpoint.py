@@ -66,6 +66,7 @@ META = "embshard"
 CHECKSUMS = "embshard_checksums.json"
 _STEP_PREFIX = "step_"
 _READ_BLOCK = 1 << 22
+_TABLE_PARENTS = ("embedding_bags", "embeddings")  # EmbeddingBagCollection, EmbeddingCollection
 
 Checksums = dict[tuple[str, int], tuple[int, int]]
 """Recorded checksums: (file, offset) -> (length, crc32) of each saved chunk."""
@@ -641,7 +642,7 @@ def _check(
 
 def _name(key: str) -> str:
     parts = key.split(".")
-    for tables in ("embedding_bags", "embeddings"):  # EmbeddingBagCollection, EmbeddingCollection
+    for tables in _TABLE_PARENTS:
         if tables in parts[:-1]:
             return f"table {parts[parts.index(tables) + 1]!r} ({key})"
     return key
@@ -680,14 +681,52 @@ def read_tensors(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
     return {key.removeprefix(prefix): value for key, value in tensors.items()}
 
 
-def export(path: str | Path, out: str | Path) -> list[str]:
-    """Write the checkpoint's model as a plain unsharded state dict (``torch.save``), the
-    keys the unsharded TorchRec model has; returns them. Runs in one process."""
+def module_prefixes(keys: Iterable[str]) -> list[str]:
+    """The modules that hold tables, in order, by the prefix of their state dict keys:
+    ``ebc`` for ``ebc.embedding_bags.t.weight``, ``""`` for a collection's own keys."""
+    found: dict[str, None] = {}
+    for key in keys:
+        parts = key.split(".")
+        at = next((i for i, part in enumerate(parts[:-2]) if part in _TABLE_PARENTS), None)
+        if at is not None:
+            found.setdefault(".".join(parts[:at]))
+    return list(found)
+
+
+def _model_keys(entries: dict[str, Any]) -> list[str]:
+    """The keys of the saved model's tensors, as its own state dict names them."""
+    prefix = "model." if META in entries else ""
+    return [
+        key.removeprefix(prefix)
+        for key, entry in entries.items()
+        if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
+    ]
+
+
+def export(path: str | Path, out: str | Path, *, module: str | None = None) -> list[str]:
+    """Write the checkpoint's model as a plain unsharded state dict (``torch.save``) and
+    return its keys: those of the unsharded model's state dict, or with ``module``
+    (``"ebc"``) only those under ``module.``, that prefix stripped: the state dict of
+    the module at that path, as ``EmbeddingBagCollection.load_state_dict`` takes it.
+    Optimizer state is not exported. Runs in one process."""
     path = resolve(path)
-    embshard = META in read_metadata(path).state_dict_metadata
-    model = read_tensors(path, "model." if embshard else "")
+    entries = read_metadata(path).state_dict_metadata
+    prefix = "model." if META in entries else ""
+    if module:
+        prefix += module.rstrip(".") + "."
+        if not any(key.startswith(prefix) for key in entries):
+            raise CheckpointError(f"{path}: no tensors under {module!r}; {_where_tables(entries)}")
+    model = read_tensors(path, prefix)
     torch.save(model, out)
     return list(model)
+
+
+def _where_tables(entries: dict[str, Any]) -> str:
+    modules = module_prefixes(_model_keys(entries))
+    if not modules:
+        return "it holds no tables"
+    shown = ", ".join(repr(m) if m else "the top level (no module to give)" for m in modules)
+    return f"its tables are under {shown}"
 
 
 def describe(path: str | Path) -> dict[str, Any]:
@@ -727,4 +766,5 @@ def describe(path: str | Path) -> dict[str, Any]:
         "tables": tables,
         "dense_tensors": len(dense),
         "dense_optimizer": any(k.startswith("dense_optimizer.") for k in entries),
+        "modules": module_prefixes(_model_keys(entries)),
     }

@@ -148,6 +148,8 @@ def inspect(directory: str, as_json: bool) -> None:
     click.echo(f"{info['path']}: step {info['step']}, {saved_by}, {shown} on disk")
     dense = plural(info["dense_tensors"], "tensor")
     click.echo(f"dense: {dense}, optimizer state: {info['dense_optimizer']}")
+    if any(info["modules"]):  # not a collection's own keys: export --module takes these
+        click.echo(f"modules with tables: {', '.join(m or '(top level)' for m in info['modules'])}")
     for name, table in info["tables"].items():
         state = table["optimizer_state_shape"]
         click.echo(
@@ -189,14 +191,21 @@ def verify(directory: str) -> None:
 @ckpt.command()
 @click.argument("directory", type=click.Path(exists=True, file_okay=False))
 @click.argument("out", type=OutputFile())
-def export(directory: str, out: str) -> None:
-    """Write DIRECTORY's model as a plain unsharded state dict (torch.save) to OUT."""
+@click.option(
+    "--module",
+    metavar="PREFIX",
+    help="Only the keys under PREFIX. (say ebc), PREFIX. stripped: that module's own "
+    "state dict, for EmbeddingBagCollection.load_state_dict. ckpt inspect lists them.",
+)
+def export(directory: str, out: str, module: str | None) -> None:
+    """Write DIRECTORY's model as a plain unsharded state dict (torch.save) to OUT:
+    the whole model's keys, or with --module one module's. No optimizer state."""
     from embshard.checkpoint import CheckpointError
     from embshard.checkpoint import export as export_checkpoint
     from embshard.plan import plural
 
     try:
-        keys = export_checkpoint(directory, out)
+        keys = export_checkpoint(directory, out, module=module)
     except CheckpointError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"wrote {plural(len(keys), 'tensor')} to {out}")
@@ -322,15 +331,33 @@ def simulate(
 @click.option(
     "--world-size", "-w", type=click.IntRange(min=1), help="Ranks; default: as the plan implies."
 )
-@click.option("--png", type=OutputFile(*PLOT_SUFFIXES), help="Also plot per-rank memory and cost.")
+@click.option(
+    "--png",
+    type=OutputFile(*PLOT_SUFFIXES),
+    help="Also draw each rank's shards against its memory, and its estimated cost.",
+)
+@click.option("--memory-per-rank", default=None, help="Like 80GiB; default: the config's topology.")
 @click.option("--width", default=60, show_default=True, help="Characters per bar.")
-def show(plan_file: str, config: str, world_size: int | None, png: str | None, width: int) -> None:
+def show(
+    plan_file: str,
+    config: str,
+    world_size: int | None,
+    png: str | None,
+    memory_per_rank: str | None,
+    width: int,
+) -> None:
     """Draw how PLAN_FILE lays out each table of CONFIG: which rank holds which rows
     and columns (a symbol per rank: 0-9, a-z, A-Z, repeating past 62 ranks)."""
     from embshard.config import ConfigError, load_config
     from embshard.plan import PlanError, ShardingPlan, plural
-    from embshard.planner import PlanningError, plan_loads, topology_for
-    from embshard.show import draw_plan, plot_loads, summary
+    from embshard.planner import (
+        CostModel,
+        PlanningError,
+        plan_loads,
+        planned_tables,
+        topology_for,
+    )
+    from embshard.show import draw_plan, plot_plan, shard_boxes, summary
 
     try:
         model = load_config(config, check_files=False, trains=False)
@@ -342,20 +369,28 @@ def show(plan_file: str, config: str, world_size: int | None, png: str | None, w
         raise click.ClickException(str(e)) from None
     try:
         world = world_size or _implied_world_size(sharding)
+    except PlanError as e:
+        raise click.ClickException(f"{plan_file}: {e}") from None
+    try:
+        topology = topology_for(model, world, memory_per_rank)
+    except ValueError as e:  # a bad size, or PlanningError: a bad topology
+        raise click.ClickException(str(e)) from None
+    optimizer = model.sparse_optimizer.type
+    try:
         tables = sharding.resolve(model.torchrec_configs(), world)
-        loads = plan_loads(
-            sharding,
-            model.tables,
-            topology_for(model, world),
-            model.batch_size,
-            model.sparse_optimizer.type,
-        )
+        loads = plan_loads(sharding, model.tables, topology, model.batch_size, optimizer)
     except (PlanError, PlanningError) as e:
         raise click.ClickException(f"{plan_file}: {e}") from None
     click.echo(draw_plan(tables, width, {t.name for t in model.tables if t.sequence}))
     click.echo(summary(loads))
     if png:
-        plot_loads(loads, png, f"{Path(plan_file).name} on {plural(world, 'rank')}")
+        costs, specs = (
+            CostModel(topology, model.batch_size, optimizer),
+            planned_tables(model.tables),
+        )
+        boxes = shard_boxes(tables, specs, costs)
+        title = f"{Path(plan_file).name} on {plural(world, 'rank')}"
+        plot_plan(boxes, loads, topology, costs.base_cost(specs), png, title)
         click.echo(f"wrote {png}")
 
 

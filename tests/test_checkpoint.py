@@ -685,6 +685,59 @@ def test_torchrec_state_dicts_load_and_exports_load_into_torchrec(world, tmp_pat
         assert torch.equal(bag.weight, saved[f"weight.{name}"])
 
 
+def save_shard_model(root: str) -> dict[str, torch.Tensor]:
+    """A ``shard_model`` checkpoint of a model with an EBC at ``ebc`` and a dense head,
+    its tables trained two steps; every tensor by the unsharded model's key."""
+    torch.manual_seed(4)
+    plan = ShardingPlan(PLANS[dist.get_world_size()])
+    model = embshard.shard_model(
+        WithHead(EmbeddingBagCollection(tables=[t.config() for t in TABLES]), head=True),
+        plan,
+        optimizer=embshard.SGD(lr=0.1),
+    )
+    train_steps(model.module.ebc, 2)
+    ckpt.save(root, model, step=2)
+    tables = {
+        f"ebc.embedding_bags.{n}.weight": embshard.gather_table(w)
+        for n, w in model.module.ebc.weights.items()
+    }
+    head = {f"head.{k}": v.detach().clone() for k, v in model.module.head.state_dict().items()}
+    return tables | head
+
+
+def test_export_of_a_module_loads_into_its_plain_torchrec_collection(world, tmp_path):
+    saved = world(2).run(save_shard_model, str(tmp_path))[0]
+    path = ckpt.latest(tmp_path)
+    inspected = CliRunner().invoke(cli, ["ckpt", "inspect", str(tmp_path)])
+    assert "\nmodules with tables: ebc\n" in inspected.output, inspected.output
+
+    out = tmp_path / "ebc.pt"
+    result = CliRunner().invoke(cli, ["ckpt", "export", str(tmp_path), str(out), "--module", "ebc"])
+    assert result.exit_code == 0 and result.output == f"wrote 4 tensors to {out}\n", result.output
+    ebc = EmbeddingBagCollection(tables=[t.config() for t in TABLES])
+    ebc.load_state_dict(torch.load(out), strict=True)
+    for name, bag in ebc.embedding_bags.items():
+        assert torch.equal(bag.weight, saved[f"ebc.embedding_bags.{name}.weight"]), name
+
+    # Without --module: the whole model's keys, for the unsharded model itself.
+    whole = tmp_path / "whole.pt"
+    assert ckpt.export(tmp_path, whole) == list(torch.load(whole))
+    model = WithHead(EmbeddingBagCollection(tables=[t.config() for t in TABLES]), head=True)
+    model.load_state_dict(torch.load(whole), strict=True)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, saved[key]), key
+
+    missing = tmp_path / "missing.pt"
+    result = CliRunner().invoke(
+        cli, ["ckpt", "export", str(tmp_path), str(missing), "--module", "sparse"]
+    )
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert (
+        result.output == f"Error: {path}: no tensors under 'sparse'; its tables are under 'ebc'\n"
+    )
+    assert not missing.exists()
+
+
 def test_ckpt_inspect(world, tmp_path):
     world(4).run(save_trained, str(tmp_path), embshard.RowWiseAdagrad(lr=0.1))
     result = CliRunner().invoke(cli, ["ckpt", "inspect", str(tmp_path), "--json"])

@@ -19,8 +19,8 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from embshard.cli import main as cli
 from embshard.config import load_config
 from embshard.plan import ShardingPlan, row_wise
-from embshard.planner import RankLoad, plan_loads, topology_for
-from embshard.show import draw_table, plot_loads, summary
+from embshard.planner import CostModel, parse_bytes, plan_loads, planned_tables, topology_for
+from embshard.show import draw_table, summary
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ROOT / "configs" / "small.yaml"
@@ -163,26 +163,86 @@ def test_bars_scale_to_256_ranks():
     assert drawn[:30] == "0" * 30 and drawn[30] != "0"
 
 
+MIXED_3 = {
+    "user": {"type": "row_wise", "ranks": [2, 0, 1]},
+    "item": {"type": "column_wise", "ranks": [1, 2]},
+    "category": {"type": "data_parallel"},
+    "city": {"type": "table_wise", "rank": 0},
+    "device": {"type": "table_wise", "rank": 2},
+}
+ROW_WISE_40 = {name: {"type": "row_wise"} for name in MIXED_3}
+
+
 @pytest.mark.parametrize(
-    ("memory", "unit", "scale"),
-    [
-        (512, "B", 1),
-        (3 * 2**10, "KiB", 2**10),
-        (5 * 2**20, "MiB", 2**20),
-        (7 * 2**30, "GiB", 2**30),
-    ],
+    ("tables", "world", "memory"),
+    [(MIXED_3, 3, "12MiB"), (MIXED_3, 3, "2MiB"), (MIXED_3, 3, None), (ROW_WISE_40, 40, "1MiB")],
+    ids=["3-ranks", "3-ranks-over-capacity", "3-ranks-capacity-off-the-scale", "40-ranks"],
 )
-def test_png_memory_axis_takes_the_plans_unit(tmp_path, monkeypatch, memory, unit, scale):
+def test_show_png_stacks_each_ranks_shards_against_its_memory(
+    tmp_path, monkeypatch, tables, world, memory
+):
     import matplotlib.pyplot as plt
 
     monkeypatch.setattr(plt, "close", lambda figure: None)
-    loads = [RankLoad(0, memory // 2, 1e-3), RankLoad(1, memory, 2e-3)]
-    plot_loads(loads, tmp_path / "loads.png", "title")
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump({"tables": tables}))
+    png = tmp_path / "plan.png"
+    args = ["show", str(plan), "--config", str(SMALL), "-w", str(world), "--png", str(png)]
+    result = CliRunner().invoke(cli, [*args, *(["--memory-per-rank", memory] if memory else [])])
+    assert result.exit_code == 0, result.output
     figure = plt.gcf()
-    axes = figure.axes[0]
-    assert axes.get_ylabel() == f"memory ({unit})"
-    assert [p.get_height() for p in axes.patches] == [memory // 2 / scale, memory / scale]
+    memory_axes = next(a for a in figure.axes if a.get_ylabel().startswith("memory"))
+    cost_axes = next(a for a in figure.axes if a.get_xlabel() == "rank")
+
+    # Each shard's bytes: its weights and its rows' row-wise Adagrad state, fp32.
+    config = load_config(SMALL, trains=False)
+    resolved = ShardingPlan.load(plan).resolve(config.torchrec_configs(), world)
+    expected = {rank: [] for rank in range(world)}
+    for table in resolved.values():
+        for s in table.shards:
+            if s.rows and s.cols:
+                expected[s.rank].append((table.name, 4 * s.rows * s.cols + 4 * s.rows, s.copy))
+    mib = 2**20  # every case's axis: its largest size, the capacity or the fullest rank, in MiB
+    assert memory_axes.get_ylabel() == "memory (MiB)"
+    drawn = {rank: [] for rank in range(world)}
+    colours = {}
+    for patch in memory_axes.patches:
+        rank = round(patch.get_x() + patch.get_width() / 2)
+        size = round(patch.get_height() * mib)
+        name = next(n for n, b, _ in expected[rank] if b == size)  # KeyError: no such shard
+        colours.setdefault(name, patch.get_facecolor())
+        assert patch.get_facecolor() == colours[name]  # a table's colour on every rank
+        drawn[rank].append((name, size, bool(patch.get_hatch())))
+    assert {r: sorted(d) for r, d in drawn.items()} == {r: sorted(e) for r, e in expected.items()}
+    assert len(set(colours.values())) == len(resolved)
+
+    usable = 7 * parse_bytes(memory) / 8 if memory else 7 * 2**30  # an eighth reserved on CPU
+    lines = sorted(line.get_ydata()[0] * mib for line in memory_axes.lines)
+    texts = [t.get_text() for t in memory_axes.texts]
+    if memory in ("12MiB", "2MiB"):
+        assert lines == [usable, parse_bytes(memory)]
+    elif memory is None:
+        assert lines == [] and "capacity off the scale: 7.0 GiB usable a rank" in texts
+    tops = [sum(size for _, size, _ in shards) for shards in expected.values()]
+    assert memory_axes.get_ylim()[1] * mib >= max(tops)  # a rank over capacity shows whole
+    if world == 3:
+        assert {"user", "item"} <= set(texts)  # names where they fit
+
+    ticks = cost_axes.get_xticks()
+    assert all(t == int(t) for t in ticks) and set(ticks) >= ({0, 1, 2} if world == 3 else {0})
+    model = CostModel(topology_for(config, world, memory), config.batch_size)
+    base = 1e3 * model.base_cost(planned_tables(config.tables))
+    loads = plan_loads(ShardingPlan.load(plan), config.tables, model.topology, config.batch_size)
+    bars = sorted(
+        (round(p.get_x() + p.get_width() / 2), p.get_y(), p.get_height()) for p in cost_axes.patches
+    )
+    stacked = [(r, 0, base) for r in range(world)]
+    stacked += [(load.rank, base, 1e3 * load.cost) for load in loads]
+    assert [v for bar in bars for v in bar] == pytest.approx(
+        [v for b in sorted(stacked) for v in b]
+    )
     plt.close(figure)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_simulate_reports_every_rank_and_the_slowest():
