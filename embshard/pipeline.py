@@ -47,19 +47,28 @@ def _sharded(model: nn.Module) -> list[tuple[str, ShardedCollection]]:
 
 
 def _start(
-    model: nn.Module, batch: Any
+    model: nn.Module, batch: Any, every: bool = False
 ) -> tuple[list[tuple[str, KeyedJaggedTensor]], tuple[int, ...]]:
-    """``prefetch``'s work; also the ranks that called ``signal_end`` instead."""
+    """``prefetch``'s work; also the ranks that called ``signal_end`` instead.
+    ``every``: refuse, before any collective, a batch that does not feed every sharded
+    collection (a rank whose batches ran out tells the others in each one's)."""
     found = _jagged_tensors(batch)
-    started: list[tuple[str, KeyedJaggedTensor]] = []
-    ended: tuple[int, ...] = ()
+    chosen = []
     for path, module in _sharded(model):
         holding = [f for f in found if module.feature_names <= set(f.keys())]
         features = min(holding, key=lambda f: len(f.keys()), default=None)
         if features is not None:
-            ended = module.prefetch(features)
-            started.append((path, features))
-    return started, ended
+            chosen.append((path, module, features))
+        elif every:
+            raise ValueError(
+                f"TrainPipeline: the batch holds no KeyedJaggedTensor with every feature "
+                f"of {path or 'the model'} ({sorted(module.feature_names)}); hand the "
+                "pipeline batches that carry each sharded collection's features"
+            )
+    ended: tuple[int, ...] = ()
+    for _, module, features in chosen:
+        ended = module.prefetch(features)
+    return [(path, features) for path, _, features in chosen], ended
 
 
 def drain(model: nn.Module) -> None:
@@ -135,8 +144,7 @@ class TrainPipeline:
         if batch is None:
             ended = signal_end(self._model)
         else:
-            started, ended = _start(self._model, batch)
-            _check_fed(self._model, started)
+            started, ended = _start(self._model, batch, every=True)
         if not ended:
             return batch, started
         drain(self._model)
@@ -148,19 +156,6 @@ class TrainPipeline:
                 stacklevel=4,
             )
         return None
-
-
-def _check_fed(model: nn.Module, started: list[tuple[str, KeyedJaggedTensor]]) -> None:
-    """Every sharded collection must start its input distribution with every batch:
-    a rank whose batches ran out tells the others in each collection's."""
-    fed = {path for path, _ in started}
-    for path, module in _sharded(model):
-        if path not in fed:
-            raise ValueError(
-                f"TrainPipeline: the batch holds no KeyedJaggedTensor with every feature "
-                f"of {path or 'the model'} ({sorted(module.feature_names)}); hand the "
-                "pipeline batches that carry each sharded collection's features"
-            )
 
 
 def _check_consumed(model: nn.Module, prefetched: list[tuple[str, KeyedJaggedTensor]]) -> None:

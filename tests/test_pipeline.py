@@ -195,3 +195,20 @@ def test_uneven_batch_counts_stop_every_rank_after_the_same_step(world, counts):
             "ran out of batches; the other ranks' remaining batches are not trained"
         )
         assert all(r["warnings"] == [expected] for r in reports), reports
+
+
+def batches_missing_a_feature(case: Case) -> str:
+    rank = dist.get_rank()
+    model = sharded_ranker(case)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = [replace(b, features=b.features.permute([0, 1])) for b in batches(case, rank)]
+    with pytest.raises(ValueError, match="the batch holds no KeyedJaggedTensor") as e:
+        TrainPipeline(model, optimizer, data).progress()
+    model(batches(case, rank)[0])[0].backward()  # nothing was started: the world is in step
+    return str(e.value)
+
+
+def test_batches_that_do_not_feed_every_collection_are_refused_before_any_collective(world):
+    case = Case(TABLES, PLAN, (5, 3))
+    messages = world(2).run(batches_missing_a_feature, case)
+    assert messages[0] == messages[1] and "of module.ebc (['f_a', 'f_b', 'f_c'])" in messages[0]
