@@ -24,8 +24,8 @@ dlrm = DLRM(
 )
 plan = embshard.ShardingPlan({"user": embshard.table_wise(rank=0), "item": embshard.row_wise()})
 # DLRMTrain returns (loss, output), as a pipeline expects. The tables train with the fused
-# SGD in the backward; the dense layers, wrapped in DDP, with the optimizer below.
-model = embshard.shard_model(DLRMTrain(dlrm), plan, optimizer=embshard.SGD(lr=0.5))
+# row-wise Adagrad in the backward; the dense layers, wrapped in DDP, with the optimizer below.
+model = embshard.shard_model(DLRMTrain(dlrm), plan, optimizer=embshard.RowWiseAdagrad(lr=0.1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
 
 

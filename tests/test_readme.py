@@ -173,9 +173,13 @@ def _pipeline_batch(step: int, rank: int) -> tuple[torch.Tensor, list[torch.Tens
     return dense, [users, items, item_counts], (users < 500).float()
 
 
-def _pipeline_oracle_losses(steps: int, lr: float = 0.5) -> dict[tuple[int, int], float]:
-    """Each rank's loss at each step of the unsharded DLRM trained with plain SGD on the
-    global batch (rank 0's samples, then rank 1's), the loss averaged over ranks."""
+def _pipeline_oracle_losses(
+    steps: int, dense_lr: float = 0.5, table_lr: float = 0.1
+) -> dict[tuple[int, int], float]:
+    """Each rank's loss at each step of the unsharded DLRM trained on the global batch
+    (rank 0's samples, then rank 1's; the loss averaged over ranks): the dense layers by
+    SGD, the tables by row-wise Adagrad written out here (a float per row, the mean of
+    its squared gradient, eps 1e-8)."""
     tables = [
         EmbeddingBagConfig(
             name="user", num_embeddings=1000, embedding_dim=8, feature_names=["uid"]
@@ -196,17 +200,20 @@ def _pipeline_oracle_losses(steps: int, lr: float = 0.5) -> dict[tuple[int, int]
     with torch.no_grad():
         for config in tables:
             init_shard(ebc.embedding_bags[config.name].weight, config, 0, 0, seed=0)
-    optimizer = torch.optim.SGD(dlrm.parameters(), lr=lr)
+    weights = [bag.weight for bag in ebc.embedding_bags.values()]
+    dense = [p for p in dlrm.parameters() if all(p is not w for w in weights)]
+    optimizer = torch.optim.SGD(dense, lr=dense_lr)
+    row_states = [torch.zeros(len(w)) for w in weights]
     losses = {}
     for step in range(steps):
-        dense, (u0, i0, c0), labels0 = _pipeline_batch(step, 0)
+        dense0, (u0, i0, c0), labels0 = _pipeline_batch(step, 0)
         dense1, (u1, i1, c1), labels1 = _pipeline_batch(step, 1)
         features = KeyedJaggedTensor(
             keys=["uid", "iid"],
             values=torch.cat([u0, u1, i0, i1]),
             lengths=torch.cat([torch.ones(16, dtype=torch.long), c0, c1]),
         )
-        logits = dlrm(torch.cat([dense, dense1]), features).squeeze(-1)
+        logits = dlrm(torch.cat([dense0, dense1]), features).squeeze(-1)
         labels = torch.cat([labels0, labels1])
         per_rank = [
             F.binary_cross_entropy_with_logits(logits[8 * r : 8 * r + 8], labels[8 * r : 8 * r + 8])
@@ -214,8 +221,14 @@ def _pipeline_oracle_losses(steps: int, lr: float = 0.5) -> dict[tuple[int, int]
         ]
         losses.update({(r, step): loss.item() for r, loss in enumerate(per_rank)})
         optimizer.zero_grad()
+        for weight in weights:
+            weight.grad = None
         (sum(per_rank) / 2).backward()
         optimizer.step()
+        with torch.no_grad():
+            for weight, state in zip(weights, row_states):
+                state += weight.grad.pow(2).mean(1)
+                weight -= table_lr * weight.grad / (state.sqrt() + 1e-8)[:, None]
     return losses
 
 
@@ -233,10 +246,12 @@ def test_pipeline_example_output_matches_readme_and_the_unsharded_dlrm(tmp_path)
     assert len(losses) == 8 and losses.keys() == oracle.keys()
     for key, loss in losses.items():
         assert loss == pytest.approx(oracle[key], abs=2e-6), key
-    # The updates are large enough to tell apart: every later step's loss differs from
-    # the untrained model's on the same batch.
-    untrained = _pipeline_oracle_losses(steps=4, lr=0.0)
-    assert all(abs(oracle[k] - untrained[k]) > 1e-3 for k in oracle if k[1] > 0)
+    # Both updates are large enough to tell apart: without the dense step every later
+    # loss differs, without the tables' some later loss does.
+    no_dense = _pipeline_oracle_losses(steps=4, dense_lr=0.0)
+    assert all(abs(oracle[k] - no_dense[k]) > 1e-3 for k in oracle if k[1] > 0)
+    no_tables = _pipeline_oracle_losses(steps=4, table_lr=0.0)
+    assert max(abs(oracle[k] - no_tables[k]) for k in oracle) > 1e-4
 
 
 def test_shard_tables_output_matches_docs(tmp_path):
