@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from click.testing import CliRunner
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec.models.dlrm import DLRM
 
 import embshard
 from embshard import checkpoint
@@ -41,6 +43,7 @@ SHOWN_ON = {
     "train_ebc.py": API,
     "grid_tables.py": PLANNING,
     "shard_sequences.py": README,
+    "train_pipeline.py": README,
 }
 
 
@@ -157,6 +160,98 @@ def test_quickstart_against_unsharded_oracle(quickstart):
     saved = torch.load(log_dir / "saved.pt")
     for name, bag in ebc.embedding_bags.items():
         torch.testing.assert_close(saved[f"embedding_bags.{name}.weight"], bag.weight.detach())
+
+
+def _pipeline_batch(step: int, rank: int) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """examples/train_pipeline.py's batch of ``rank`` at ``step``: dense features, the ids
+    and bag lengths of uid and iid, labels."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    users = torch.randint(0, 1000, (8,), generator=g)
+    item_counts = torch.randint(0, 4, (8,), generator=g)
+    items = torch.randint(0, 5000, (int(item_counts.sum()),), generator=g)
+    dense = torch.rand(8, 4, generator=g)
+    return dense, [users, items, item_counts], (users < 500).float()
+
+
+def _pipeline_oracle_losses(
+    steps: int, dense_lr: float = 0.5, table_lr: float = 0.1
+) -> dict[tuple[int, int], float]:
+    """Each rank's loss at each step of the unsharded DLRM trained on the global batch
+    (rank 0's samples, then rank 1's; the loss averaged over ranks): the dense layers by
+    SGD, the tables by row-wise Adagrad written out here (a float per row, the mean of
+    its squared gradient, eps 1e-8)."""
+    tables = [
+        EmbeddingBagConfig(
+            name="user", num_embeddings=1000, embedding_dim=8, feature_names=["uid"]
+        ),
+        EmbeddingBagConfig(
+            name="item", num_embeddings=5000, embedding_dim=8, feature_names=["iid"]
+        ),
+    ]
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(tables=tables, device="meta")
+    dlrm = DLRM(
+        embedding_bag_collection=ebc,
+        dense_in_features=4,
+        dense_arch_layer_sizes=[16, 8],
+        over_arch_layer_sizes=[16, 1],
+    )
+    ebc.to_empty(device="cpu")
+    with torch.no_grad():
+        for config in tables:
+            init_shard(ebc.embedding_bags[config.name].weight, config, 0, 0, seed=0)
+    weights = [bag.weight for bag in ebc.embedding_bags.values()]
+    dense = [p for p in dlrm.parameters() if all(p is not w for w in weights)]
+    optimizer = torch.optim.SGD(dense, lr=dense_lr)
+    row_states = [torch.zeros(len(w)) for w in weights]
+    losses = {}
+    for step in range(steps):
+        dense0, (u0, i0, c0), labels0 = _pipeline_batch(step, 0)
+        dense1, (u1, i1, c1), labels1 = _pipeline_batch(step, 1)
+        features = KeyedJaggedTensor(
+            keys=["uid", "iid"],
+            values=torch.cat([u0, u1, i0, i1]),
+            lengths=torch.cat([torch.ones(16, dtype=torch.long), c0, c1]),
+        )
+        logits = dlrm(torch.cat([dense0, dense1]), features).squeeze(-1)
+        labels = torch.cat([labels0, labels1])
+        per_rank = [
+            F.binary_cross_entropy_with_logits(logits[8 * r : 8 * r + 8], labels[8 * r : 8 * r + 8])
+            for r in range(2)
+        ]
+        losses.update({(r, step): loss.item() for r, loss in enumerate(per_rank)})
+        optimizer.zero_grad()
+        for weight in weights:
+            weight.grad = None
+        (sum(per_rank) / 2).backward()
+        optimizer.step()
+        with torch.no_grad():
+            for weight, state in zip(weights, row_states):
+                state += weight.grad.pow(2).mean(1)
+                weight -= table_lr * weight.grad / (state.sqrt() + 1e-8)[:, None]
+    return losses
+
+
+def test_pipeline_example_output_matches_readme_and_the_unsharded_dlrm(tmp_path):
+    printed = sorted(
+        ln for ln in run_example("train_pipeline.py", tmp_path) if ln.startswith("rank ")
+    )
+    assert printed == shown_rank_lines(README, "train_pipeline.py")
+    losses = {
+        (int(m[1]), int(m[2])): float(m[3])
+        for ln in printed
+        if (m := re.fullmatch(r"rank (\d) step (\d) loss ([0-9.]+)", ln))
+    }
+    oracle = _pipeline_oracle_losses(steps=4)
+    assert len(losses) == 8 and losses.keys() == oracle.keys()
+    for key, loss in losses.items():
+        assert loss == pytest.approx(oracle[key], abs=2e-6), key
+    # Both updates are large enough to tell apart: without the dense step every later
+    # loss differs, without the tables' some later loss does.
+    no_dense = _pipeline_oracle_losses(steps=4, dense_lr=0.0)
+    assert all(abs(oracle[k] - no_dense[k]) > 1e-3 for k in oracle if k[1] > 0)
+    no_tables = _pipeline_oracle_losses(steps=4, table_lr=0.0)
+    assert max(abs(oracle[k] - no_tables[k]) for k in oracle) > 1e-4
 
 
 def test_shard_tables_output_matches_docs(tmp_path):
