@@ -53,10 +53,17 @@ def main() -> None:
 
 @main.command()
 @click.argument("config", type=click.Path(dir_okay=False))
-@click.option("--nproc", default=2, show_default=True, help="Processes (ranks) on this host.")
+@click.option(
+    "--nproc",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Processes (ranks) on this host.",
+)
 @click.option("--resume", is_flag=True, help="Continue from the latest checkpoint.")
 @click.option(
     "--max-restarts",
+    type=click.IntRange(min=0),
     default=0,
     show_default=True,
     help="Restart every rank this many times when one fails; restarts resume.",
@@ -70,10 +77,10 @@ def train(config: str, nproc: int, resume: bool, max_restarts: int) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    from embshard.config import ConfigError, load_config
+    from embshard.config import ConfigError, check_launch, load_config
 
-    try:
-        load_config(config)  # fail here, before any process starts
+    try:  # fail here, before any process starts
+        check_launch(load_config(config), config, nproc, resume)
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
     launch = ["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts)]
@@ -252,7 +259,7 @@ def plan(
     if balance_lookups and not batches:
         raise click.ClickException("--balance-lookups needs the traffic: give --batches N")
     try:
-        model = load_config(config, check_files=batches > 0, trains=False)  # data: to measure
+        model = load_config(config, use="plan", check_files=batches > 0)  # data: to measure
         stats = measure_traffic(model, world_size, batches) if batches else None
         if balance_lookups:
             sharding, report = lookup_balanced_plan(model, world_size, stats, memory_per_rank)
@@ -333,7 +340,7 @@ def show(plan_file: str, config: str, world_size: int | None, png: str | None, w
     from embshard.show import draw_plan, plot_loads, summary
 
     try:
-        model = load_config(config, check_files=False, trains=False)
+        model = load_config(config, use="plan", check_files=False)
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
     try:
