@@ -217,9 +217,9 @@ def test_plan_and_show_mark_and_price_sequence_tables(tmp_path):
     config, out = sequence_config(tmp_path), tmp_path / "plan.yaml"
     result = CliRunner().invoke(cli, ["plan", str(config), "-w", "2", "--out", str(out)])
     assert result.exit_code == 0, result.output
-    # A table's reason: "  name: sharding (why)".
+    # A table's reason: "  name: sharding[ in N pieces], because why".
     lines = result.output.splitlines()
-    reasons = [line for line in lines if re.match(r"  [a-z].*: [a-z_]+ \(", line)]
+    reasons = [line for line in lines if re.match(r"  [a-z].*: [a-z_]+( in .*)?, because ", line)]
     assert [line.split(":")[0] for line in reasons] == [
         "  user",
         "  item",
@@ -247,7 +247,8 @@ def test_plan_and_show_mark_and_price_sequence_tables(tmp_path):
     own = CliRunner().invoke(cli, ["plan", str(sequence_config(tmp_path, planned)), "-w", "2"])
     assert own.exit_code == 0, own.output
     kind = planned["history"]["type"]
-    assert f"  history (sequence): {kind} (the config's own plan)" in own.output
+    assert f"  history (sequence): {kind}" in own.output
+    assert "because the config's own plan says so" in own.output
     memory_and_cost = [line.split()[:4] for line in own.output.splitlines()[1:3]]
     assert memory_and_cost == [line.split()[:4] for line in result.output.splitlines()[1:3]]
 
