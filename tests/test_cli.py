@@ -48,7 +48,7 @@ def test_help_imports_no_heavy_library():
 def test_bench_help_names_the_command():
     result = CliRunner().invoke(cli, ["bench", "--help"], prog_name="embshard")
     assert result.exit_code == 0
-    assert result.output.startswith("usage: embshard bench ")
+    assert result.output.startswith("Usage: embshard bench [OPTIONS]\n")
     script = subprocess.run(
         [sys.executable, "tools/bench.py", "--help"],
         cwd=ROOT,
@@ -56,7 +56,27 @@ def test_bench_help_names_the_command():
         text=True,
         check=True,
     )
-    assert script.stdout.startswith("usage: tools/bench.py ")
+    assert script.stdout.startswith("Usage: tools/bench.py [OPTIONS]\n")
+    assert "--world-sizes N..." in script.stdout
+
+
+def test_bench_list_options_take_several_values_after_one_flag(monkeypatch):
+    import embshard.bench
+
+    ran = []
+    monkeypatch.setattr(embshard.bench, "run", ran.append)
+    args = ["--world-sizes", "2", "4", "--steps", "3", "--plans", "mixed", "--workloads=a", "d"]
+    result = CliRunner().invoke(cli, ["bench", *args, "--plans", "row_wise"])
+    assert result.exit_code == 0, result.output
+    (options,) = ran
+    assert (options.world_sizes, options.workloads, options.plans) == (
+        (2, 4),
+        ("a", "d"),
+        ("mixed", "row_wise"),
+    )
+    assert (options.steps, options.warmup, options.json) == (3, 5, "bench.json")
+    bad = CliRunner().invoke(cli, ["bench", "--world-sizes", "2", "0"])
+    assert bad.exit_code == 2 and "'--world-sizes': 0 is not in the range x>=1" in bad.output
 
 
 def plan_file(tmp_path: Path) -> Path:
