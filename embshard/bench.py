@@ -12,11 +12,12 @@ qcomms; TorchRec falls back from bf16 to fp16 on gloo, embshard sends bf16). Out
 are compared before anything is timed; then training steps
 (forward, backward with the fused update) alternate between the two libraries. A
 step's time is the slowest rank's. It also times the same per-rank lookups, backward
-and update in a bare TBE (the data the rank's TBE received, in one process), and the
-step's collectives replayed alone with the same sizes: their sum is the step's floor
-on this machine. Also the machine's gather bandwidth against the local lookup's, and
-the fraction of the ids each rank's TBE received that repeat within their table (what
-deduplicating would save).
+and update in a bare TBE (the data the rank's TBE received, one rank at a time so that
+no two timings share the cores), and the step's collectives replayed alone with the
+same sizes: their sum, the slowest rank's, is the step's floor on this machine. Also
+the machine's gather bandwidth against the local lookup's, and the fraction of the
+ids each rank's TBE received that repeat within their table (what deduplicating would
+save).
 Workload (e) is an EmbeddingCollection (a row per id; TorchRec's
 EmbeddingCollectionSharder); a cell embshard refuses to shard (there: compressed
 all-to-alls) is skipped, its reason recorded.
@@ -24,7 +25,6 @@ all-to-alls) is skipped, its reason recorded.
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import itertools
 import json
@@ -33,7 +33,9 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -426,27 +428,42 @@ def duplicate_fraction(indices: torch.Tensor, offsets: torch.Tensor, slots: int)
 
 def bare_tbe_time(ours, received, repeats: int) -> tuple[float, float]:
     """The rank's own lookups, backward and update in a fresh TBE with the same
-    weights, on the indices its TBE received (``received_ids``); and the forward's
-    achieved gather bandwidth."""
+    weights, on the indices its TBE received (``received_ids``), and the forward's
+    achieved gather bandwidth. Collective: the ranks take turns, the others waiting at
+    a barrier, so that no rank's timing shares the cores with another's (timed
+    together at W = 4 on 2 cores, each would get half a core, and the floor would come
+    out above the step). One untimed call first; the output's gradient is allocated
+    once, as a step's arrives in the all-to-all's buffer."""
+    import torch.distributed as dist
+
+    result = (0.0, 0.0)
+    for turn in range(dist.get_world_size()):
+        dist.barrier()
+        if turn == dist.get_rank() and received is not None:
+            result = _time_bare_tbe(ours, *received, repeats)
+    dist.barrier()
+    return result
+
+
+def _time_bare_tbe(ours, indices, offsets, repeats: int) -> tuple[float, float]:
     import torch
 
     from embshard.lookup import SGD, build_tbe
 
-    if received is None:
-        return 0.0, 0.0
     shards, sharded = ours._storage.shards, ours._storage.tbe
     tbe = build_tbe([(s.rows, s.cols) for _, s in shards], SGD(0.01), torch.device("cpu"),
                     [slot.tbe_table for slot in ours._routes.slots[ours.rank]])  # fmt: skip
     # The same weights: every page touched before timing, as the sharded TBE's are.
     for mine, theirs in zip(tbe.split_embedding_weights(), sharded.split_embedding_weights()):
         mine.copy_(theirs)
-    indices, offsets = received
+    gradient = torch.ones_like(tbe(indices, offsets))
+    tbe(indices, offsets).backward(gradient)  # untimed: the first call's page faults
     times, forwards = [], []
     for _ in range(repeats):
         start = time.perf_counter()
         out = tbe(indices, offsets)
         forwards.append(time.perf_counter() - start)
-        out.sum().backward()
+        out.backward(gradient)
         times.append(time.perf_counter() - start)
     dims = ours._routes.slot_dims(ours.rank)
     batch_size = (len(offsets) - 1) // len(dims)
@@ -558,10 +575,23 @@ def bench_case(
     return record
 
 
-def worker(rank: int, world: int, store: str, args: argparse.Namespace, results) -> None:
+def quiet_worker() -> None:
+    """Silence what a worker would print that says nothing of the run: TorchRec's
+    calls of the collectives torch 2.13 deprecates (a FutureWarning each), and kineto's
+    USDT lines at every start and stop of the profiler that counts the collectives
+    (``per_step_comm``). Kineto reads its level when a profile starts; 6 is above
+    USDT's 5, its highest (its errors, 4, are below USDT's level already)."""
+    warnings.filterwarnings(
+        "ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning
+    )
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+
+def worker(rank: int, world: int, store: str, args: Options, results) -> None:
     import torch
     import torch.distributed as dist
 
+    quiet_worker()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))  # fmt: skip
@@ -652,97 +682,48 @@ def plot(records: list[dict], path: str) -> None:
     figure.savefig(path, dpi=100)
 
 
-def _output(*suffixes: str) -> Callable[[str], str]:
-    """An argparse type: a file to write, checked before the benchmark starts."""
-    from embshard.cli import output_problem
+@dataclass(frozen=True)
+class Options:
+    """What ``embshard bench`` runs (its options, the same names)."""
 
-    def check(path: str) -> str:
-        problem = output_problem(path, suffixes)
-        if problem:
-            raise argparse.ArgumentTypeError(problem)
-        return path
+    world_sizes: tuple[int, ...] = (2, 4)
+    workloads: tuple[str, ...] = tuple(WORKLOADS)
+    plans: tuple[str, ...] = tuple(PLANS)
+    steps: int = 20  # timed training steps
+    warmup: int = 5  # untimed steps before them
+    comm_precision: str = "fp32"
+    ids: str = "uniform"
+    json: str = "bench.json"
+    png: str | None = None
 
-    return check
 
-
-def main(argv: list[str] | None = None, prog: str | None = None) -> None:
-    """Run the benchmark; ``prog`` names the command in the usage (default: the script)."""
-    from embshard.cli import PLOT_SUFFIXES
-
-    parser = argparse.ArgumentParser(
-        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--world-sizes",
-        type=int,
-        nargs="+",
-        default=[2, 4],
-        help="ranks of each run (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--workloads",
-        nargs="+",
-        default=list(WORKLOADS),
-        choices=list(WORKLOADS),
-        help="a: 8 tables of 100k x 64, ~20 ids a bag; b: 64 of 10k x 32, ~5 ids; "
-        "c: Criteo Kaggle's 26 (rows up to 1M) x 64, 1 id; d: Criteo Kaggle's 26 "
-        "(rows up to 400k) x 16, 32 or 64, MLPerf DLRMv2's 1 to 100 ids a bag, "
-        "batch 512; e: EmbeddingCollection, 8 tables of 1k to 400k x 64, sequences of "
-        "~5 to ~50 ids (~150 a sample), batch 512 (default: all)",
-    )
-    parser.add_argument(
-        "--plans",
-        nargs="+",
-        default=PLANS,
-        choices=PLANS,
-        help="every table sharded one way, or mixed: the three in turn (default: all)",
-    )
-    parser.add_argument(
-        "--steps", type=int, default=20, help="timed training steps (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--warmup", type=int, default=5, help="untimed steps before them (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--comm-precision",
-        default="fp32",
-        choices=COMM_PRECISIONS,
-        help="precision of the pooled all-to-alls, both ways, in both libraries",
-    )
-    parser.add_argument(
-        "--ids",
-        default="uniform",
-        choices=ID_LAWS,
-        help="ids uniform over each table's rows, or a power law as embshard's synthetic "
-        "data draws them (low ids hot) (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--json", type=_output(), default="bench.json", help="results file (default: %(default)s)"
-    )
-    parser.add_argument("--png", type=_output(*PLOT_SUFFIXES), help="plot of samples/s per plan")
-    args = parser.parse_args(argv)
-
+def run(options: Options) -> list[dict]:
+    """Run the benchmark: a gloo world of each size in turn, its records written to
+    ``options.json`` (and plotted to ``options.png``); returns them."""
     import torch.multiprocessing as mp
 
     limit = gather_bandwidth()
     print(f"machine: random-row gather bandwidth {limit / 1e9:.2f} GB/s (one thread)", flush=True)
     records = []
-    for world in args.world_sizes:
+    for world in options.world_sizes:
         with tempfile.TemporaryDirectory() as tmp:
             results = mp.get_context("spawn").SimpleQueue()
-            mp.start_processes(worker, args=(world, os.path.join(tmp, "store"), args, results),
+            mp.start_processes(worker, args=(world, os.path.join(tmp, "store"), options, results),
                                nprocs=world, start_method="spawn")  # fmt: skip
             records += results.get()
     for r in records:
         if r.get("outputs_equal"):
             r["lookup_fraction_of_gather_limit"] = r["lookup_gather_gbps"] * 1e9 / limit
-    Path(args.json).write_text(
+    Path(options.json).write_text(
         json.dumps({"gather_gbps": limit / 1e9, "results": records}, indent=2)
     )
-    if args.png:
-        plot(records, args.png)
-    print(f"wrote {args.json}" + (f" and {args.png}" if args.png else ""), file=sys.stderr)
+    if options.png:
+        plot(records, options.png)
+    print(f"wrote {options.json}" + (f" and {options.png}" if options.png else ""), file=sys.stderr)
+    return records
 
 
 if __name__ == "__main__":
-    main()
+    from embshard.cli import bench
+
+    bench(prog_name="python -m embshard.bench")

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import click
 
+from embshard.bench import COMM_PRECISIONS, ID_LAWS, PLANS, WORKLOADS
+
 PLOT_SUFFIXES = (".png",)
 
 
@@ -53,10 +55,17 @@ def main() -> None:
 
 @main.command()
 @click.argument("config", type=click.Path(dir_okay=False))
-@click.option("--nproc", default=2, show_default=True, help="Processes (ranks) on this host.")
+@click.option(
+    "--nproc",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Processes (ranks) on this host.",
+)
 @click.option("--resume", is_flag=True, help="Continue from the latest checkpoint.")
 @click.option(
     "--max-restarts",
+    type=click.IntRange(min=0),
     default=0,
     show_default=True,
     help="Restart every rank this many times when one fails; restarts resume.",
@@ -70,10 +79,10 @@ def train(config: str, nproc: int, resume: bool, max_restarts: int) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    from embshard.config import ConfigError, load_config
+    from embshard.config import ConfigError, check_launch, load_config
 
-    try:
-        load_config(config)  # fail here, before any process starts
+    try:  # fail here, before any process starts
+        check_launch(load_config(config), config, nproc, resume)
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
     launch = ["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts)]
@@ -104,16 +113,112 @@ class _WorkersSaidWhy(logging.Filter):
         return not message.startswith(("failed (exitcode: 1)", "Sending process"))
 
 
-@main.command(
-    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
-    add_help_option=False,
-)
-@click.pass_context
-def bench(ctx: click.Context) -> None:
-    """Benchmark embshard against TorchRec side by side (options: embshard bench --help)."""
-    from embshard.bench import main as run_bench
+class _ListOptions(click.Command):
+    """A command whose ``multiple`` options take their values after one flag, as
+    argparse's ``nargs="+"`` does (``--world-sizes 2 4``), or a flag each."""
 
-    run_bench(ctx.args, prog=ctx.command_path)
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        lists = {name for p in self.params if getattr(p, "multiple", False) for name in p.opts}
+        spread, flag = [], None
+        for arg in args:
+            if arg.startswith("-"):
+                name = arg.split("=", 1)[0]  # --world-sizes=2 4 too
+                flag = name if name in lists else None
+            elif flag is not None and spread[-1] != flag:
+                spread.append(flag)
+            spread.append(arg)
+        return super().parse_args(ctx, spread)
+
+
+@main.command(cls=_ListOptions)
+@click.option(
+    "--world-sizes",
+    type=click.IntRange(min=1),
+    multiple=True,
+    default=(2, 4),
+    show_default=True,
+    metavar="N...",
+    help="Ranks of each run.",
+)
+@click.option(
+    "--workloads",
+    type=click.Choice(list(WORKLOADS)),
+    multiple=True,
+    default=tuple(WORKLOADS),
+    metavar="W...",
+    help="a: 8 tables of 100k x 64, ~20 ids a bag; b: 64 of 10k x 32, ~5 ids; c: Criteo "
+    "Kaggle's 26 (rows up to 1M) x 64, 1 id; d: Criteo Kaggle's 26 (rows up to 400k) x 16, "
+    "32 or 64, MLPerf DLRMv2's 1 to 100 ids a bag, batch 512; e: EmbeddingCollection, 8 "
+    "tables of 1k to 400k x 64, sequences of ~5 to ~50 ids (~150 a sample), batch 512. "
+    "Default: all.",
+)
+@click.option(
+    "--plans",
+    type=click.Choice(PLANS),
+    multiple=True,
+    default=tuple(PLANS),
+    metavar="P...",
+    help=f"Every table sharded one way ({', '.join(PLANS[:3])}), or mixed: the three in "
+    "turn. Default: all.",
+)
+@click.option(
+    "--steps", type=click.IntRange(min=1), default=20, show_default=True, help="Timed steps."
+)
+@click.option(
+    "--warmup",
+    type=click.IntRange(min=0),
+    default=5,
+    show_default=True,
+    help="Untimed steps before them.",
+)
+@click.option(
+    "--comm-precision",
+    type=click.Choice(COMM_PRECISIONS),
+    default="fp32",
+    show_default=True,
+    help="Precision of the pooled all-to-alls, both ways, in both libraries.",
+)
+@click.option(
+    "--ids",
+    type=click.Choice(ID_LAWS),
+    default="uniform",
+    show_default=True,
+    help="Ids uniform over each table's rows, or a power law as embshard's synthetic data "
+    "draws them (low ids hot).",
+)
+@click.option(
+    "--json",
+    "json_path",
+    type=OutputFile(),
+    default="bench.json",
+    show_default=True,
+    help="The results, every figure of every cell.",
+)
+@click.option("--png", type=OutputFile(*PLOT_SUFFIXES), help="Plot samples/s per plan.")
+def bench(
+    world_sizes: tuple[int, ...],
+    workloads: tuple[str, ...],
+    plans: tuple[str, ...],
+    steps: int,
+    warmup: int,
+    comm_precision: str,
+    ids: str,
+    json_path: str,
+    png: str | None,
+) -> None:
+    """Benchmark embshard against TorchRec's DistributedModelParallel, side by side.
+
+    For each world size, W gloo processes on this host (one thread each) train both
+    libraries on the same tables, weights, inputs and plan, with the same fused
+    optimizer, after checking that their outputs agree; steps alternate between the
+    two. Each cell's line gives both libraries' step (the slowest rank's median,
+    p10-p90), collectives and bytes a step, their throughput ratio, and embshard's
+    floor: a bare TBE doing the same lookups and update (each rank alone) plus the
+    step's collectives replayed alone. docs/performance.md explains every figure.
+    """
+    from embshard.bench import Options, run
+
+    run(Options(world_sizes, workloads, plans, steps, warmup, comm_precision, ids, json_path, png))
 
 
 @main.group()
@@ -261,7 +366,7 @@ def plan(
     if balance_lookups and not batches:
         raise click.ClickException("--balance-lookups needs the traffic: give --batches N")
     try:
-        model = load_config(config, check_files=batches > 0, trains=False)  # data: to measure
+        model = load_config(config, use="plan", check_files=batches > 0)  # data: to measure
         stats = measure_traffic(model, world_size, batches) if batches else None
         if balance_lookups:
             sharding, report = lookup_balanced_plan(model, world_size, stats, memory_per_rank)
@@ -360,7 +465,7 @@ def show(
     from embshard.show import draw_plan, plot_plan, shard_boxes, summary
 
     try:
-        model = load_config(config, check_files=False, trains=False)
+        model = load_config(config, use="plan", check_files=False)
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
     try:

@@ -1,12 +1,15 @@
 """Training configs: YAML files read strictly into dataclasses.
 
 Unknown keys, missing keys and wrong types fail at load time with a message that
-names the file and the key's path, before any process group exists.
+names the file and the key's path, before any process group exists. Planning,
+drawing and simulating read the same files but need only ``tables``. Relative paths
+in a config are read from the config's folder.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -26,6 +29,13 @@ from embshard.plan import PlanError, ShardingPlan, yaml_problem
 SPARSE_OPTIMIZERS = ["sgd", "adagrad", "rowwise_adagrad"]
 CRITEO_DENSE = 13
 CRITEO_CATEGORICAL = 26
+# What training needs beyond the tables; planning, drawing and simulating take defaults.
+TRAINING_KEYS = ("model", "sparse_optimizer", "dense_optimizer", "batch_size", "steps")
+PLANNING_BATCH_SIZE = 512  # per rank, where a config gives none: TorchRec's planner's
+# What a config is read for: "train" needs every training key and DLRM's rules (one
+# embedding_dim, pooled tables); "simulate" and "plan" need only tables, of any dims,
+# "plan" (plan, show) sequence tables too.
+Use = Literal["train", "simulate", "plan"]
 
 
 class ConfigError(ValueError):
@@ -144,12 +154,19 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    model: ModelConfig
+    """A config as read for its use (``load_config``): training has every key of
+    TRAINING_KEYS; a tables-only config, for planning, gets None for the model, the
+    dense optimizer and the steps, a batch of PLANNING_BATCH_SIZE and the planner's
+    rowwise_adagrad (whose state's memory it prices)."""
+
     tables: list[TableConfig]
-    sparse_optimizer: OptimizerConfig
-    dense_optimizer: OptimizerConfig
-    batch_size: int  # per rank
-    steps: int
+    model: ModelConfig | None = None
+    sparse_optimizer: OptimizerConfig = field(
+        default_factory=lambda: OptimizerConfig("rowwise_adagrad", lr=0.01)
+    )
+    dense_optimizer: OptimizerConfig | None = None
+    batch_size: int = PLANNING_BATCH_SIZE  # per rank
+    steps: int | None = None
     plan: dict[str, Any] | None = None  # a plan's "tables" mapping; None: the planner
     seed: int = 0
     timeout_s: int = 120  # process group timeout
@@ -160,6 +177,12 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
 
+    @property
+    def dense_in_features(self) -> int:
+        """Dense features in a batch: the model's, or Criteo's for a tables-only
+        config (whose uses read only the ids)."""
+        return self.model.dense_in_features if self.model is not None else CRITEO_DENSE
+
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return [t.embedding_bag_config() for t in self.tables]
 
@@ -167,11 +190,12 @@ class TrainConfig:
         """Every table's TorchRec config, sequence tables' included."""
         return [t.torchrec_config() for t in self.tables]
 
-    def sharding_plan(self) -> ShardingPlan | None:
-        """The config's own plan, checked against its tables in one round."""
+    def sharding_plan(self, world_size: int | None = None) -> ShardingPlan | None:
+        """The config's own plan, checked against its tables (and ``world_size``, where
+        given) in one round."""
         if self.plan is None:
             return None
-        return ShardingPlan.from_dict({"tables": self.plan}, self.torchrec_configs())
+        return ShardingPlan.from_dict({"tables": self.plan}, self.torchrec_configs(), world_size)
 
 
 def _parse(kind: Any, value: Any, where: str) -> Any:
@@ -241,39 +265,87 @@ def read_yaml(path: str | Path, what: str = "config") -> Any:
         raise ConfigError(yaml_problem(e, str(path))) from None
 
 
-def load_config(path: str | Path, *, check_files: bool = True, trains: bool = True) -> TrainConfig:
-    """Read and check a training config; every problem found is a ConfigError.
-    ``check_files=False`` leaves the data files alone: planning needs none.
-    ``trains=False`` allows sequence tables (``pooling: none``), which planning and
-    drawing take but the DLRM model cannot."""
+def load_config(path: str | Path, *, use: Use = "train", check_files: bool = True) -> TrainConfig:
+    """Read and check a config for ``use`` (see ``Use``); every problem found is a
+    ConfigError. ``check_files=False`` leaves the data files alone: planning needs
+    none. Relative paths in it (data files, the metrics file, the checkpoint
+    directory) are taken from the config's folder."""
     data = read_yaml(path)
-    config = _dataclass(TrainConfig, data, str(path))
-    _check(config, str(path), check_files, trains)
+    where = str(path)
+    if use == "train" and isinstance(data, dict):
+        missing = [k for k in TRAINING_KEYS if data.get(k) is None]
+        if missing:
+            raise ConfigError(
+                f"{where}: missing keys {missing} (training needs them; `embshard plan`, "
+                "`show` and `simulate` need only tables)"
+            )
+    config = _with_paths_from(Path(path).parent, _dataclass(TrainConfig, data, where))
+    _check(config, where, use, check_files)
     return config
 
 
-def _check(config: TrainConfig, where: str, check_files: bool = True, trains: bool = True) -> None:
+def _with_paths_from(folder: Path, config: TrainConfig) -> TrainConfig:
+    """``config`` with its relative paths taken from ``folder``, normalized
+    (``configs/../data/x.tsv`` reads ``data/x.tsv``)."""
+
+    def under(path: str | None) -> str | None:
+        if path is None:
+            return None
+        return os.path.normpath(os.path.join(folder, os.path.expanduser(path)))
+
+    data, logging, saves = config.data, config.logging, config.checkpoint
+    return dataclasses.replace(
+        config,
+        data=dataclasses.replace(data, path=under(data.path), eval_path=under(data.eval_path)),
+        logging=dataclasses.replace(logging, metrics=under(logging.metrics)),
+        checkpoint=dataclasses.replace(saves, dir=under(saves.dir)),
+    )
+
+
+def check_launch(config: TrainConfig, where: str, world_size: int, resume: bool) -> None:
+    """What a training job of ``world_size`` ranks needs of its config, found before
+    any process starts: its own plan fits that world, and ``resume`` has a checkpoint
+    directory to look in. Problems are ConfigErrors naming the file."""
+    try:
+        config.sharding_plan(world_size)
+    except PlanError as e:
+        raise ConfigError(f"{where}.plan: {e}") from None
+    if resume and config.checkpoint.dir is None:
+        raise ConfigError(
+            f"{where}: --resume continues from the latest checkpoint under checkpoint.dir, "
+            "and the config has no checkpoint: section"
+        )
+
+
+def _check(config: TrainConfig, where: str, use: Use, check_files: bool) -> None:
+    trains = use == "train"
     if not config.tables:
         raise ConfigError(f"{where}.tables: a model needs at least one table")
     names = [t.name for t in config.tables]
     if len(set(names)) != len(names):
         raise ConfigError(f"{where}.tables: table names repeat: {names}")
     for i, t in enumerate(config.tables):
-        if t.sequence and trains:
+        if t.sequence and use != "plan":
+            why = (
+                "the DLRM model cannot take (it pools every feature)"
+                if trains
+                else "`embshard simulate` cannot take (it simulates pooled lookups only)"
+            )
             raise ConfigError(
                 f"{where}.tables[{i}].pooling: none makes {t.name!r} a sequence table, which "
-                "the DLRM model cannot take (it pools every feature); `embshard plan` and "
-                "`embshard show` take it"
+                f"{why}; `embshard plan` and `embshard show` take it"
             )
     for key in ("batch_size", "steps", "timeout_s"):
-        if getattr(config, key) < 1:
+        value = getattr(config, key)
+        if value is not None and value < 1:
             raise ConfigError(f"{where}.{key}: must be at least 1")
     dims = {t.embedding_dim for t in config.tables}
-    if len(dims) != 1:
+    if trains and len(dims) != 1:
         raise ConfigError(
-            f"{where}.tables: DLRM needs one embedding_dim for all, got {sorted(dims)}"
+            f"{where}.tables: DLRM needs one embedding_dim for all, got {sorted(dims)} "
+            "(`embshard plan`, `show` and `simulate` take any)"
         )
-    if config.model.dense_arch_layer_sizes[-1] != dims.pop():
+    if trains and config.model.dense_arch_layer_sizes[-1] != dims.pop():
         raise ConfigError(
             f"{where}.model.dense_arch_layer_sizes: the last size must equal embedding_dim"
         )
@@ -294,7 +366,7 @@ def _check(config: TrainConfig, where: str, check_files: bool = True, trains: bo
         )
     data = config.data
     if data.type == "criteo":
-        if config.model.dense_in_features != CRITEO_DENSE:
+        if config.dense_in_features != CRITEO_DENSE:
             raise ConfigError(f"{where}.model.dense_in_features: Criteo has {CRITEO_DENSE}")
         columns = {f"cat_{i}" for i in range(CRITEO_CATEGORICAL)}
         unknown = sorted({f for t in config.tables for f in t.features} - columns)
@@ -303,6 +375,9 @@ def _check(config: TrainConfig, where: str, check_files: bool = True, trains: bo
         for key in ("path", "eval_path") if check_files else ():
             file = getattr(data, key)
             if file is not None and not Path(file).is_file():
-                raise ConfigError(f"{where}.data.{key}: cannot read {file}")
+                raise ConfigError(
+                    f"{where}.data.{key}: cannot read {file} (a relative path in a config "
+                    "is read from the config's folder)"
+                )
         if data.path is None:
             raise ConfigError(f"{where}.data.path: Criteo data needs a path")

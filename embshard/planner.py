@@ -381,8 +381,15 @@ class TableChoice:
     table: str
     sharding: str
     pieces: int
-    reason: str
+    reason: str  # why: the report reads "sharding, because reason"
     sequence: bool = False  # an EmbeddingCollection's table
+
+    def line(self) -> str:
+        """What was done, then why: ``t: column_wise in 2 pieces, because ...``."""
+        name = f"{self.table} (sequence)" if self.sequence else self.table
+        cut = self.sharding not in _UNCUT
+        done = f"{self.sharding} in {plural(self.pieces, 'piece')}" if cut else self.sharding
+        return f"{name}: {done}, because {self.reason}"
 
 
 @dataclass
@@ -429,10 +436,7 @@ class PlanReport:
             f"memory per rank {format_bytes(self.topology.memory_per_rank)}, "
             f"{format_bytes(self.topology.reserved_memory)} reserved"
         )
-        lines += [
-            f"  {c.table}{' (sequence)' if c.sequence else ''}: {c.sharding} ({c.reason})"
-            for c in self.tables
-        ]
+        lines += [f"  {c.line()}" for c in self.tables]
         return "\n".join(lines)
 
 
@@ -999,20 +1003,20 @@ def _total(pieces: list[_Piece]) -> float:
 
 
 def _why(table: _Table, packing: _Packing, model: CostModel) -> str:
-    """Why the table is sharded as it is, once ``_unsplit`` found it no cheaper way."""
+    """Why the table is sharded as it is, once ``_unsplit`` found it no cheaper way:
+    what follows "because" in the report's line for it."""
     kind, pieces = packing.layouts[table.spec.name]
     if kind == "table_wise":
-        return "whole"
+        return "whole, it fits without slowing the slowest rank"
     if kind == "data_parallel" and table.kinds == ("data_parallel",):
         return "its constraints allow only data_parallel"
     if kind == "data_parallel":
         return "a copy on every rank costs less than any cut of it"
-    count = plural(len(pieces), "piece")
     capacity = model.topology.usable_memory
     if "table_wise" not in table.kinds:
-        return f"its constraints allow no table_wise: {count}"
+        return "its constraints allow no table_wise"
     if table.whole_memory > capacity:
-        return f"too big for one rank: {count}"
+        return "it is too big for one rank"
     own = np.zeros_like(packing.memory)
     for p in pieces:
         own[p.rank] += p.memory
@@ -1020,8 +1024,8 @@ def _why(table: _Table, packing: _Packing, model: CostModel) -> str:
     if table.allowed is not None:
         room &= table.allowed
     if not room.any():
-        return f"no rank has room for it whole: {count}"
-    return f"whole, it would slow the slowest rank: {count}"
+        return "no rank has room for it whole"
+    return "kept whole, it would slow the slowest rank"
 
 
 def _rank_loads(packing: _Packing, tables: Sequence[_Table]) -> list[RankLoad]:
@@ -1184,7 +1188,8 @@ def _copy_hot_rows(
     for choice in report.tables:
         if choice.table in copied:
             hot, pieces = copied[choice.table]
-            reason = f"{choice.reason}; its {hot} hot rows copied on every rank"
+            copies = f"copying its {hot} hot rows to every rank lowers the slowest rank"
+            reason = f"{choice.reason}, and {copies}"
             choice = dataclasses.replace(choice, pieces=pieces, reason=reason)
         tables.append(choice)
     return plan, dataclasses.replace(report, ranks=loads(plan), tables=tables)
@@ -1268,7 +1273,7 @@ def plan_config(
     optimizer = config.sparse_optimizer.type
     given = config.sharding_plan()
     if given is not None:
-        return given, plan_report(given, config, topology, "the config's own plan")
+        return given, plan_report(given, config, topology, "the config's own plan says so")
     constraints = {
         t.name: TableConstraint(
             tuple(t.shardings) if t.shardings else None,
@@ -1295,7 +1300,9 @@ def lookup_balanced_plan(
     model = CostModel(topology, config.batch_size, config.sparse_optimizer.type)
     row_bytes = {t.name: model.memory(t, 1, t.embedding_dim) for t in planned_tables(config.tables)}
     plan = balanced_plan(stats, world_size, row_bytes)
-    report = plan_report(plan, config, topology, "lookups balanced (--balance-lookups)", stats)
+    report = plan_report(
+        plan, config, topology, "--balance-lookups balances every rank's lookups", stats
+    )
     for load in report.ranks:
         if load.memory > topology.usable_memory:
             raise PlanningError(

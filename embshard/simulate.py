@@ -344,7 +344,7 @@ def simulate(
     ``check``, the numerics of a small copy of the model too."""
     if world_size < 1 or batches < 1:
         raise SimulationError(f"need at least 1 rank and 1 batch, got {world_size} and {batches}")
-    config = load_config(config_path)
+    config = load_config(config_path, use="simulate")
     plan, source = _plan(config, world_size, plan_path)
     configs = config.embedding_bag_configs()
     routes = build_routes(configs, plan.resolve(configs, world_size), world_size, weighted=False)

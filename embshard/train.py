@@ -36,7 +36,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from tqdm import tqdm
 
 from embshard import checkpoint
-from embshard.config import ConfigError, OptimizerConfig, TrainConfig, load_config
+from embshard.config import ConfigError, OptimizerConfig, TrainConfig, check_launch, load_config
 from embshard.data import Batch, CriteoData, Feed, SyntheticData
 from embshard.inputs import InputError
 from embshard.lookup import SGD, Adagrad, FusedOptimizer, RowWiseAdagrad
@@ -90,7 +90,7 @@ def build_data(config: TrainConfig, rank: int, world: int) -> SyntheticData | Cr
             config.data.skip_bad_lines,
             epochs=config.data.epochs,
         )
-    dense_in = config.model.dense_in_features
+    dense_in = config.dense_in_features
     return SyntheticData(config.tables, dense_in, config.batch_size, config.seed, rank)
 
 
@@ -236,13 +236,29 @@ def train(config: TrainConfig, resume: bool = False) -> dict:
     global _stop_requested
     _stop_requested = False
     previous = signal.signal(signal.SIGTERM, _request_stop)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    resuming = "--resume" if resume else f"restart {restart}" if restart else None
     try:
-        return _train(config, resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0)
+        return _train(config, resuming)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _train(config: TrainConfig, resume: bool) -> dict:
+def _resume_from(config: TrainConfig, resuming: str | None) -> Path | None:
+    """The latest checkpoint, when the run resumes (``resuming`` says why: --resume or
+    a restart). Finding none, rank 0 warns, naming where it looked, and the run
+    starts from step 0."""
+    root = config.checkpoint.dir
+    if resuming is None:
+        return None
+    found = checkpoint.latest(root) if root else None
+    if found is None and dist.get_rank() == 0:
+        looked = f"no checkpoint in {root}" if root else "the config has no checkpoint: section"
+        print(f"embshard: warning: {resuming}: {looked}: starting from step 0", file=sys.stderr)
+    return found
+
+
+def _train(config: TrainConfig, resuming: str | None) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     plan = plan_config(config, world)[0]  # the config's own plan, or the planner's
     torch.manual_seed(config.seed)  # the dense layers' init: runs are reproducible
@@ -259,7 +275,7 @@ def _train(config: TrainConfig, resume: bool) -> dict:
     optimizer = dense_optimizer(config.dense_optimizer, model.parameters())
     saves = config.checkpoint
     start = 0
-    found = checkpoint.latest(saves.dir) if resume and saves.dir else None
+    found = _resume_from(config, resuming)
     if found is not None:
         start = checkpoint.load(found, model, optimizer)
         if rank == 0:
@@ -405,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config)
+        check_launch(config, args.config, int(os.environ["WORLD_SIZE"]), args.resume)
     except ConfigError as e:
         print(f"embshard: {e}", file=sys.stderr)
         return 2

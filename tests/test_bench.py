@@ -11,13 +11,20 @@ from torchrec import EmbeddingConfig
 
 import embshard
 from embshard import bench
-from embshard.bench import main
+from embshard.bench import Options, run
 
 
-def test_bench_smoke(tmp_path):
+def test_bench_smoke(tmp_path, capfd):
     out = tmp_path / "bench.json"
-    main(["--world-sizes", "2", "--workloads", "a", "d", "--plans", "mixed", "--ids", "power-law",
-          "--steps", "2", "--warmup", "1", "--json", str(out)])  # fmt: skip
+    run(Options(world_sizes=(2,), workloads=("a", "d"), plans=("mixed",), ids="power-law",
+                steps=2, warmup=1, json=str(out)))  # fmt: skip
+    printed = capfd.readouterr()
+    # The workers' lines and nothing else: no kineto USDT lines, no FutureWarnings.
+    assert [line.split()[:3] for line in printed.out.splitlines()[1:]] == [
+        ["W=2", "a", "mixed"],
+        ["W=2", "d", "mixed"],
+    ]
+    assert printed.err == f"wrote {out}\n"
     data = json.loads(out.read_text())
     assert data["gather_gbps"] > 0
     assert [r["workload"] for r in data["results"]] == ["a", "d"]

@@ -19,7 +19,14 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from embshard.cli import main as cli
 from embshard.config import load_config
 from embshard.plan import ShardingPlan, row_wise
-from embshard.planner import CostModel, parse_bytes, plan_loads, planned_tables, topology_for
+from embshard.planner import (
+    CostModel,
+    format_bytes,
+    parse_bytes,
+    plan_loads,
+    planned_tables,
+    topology_for,
+)
 from embshard.show import draw_table, summary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +55,7 @@ def test_help_imports_no_heavy_library():
 def test_bench_help_names_the_command():
     result = CliRunner().invoke(cli, ["bench", "--help"], prog_name="embshard")
     assert result.exit_code == 0
-    assert result.output.startswith("usage: embshard bench ")
+    assert result.output.startswith("Usage: embshard bench [OPTIONS]\n")
     script = subprocess.run(
         [sys.executable, "tools/bench.py", "--help"],
         cwd=ROOT,
@@ -56,7 +63,27 @@ def test_bench_help_names_the_command():
         text=True,
         check=True,
     )
-    assert script.stdout.startswith("usage: tools/bench.py ")
+    assert script.stdout.startswith("Usage: tools/bench.py [OPTIONS]\n")
+    assert "--world-sizes N..." in script.stdout
+
+
+def test_bench_list_options_take_several_values_after_one_flag(monkeypatch):
+    import embshard.bench
+
+    ran = []
+    monkeypatch.setattr(embshard.bench, "run", ran.append)
+    args = ["--world-sizes", "2", "4", "--steps", "3", "--plans", "mixed", "--workloads=a", "d"]
+    result = CliRunner().invoke(cli, ["bench", *args, "--plans", "row_wise"])
+    assert result.exit_code == 0, result.output
+    (options,) = ran
+    assert (options.world_sizes, options.workloads, options.plans) == (
+        (2, 4),
+        ("a", "d"),
+        ("mixed", "row_wise"),
+    )
+    assert (options.steps, options.warmup, options.json) == (3, 5, "bench.json")
+    bad = CliRunner().invoke(cli, ["bench", "--world-sizes", "2", "0"])
+    assert bad.exit_code == 2 and "'--world-sizes': 0 is not in the range x>=1" in bad.output
 
 
 def plan_file(tmp_path: Path) -> Path:
@@ -277,9 +304,9 @@ def test_plan_and_show_mark_and_price_sequence_tables(tmp_path):
     config, out = sequence_config(tmp_path), tmp_path / "plan.yaml"
     result = CliRunner().invoke(cli, ["plan", str(config), "-w", "2", "--out", str(out)])
     assert result.exit_code == 0, result.output
-    # A table's reason: "  name: sharding (why)".
+    # A table's reason: "  name: sharding[ in N pieces], because why".
     lines = result.output.splitlines()
-    reasons = [line for line in lines if re.match(r"  [a-z].*: [a-z_]+ \(", line)]
+    reasons = [line for line in lines if re.match(r"  [a-z].*: [a-z_]+( in .*)?, because ", line)]
     assert [line.split(":")[0] for line in reasons] == [
         "  user",
         "  item",
@@ -297,7 +324,7 @@ def test_plan_and_show_mark_and_price_sequence_tables(tmp_path):
     assert shown.exit_code == 0, shown.output
     assert "history (sequence) (5000 x 16) " in shown.output
     assert shown.output.startswith("user (100000 x 16) TableWise\n")
-    model = load_config(config, trains=False)
+    model = load_config(config, use="plan")
     loads = plan_loads(
         ShardingPlan.load(out), model.tables, topology_for(model, 2), model.batch_size
     )
@@ -307,7 +334,8 @@ def test_plan_and_show_mark_and_price_sequence_tables(tmp_path):
     own = CliRunner().invoke(cli, ["plan", str(sequence_config(tmp_path, planned)), "-w", "2"])
     assert own.exit_code == 0, own.output
     kind = planned["history"]["type"]
-    assert f"  history (sequence): {kind} (the config's own plan)" in own.output
+    assert f"  history (sequence): {kind}" in own.output
+    assert "because the config's own plan says so" in own.output
     memory_and_cost = [line.split()[:4] for line in own.output.splitlines()[1:3]]
     assert memory_and_cost == [line.split()[:4] for line in result.output.splitlines()[1:3]]
 
@@ -335,3 +363,93 @@ def test_plans_copying_sequence_tables_show_and_training_them_fails(tmp_path):
         refused = CliRunner().invoke(cli, command)
         assert refused.exit_code == 1, refused.output
         assert "tables[5].pooling: none makes 'history' a sequence table" in refused.output
+
+
+def small_with(tmp_path: Path, **keys) -> Path:
+    """small.yaml with ``keys`` replaced (None: removed)."""
+    data = yaml.safe_load(SMALL.read_text()) | keys
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({k: v for k, v in data.items() if v is not None}))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--nproc", "0"], "Invalid value for '--nproc': 0 is not in the range x>=1."),
+        (["--nproc", "-1"], "Invalid value for '--nproc': -1 is not in the range x>=1."),
+        (
+            ["--max-restarts", "-1"],
+            "Invalid value for '--max-restarts': -1 is not in the range x>=0.",
+        ),
+    ],
+)
+def test_train_refuses_bad_counts_before_launching(options, message):
+    result = CliRunner().invoke(cli, ["train", str(SMALL), *options])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.output.splitlines()[-1] == f"Error: {message}"
+
+
+def test_train_refuses_a_plan_for_another_world_size_before_launching(tmp_path):
+    names = [t["name"] for t in yaml.safe_load(SMALL.read_text())["tables"]]
+    plan = {n: {"type": "table_wise", "rank": 0} for n in names}
+    plan["user"] = {"type": "row_wise", "sizes": [50_000, 50_000]}
+    config = small_with(tmp_path, plan=plan)
+    result = CliRunner().invoke(cli, ["train", str(config), "--nproc", "3"])
+    assert result.exit_code == 1, result.output
+    assert result.output == (
+        f"Error: {config}.plan: invalid sharding plan:\n"
+        "  table 'user': row_wise gives 2 sizes for a world of 3 ranks\n"
+    )
+
+
+def test_resume_without_a_checkpoint_section_is_refused_before_launching(tmp_path):
+    config = small_with(tmp_path, checkpoint=None)
+    result = CliRunner().invoke(cli, ["train", str(config), "--resume"])
+    assert result.exit_code == 1, result.output
+    assert result.output == (
+        f"Error: {config}: --resume continues from the latest checkpoint under "
+        "checkpoint.dir, and the config has no checkpoint: section\n"
+    )
+
+
+def tables_only(tmp_path: Path) -> Path:
+    """Three tables of three dims, and nothing else."""
+    tables = [
+        {"name": "user", "num_embeddings": 50_000, "embedding_dim": 64, "features": ["uid"]},
+        {"name": "item", "num_embeddings": 20_000, "embedding_dim": 32, "features": ["iid"]},
+        {"name": "city", "num_embeddings": 300, "embedding_dim": 16, "features": ["city"]},
+    ]
+    path = tmp_path / "tables.yaml"
+    path.write_text(yaml.safe_dump({"tables": tables}))
+    return path
+
+
+def test_plan_show_and_simulate_take_a_tables_only_config_of_mixed_dims(tmp_path):
+    config, out = tables_only(tmp_path), tmp_path / "plan.yaml"
+    planned = CliRunner().invoke(cli, ["plan", str(config), "-w", "2", "--out", str(out)])
+    assert planned.exit_code == 0, planned.output
+    # Priced at the planner's defaults: a batch of 512 a rank, row-wise Adagrad's state.
+    model = load_config(config, use="plan")
+    assert (model.batch_size, model.sparse_optimizer.type) == (512, "rowwise_adagrad")
+    loads = plan_loads(ShardingPlan.load(out), model.tables, topology_for(model, 2), 512)
+    assert [line.split()[:2] for line in planned.output.splitlines()[1:3]] == [
+        [str(load.rank), format_bytes(load.memory).split()[0]] for load in loads
+    ]
+
+    shown = CliRunner().invoke(cli, ["show", str(out), "--config", str(config)])
+    assert shown.exit_code == 0, shown.output
+    assert "user (50000 x 64) " in shown.output and "city (300 x 16) " in shown.output
+
+    simulated = CliRunner().invoke(
+        cli, ["simulate", str(config), "-w", "2", "--plan", str(out), "--batches", "1"]
+    )
+    assert simulated.exit_code == 0, simulated.output
+    assert "batches of 512 samples per rank (synthetic data)" in simulated.output
+
+    trained = CliRunner().invoke(cli, ["train", str(config)])
+    assert trained.exit_code == 1 and "Traceback" not in trained.output
+    assert trained.output.startswith(
+        f"Error: {config}: missing keys ['model', 'sparse_optimizer', 'dense_optimizer', "
+        "'batch_size', 'steps'] (training needs them;"
+    )

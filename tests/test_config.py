@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ from embshard.cli import main as cli
 from embshard.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from make_criteo_sample import sample_lines  # noqa: E402
 
 
 def small() -> dict:
@@ -25,14 +28,18 @@ def write(tmp_path: Path, data: dict) -> Path:
     return path
 
 
-def test_shipped_configs_load(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # the Criteo config reads data/criteo_sample/*.tsv
+def test_shipped_configs_load(tmp_path):
+    """From a copy of configs/ beside a data/ folder: the Criteo config reads
+    ../data/criteo_sample/*.tsv, relative to its own folder."""
+    (tmp_path / "data" / "criteo_sample").mkdir(parents=True)
     for name in ("train", "eval"):
-        (tmp_path / "data" / "criteo_sample").mkdir(parents=True, exist_ok=True)
         (tmp_path / "data" / "criteo_sample" / f"{name}.tsv").write_text("")
+    (tmp_path / "configs").mkdir()
     for path in (ROOT / "configs").glob("*.yaml"):
         if path.name != "example_plan.yaml":
-            load_config(path)
+            copy = tmp_path / "configs" / path.name
+            copy.write_text(path.read_text())
+            load_config(copy)
 
 
 def broken(change) -> dict:
@@ -123,7 +130,7 @@ def test_sequence_tables_load_for_planning_not_training(tmp_path):
         "which the DLRM model cannot take",
     ):
         load_config(path)
-    config = load_config(path, trains=False)
+    config = load_config(path, use="plan")
     assert type(config.tables[0].torchrec_config()) is EmbeddingBagConfig
     history = config.tables[5].torchrec_config()
     assert type(history) is EmbeddingConfig and history.feature_names == ["history"]
@@ -135,5 +142,38 @@ def test_sequence_tables_load_for_planning_not_training(tmp_path):
         for table in data["tables"]:
             table["data_type"] = "fp16"
 
-    fp16 = load_config(write(tmp_path, broken(all_fp16)), trains=False)
+    fp16 = load_config(write(tmp_path, broken(all_fp16)), use="plan")
     assert fp16.tables[5].torchrec_config().data_type == DataType.FP16
+
+
+def test_relative_paths_are_read_from_the_configs_folder(tmp_path, monkeypatch):
+    folder = tmp_path / "project" / "configs"
+    (folder / "data").mkdir(parents=True)
+    (folder / "data" / "train.tsv").write_text("\n".join(sample_lines(64, seed=0)) + "\n")
+    data = yaml.safe_load((ROOT / "configs" / "criteo_sample.yaml").read_text())
+    data.pop("plan")
+    data["data"] = {"type": "criteo", "path": "data/train.tsv"}
+    data["logging"] = {"metrics": "../runs/metrics.jsonl"}
+    data["checkpoint"] = {"dir": str(tmp_path / "absolute")}
+    (folder / "criteo.yaml").write_text(yaml.safe_dump(data))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+
+    config = load_config(folder / "criteo.yaml")
+    assert config.data.path == str(folder / "data" / "train.tsv")
+    assert config.logging.metrics == str(tmp_path / "project" / "runs" / "metrics.jsonl")
+    assert config.checkpoint.dir == str(tmp_path / "absolute")
+    simulated = CliRunner().invoke(
+        cli, ["simulate", str(folder / "criteo.yaml"), "-w", "2", "--batches", "1"]
+    )
+    assert simulated.exit_code == 0, simulated.output
+    assert f"Criteo data from {folder / 'data' / 'train.tsv'}" in simulated.output
+
+    (folder / "data" / "train.tsv").unlink()
+    refused = CliRunner().invoke(cli, ["simulate", str(folder / "criteo.yaml"), "-w", "2"])
+    assert refused.exit_code == 1 and "Traceback" not in refused.output
+    assert refused.output == (
+        f"Error: {folder / 'criteo.yaml'}.data.path: cannot read {folder / 'data' / 'train.tsv'} "
+        "(a relative path in a config is read from the config's folder)\n"
+    )

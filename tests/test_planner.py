@@ -461,8 +461,17 @@ def test_counts_in_messages_are_pluralized():
     }
     _, report = plan_tables(tables, Topology.cpu(2), 64, constraints)
     reasons = {t.table: t.reason for t in report.tables}
-    assert reasons == {"big": "whole", "s": "its constraints allow no table_wise: 1 piece"}
-    assert report.to_text(max_ranks=1).splitlines()[2] == "  ... 1 more rank"
+    assert reasons == {
+        "big": "whole, it fits without slowing the slowest rank",
+        "s": "its constraints allow no table_wise",
+    }
+    text = report.to_text(max_ranks=1).splitlines()
+    assert text[2] == "  ... 1 more rank"
+    # What was done, then why.
+    assert text[-2:] == [
+        "  big: table_wise, because whole, it fits without slowing the slowest rank",
+        "  s: row_wise in 1 piece, because its constraints allow no table_wise",
+    ]
 
 
 def ebc(name: str, rows: int, dim: int, features: list[str]) -> EmbeddingBagConfig:
@@ -577,7 +586,10 @@ def test_a_configs_own_plan_is_what_plan_reports(tmp_path):
     ]
     result = CliRunner().invoke(cli, ["plan", str(tmp_path / "c.yaml"), "-w", "2"])
     assert result.exit_code == 0, result.output
-    assert "  user: row_wise (the config's own plan)" in result.output.splitlines()
+    assert (
+        "  user: row_wise in 2 pieces, because the config's own plan says so"
+        in result.output.splitlines()
+    )
 
 
 def test_grids_are_priced_like_their_rectangles():
@@ -625,7 +637,10 @@ def test_a_configs_own_grid_plan_is_reported(tmp_path):
     ]
     result = CliRunner().invoke(cli, ["plan", str(tmp_path / "c.yaml"), "-w", "2"])
     assert result.exit_code == 0, result.output
-    assert "  user: grid (the config's own plan)" in result.output.splitlines()
+    assert (
+        "  user: grid in 3 pieces, because the config's own plan says so"
+        in result.output.splitlines()
+    )
     assert "user[50000:+50000, 0:+8]" in result.output  # rank 1's row block of block 0
 
 

@@ -176,7 +176,10 @@ def test_the_planner_copies_hot_rows_where_that_lowers_the_slowest_rank():
     only_row_wise = {"t": TableConstraint(("row_wise",))}
     plan, report = plan_tables([config], topology, batch, only_row_wise, stats=stats)
     spec = plan.tables["t"]
-    assert 0 < spec.hot_rows < 100 and "hot rows copied on every rank" in report.tables[0].reason
+    assert 0 < spec.hot_rows < 100
+    assert report.tables[0].reason.endswith(
+        f", and copying its {spec.hot_rows} hot rows to every rank lowers the slowest rank"
+    )
     loads = plan_loads(plan, [config], topology, batch, stats=stats)
     assert [r.cost for r in report.ranks] == [r.cost for r in loads]
     assert report.tables[0].pieces == sum(1 for rows in spec.sizes if rows)
@@ -232,7 +235,7 @@ def test_plan_command_balances_lookups_where_the_plan_fits(tmp_path):
     assert {s["type"] for s in specs} == {"row_wise", "data_parallel"}
     assert any(s.get("hot_rows") for s in specs)
     reasons = {t["reason"] for t in out["report"]["tables"]}
-    assert reasons == {"lookups balanced (--balance-lookups)"}
+    assert reasons == {"--balance-lookups balances every rank's lookups"}
     # At 8 ranks the cold rows of the five 40M-row tables make five blocks of 16 GiB:
     # in rank order all on rank 7 (84.5 GiB), spread they fit.
     result = CliRunner().invoke(cli, [*args[:3], "8", *args[4:]])

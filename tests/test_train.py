@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import json
 import math
 import os
@@ -159,6 +161,29 @@ def test_resume_reaches_the_uninterrupted_weights(world, tmp_path):
         train_resuming, str(small_config(tmp_path, "d.yaml", 30, interrupted, 10)), True
     )
     assert on_three[0]["steps"] == 30 and ckpt.latest(interrupted).name == "step_00000030"
+
+
+def train_resuming_quoting_stderr(path: str) -> tuple[dict, str]:
+    with contextlib.redirect_stderr(io.StringIO()) as said:
+        summary = train(load_config(path), resume=True)
+    return summary, said.getvalue()
+
+
+def test_resuming_without_a_checkpoint_warns_where_it_looked_and_starts_at_step_0(world, tmp_path):
+    empty = tmp_path / "none_yet"
+    config = small_config(tmp_path, "a.yaml", 2, empty, 0)
+    (summary, said), (_, quiet) = world(2).run(train_resuming_quoting_stderr, str(config))
+    assert said == f"embshard: warning: --resume: no checkpoint in {empty}: starting from step 0\n"
+    assert quiet == "" and summary["steps"] == 2
+
+    data = yaml.safe_load(config.read_text())
+    del data["checkpoint"]
+    config.write_text(yaml.safe_dump(data))
+    (summary, said), _ = world(2).run(train_resuming_quoting_stderr, str(config))
+    assert said == (
+        "embshard: warning: --resume: the config has no checkpoint: section: starting from step 0\n"
+    )
+    assert summary["steps"] == 2
 
 
 def uneven_config(tmp: Path, steps: int, lines: list[str], eval_lines: list[str]) -> Path:

@@ -1,9 +1,10 @@
-"""Benchmark embshard against TorchRec's DistributedModelParallel: see embshard/bench.py.
+"""Benchmark embshard against TorchRec's DistributedModelParallel: `embshard bench`
+(embshard/cli.py; the work is embshard/bench.py's), with the same options.
 
 .venv/bin/python tools/bench.py --world-sizes 2 4 --workloads a b c --json bench.json
 """
 
-from embshard.bench import main
+from embshard.cli import bench
 
 if __name__ == "__main__":
-    main(prog="tools/bench.py")
+    bench(prog_name="tools/bench.py")

@@ -15,5 +15,8 @@ else
 fi
 
 "${pip[@]}" torch==2.13.0 "$fbgemm"
+"${pip[@]}" -e '.[test]'  # embshard, and torchrec's runtime needs (pyproject.toml)
+# torchrec's metadata asks for the CUDA fbgemm-gpu, which fbgemm-gpu-cpu stands in for
+# on CPU: --no-deps, and last, since pip reports that mismatch as an ERROR whenever a
+# later install with dependencies touches a package torchrec requires.
 "${pip[@]}" --no-deps torchrec==1.8.0
-"${pip[@]}" -e '.[test]'
