@@ -222,7 +222,7 @@ def test_show_png_stacks_each_ranks_shards_against_its_memory(
     cost_axes = next(a for a in figure.axes if a.get_xlabel() == "rank")
 
     # Each shard's bytes: its weights and its rows' row-wise Adagrad state, fp32.
-    config = load_config(SMALL, trains=False)
+    config = load_config(SMALL, use="plan")
     resolved = ShardingPlan.load(plan).resolve(config.torchrec_configs(), world)
     expected = {rank: [] for rank in range(world)}
     for table in resolved.values():
