@@ -42,6 +42,7 @@ _MODULES = {
         "plan_tables",
     ],
     "embshard.shards": ["LocalShardsWrapper", "gather_table"],
+    "embshard.teardown": ["shutdown"],
     "embshard.torchrec_plan": ["from_torchrec_plan", "to_torchrec_plan"],
 }
 _HOME = {name: module for module, names in _MODULES.items() for name in names}

@@ -591,6 +591,8 @@ def worker(rank: int, world: int, store: str, args: Options, results) -> None:
     import torch
     import torch.distributed as dist
 
+    from embshard.teardown import shutdown
+
     quiet_worker()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
@@ -605,18 +607,7 @@ def worker(rank: int, world: int, store: str, args: Options, results) -> None:
                 print(summary_line(record), flush=True)
     if rank == 0:
         results.put(records)
-    leave()
-
-
-def leave() -> None:
-    """End a worker process that built TorchRec's DMP, whose gloo groups can abort the
-    process at exit with torch 2.13 (2 runs in 25): the work is done and reported."""
-    import torch.distributed as dist
-
-    from embshard.train import exit_process
-
-    dist.destroy_process_group()
-    exit_process(0)
+    shutdown()  # TorchRec's DMP holds gloo groups that can abort a normal exit
 
 
 def gather_bandwidth(rows: int = 1 << 22, dim: int = 64, ids: int = 8 * 1024 * 20) -> float:

@@ -84,6 +84,10 @@ def shard_model(
     ``comm_precision`` (``"fp16"``, ``"bf16"``; default float32) is every sharded
     EmbeddingBagCollection's all-to-all precision for pooled rows and their
     gradients: see ``shard``.
+
+    End the script with ``embshard.shutdown()``: DDP keeps a gloo process group and its
+    threads alive after ``destroy_process_group``, and with torch 2.13 they can abort
+    the process at exit (docs/faults.md).
     """
     if data_parallel_wrapper is not None and not callable(data_parallel_wrapper):
         raise TypeError(

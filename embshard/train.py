@@ -23,7 +23,6 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -44,6 +43,7 @@ from embshard.model import shard_model
 from embshard.pipeline import drain, prefetch
 from embshard.plan import ShardingPlan
 from embshard.planner import format_bytes, plan_config, plan_loads, topology_for
+from embshard.teardown import shutdown
 
 _stop_requested = False
 
@@ -441,16 +441,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def exit_process(code: int) -> NoReturn:
-    """End this worker process with ``code`` without running C++ destructors: after
-    ``destroy_process_group``, torch 2.13's gloo can abort a process at exit
-    ("terminate called without an active exception", about 1 run in 7 of the
-    malformed-line test here), and torchrun then reports a failure. The process group
-    must be gone and every file closed; stdout and stderr are flushed here."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
-    exit_process(main())
+    shutdown(main())  # main destroyed the process group: this ends the process cleanly

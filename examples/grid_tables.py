@@ -51,4 +51,4 @@ print(f"rank {rank} pooled {tuple(pooled.shape)} equals unsharded: {torch.equal(
 ads = embshard.gather_table(sharded.weights["ads"])  # collective: the whole table
 same = torch.equal(ads, ebc.embedding_bags["ads"].weight)
 print(f"rank {rank} gathered ads table {tuple(ads.shape)} equals unsharded: {same}")
-dist.destroy_process_group()
+embshard.shutdown()

@@ -38,4 +38,4 @@ other = embshard.shard(EmbeddingBagCollection(tables=tables, device="meta"), oth
 step = checkpoint.load("runs/quickstart", other)  # its latest checkpoint, resharded
 loss = other(batch).values().pow(2).sum()
 print(f"rank {rank} reloaded step {step} under another plan: loss {loss.item():.6f}")
-dist.destroy_process_group()
+embshard.shutdown()  # last, on every rank: destroys the process group and ends the process

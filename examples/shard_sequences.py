@@ -38,4 +38,4 @@ for step in range(2):
         weight = ec.embeddings["item"].weight
         weight -= 0.5 * weight.grad
         weight.grad = None
-dist.destroy_process_group()
+embshard.shutdown()

@@ -35,4 +35,4 @@ for key, table in sharded.state_dict().items():  # TorchRec's keys, DTensor valu
 
 item = embshard.gather_table(sharded.weights["item"])  # collective: the whole table
 print(f"rank {rank} gathered item table {tuple(item.shape)}, sum {item.sum():.4f}")
-dist.destroy_process_group()
+embshard.shutdown()

@@ -53,4 +53,4 @@ for step in range(5):
         print(
             f"step {step} keys {pooled.keys()} loss per rank {[round(float(x), 4) for x in losses]}"
         )
-dist.destroy_process_group()
+embshard.shutdown()

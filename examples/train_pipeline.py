@@ -48,4 +48,4 @@ def batch(step: int) -> Batch:
 pipeline = embshard.TrainPipeline(model, optimizer, [batch(step) for step in range(4)])
 for step, (loss, _logits, _labels) in enumerate(pipeline):  # DLRMTrain's output
     print(f"rank {rank} step {step} loss {loss.item():.6f}")
-dist.destroy_process_group()
+embshard.shutdown()  # last, on every rank: destroys the process group and ends the process

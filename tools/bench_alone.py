@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from embshard import bench
+from embshard.teardown import shutdown
 
 WARMUP = 5
 
@@ -52,7 +53,7 @@ def worker(rank: int, world: int, store: str, library: str, plan_name: str, args
         times.append(time.perf_counter() - start)
     step_ms = 1e3 * statistics.median(bench.slowest(times[WARMUP:]))
     results.put((rank, before, built, peak_mib(), step_ms))
-    bench.leave()
+    shutdown()
 
 
 def main() -> None:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from embshard import bench
+from embshard.teardown import shutdown
 
 WARMUP = 5
 
@@ -70,7 +71,7 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace) -> None:
         if args.duplicates:
             fractions = table_duplicates(workload, world, args.ids)
             print("repeated ids per table: " + " ".join(f"{f:.2f}" for f in fractions))
-    bench.leave()
+    shutdown()
 
 
 def print_profile(profiler: cProfile.Profile, title: str, steps: int, rows: int) -> None:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from embshard import bench
+from embshard.teardown import shutdown
 
 WARMUP = 5
 
@@ -139,7 +140,7 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, results)
         rows[plan_name] = {name: 1e3 * statistics.median(t) for name, t in phases.items()}
         rows[plan_name]["step"] = 1e3 * statistics.median(steps)
     results.put((rank, rows))
-    bench.leave()
+    shutdown()
 
 
 def main() -> None:
