@@ -42,7 +42,7 @@ SHOWN_ON = {
     "shard_tables.py": API,
     "train_ebc.py": API,
     "grid_tables.py": PLANNING,
-    "shard_sequences.py": README,
+    "shard_sequences.py": API,
     "train_pipeline.py": README,
 }
 
@@ -277,7 +277,7 @@ def test_sequence_example_output_matches_readme_and_learns(tmp_path):
     printed = sorted(
         ln for ln in run_example("shard_sequences.py", tmp_path) if ln.startswith("rank ")
     )
-    assert printed == shown_rank_lines(README, "shard_sequences.py")
+    assert printed == shown_rank_lines(API, "shard_sequences.py")
     # Both steps equal the unsharded EmbeddingCollection's, and the first step's update
     # lowered every rank's loss.
     assert len(printed) == 4 and all(ln.endswith("same: True") for ln in printed)
