@@ -11,15 +11,22 @@ import importlib.util
 from typing import Any
 
 _MODULES = {
-    "embshard.inputs": ["InputError"],
-    "embshard.lookup": ["SGD", "Adagrad", "FusedOptimizer", "RowWiseAdagrad"],
-    "embshard.model": ["shard_model"],
-    "embshard.module": ["ShardedEmbeddingBagCollection", "shard"],
-    "embshard.plan": [
+    "embshard.errors": [
+        "CheckpointError",
+        "ConfigError",
+        "EmbshardError",
+        "InputError",
+        "PlanError",
+        "PlanningError",
+    ],
+    "embshard.storage.lookup": ["SGD", "Adagrad", "FusedOptimizer", "RowWiseAdagrad"],
+    "embshard.modules.model": ["shard_model"],
+    "embshard.modules.collection": ["ShardedEmbeddingBagCollection"],
+    "embshard.modules.shard": ["shard"],
+    "embshard.plan.specs": [
         "ColumnWise",
         "DataParallel",
         "Grid",
-        "PlanError",
         "RowWise",
         "ShardedTable",
         "ShardingPlan",
@@ -32,18 +39,17 @@ _MODULES = {
         "row_wise",
         "table_wise",
     ],
-    "embshard.pipeline": ["TrainPipeline", "prefetch"],
-    "embshard.sequence": ["ShardedEmbeddingCollection"],
-    "embshard.planner": [
+    "embshard.modules.pipeline": ["TrainPipeline", "drain", "prefetch"],
+    "embshard.modules.sequence": ["ShardedEmbeddingCollection"],
+    "embshard.planner.search": [
         "PlanReport",
-        "PlanningError",
         "TableConstraint",
         "Topology",
         "plan_tables",
     ],
-    "embshard.shards": ["LocalShardsWrapper", "gather_table"],
-    "embshard.teardown": ["shutdown"],
-    "embshard.torchrec_plan": ["from_torchrec_plan", "to_torchrec_plan"],
+    "embshard.storage.shards": ["LocalShardsWrapper", "gather_table"],
+    "embshard.plan.torchrec": ["from_torchrec_plan", "to_torchrec_plan"],
+    "embshard.runtime.teardown": ["shutdown"],
 }
 _HOME = {name: module for module, names in _MODULES.items() for name in names}
 
@@ -51,7 +57,7 @@ __all__ = sorted(_HOME)
 
 
 def __getattr__(name: str) -> Any:
-    """A public name, or a submodule (``embshard.model``), imported on first use."""
+    """A public name, or a submodule (``embshard.modules.model``), imported on first use."""
     if name in _HOME:
         value = getattr(importlib.import_module(_HOME[name]), name)
     elif importlib.util.find_spec(f"{__name__}.{name}") is not None:

@@ -1,6 +1,6 @@
-"""The tests' oracle: embshard.oracle (``embshard simulate --check`` runs it too)."""
+"""The tests' oracle: embshard.testing.oracle (``embshard simulate --check`` runs it too)."""
 
-from embshard.oracle import (
+from embshard.testing.oracle import (
     Case,
     Table,
     column_blocks,

@@ -10,8 +10,8 @@ import torch.distributed as dist
 from torchrec import EmbeddingConfig
 
 import embshard
-from embshard import bench
-from embshard.bench import Options, run
+from embshard.app import bench
+from embshard.app.bench import Options, run
 
 
 def test_bench_smoke(tmp_path, capfd):

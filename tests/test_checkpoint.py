@@ -23,7 +23,7 @@ from torchrec import EmbeddingBagCollection
 import embshard
 from embshard import ShardingPlan, column_wise, data_parallel, grid, row_wise, table_wise
 from embshard import checkpoint as ckpt
-from embshard.cli import main as cli
+from embshard.app.cli import main as cli
 
 TABLES = (
     Table("a", 30, 16, ("f_a",)),

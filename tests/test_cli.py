@@ -16,18 +16,18 @@ import yaml
 from click.testing import CliRunner
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-from embshard.cli import main as cli
-from embshard.config import load_config
-from embshard.plan import ShardingPlan, row_wise
-from embshard.planner import (
+from embshard.app.cli import main as cli
+from embshard.app.config import load_config
+from embshard.app.planning import topology_for
+from embshard.app.show import draw_table, summary
+from embshard.plan.specs import ShardingPlan, row_wise
+from embshard.planner.search import (
     CostModel,
     format_bytes,
     parse_bytes,
     plan_loads,
     planned_tables,
-    topology_for,
 )
-from embshard.show import draw_table, summary
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ROOT / "configs" / "small.yaml"
@@ -40,7 +40,7 @@ def test_help_imports_no_heavy_library():
     script = (
         "import sys\n"
         "from click.testing import CliRunner\n"
-        "from embshard.cli import main\n"
+        "from embshard.app.cli import main\n"
         f"for command in {commands!r}:\n"
         "    result = CliRunner().invoke(main, [*command, '--help'])\n"
         "    assert result.exit_code == 0 and 'usage' in result.output.lower(), result.output\n"
@@ -68,10 +68,10 @@ def test_bench_help_names_the_command():
 
 
 def test_bench_list_options_take_several_values_after_one_flag(monkeypatch):
-    import embshard.bench
+    import embshard.app.bench
 
     ran = []
-    monkeypatch.setattr(embshard.bench, "run", ran.append)
+    monkeypatch.setattr(embshard.app.bench, "run", ran.append)
     args = ["--world-sizes", "2", "4", "--steps", "3", "--plans", "mixed", "--workloads=a", "d"]
     result = CliRunner().invoke(cli, ["bench", *args, "--plans", "row_wise"])
     assert result.exit_code == 0, result.output

@@ -10,8 +10,9 @@ import yaml
 from click.testing import CliRunner
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, EmbeddingConfig
 
-from embshard.cli import main as cli
-from embshard.config import ConfigError, load_config
+from embshard.app.cli import main as cli
+from embshard.app.config import load_config
+from embshard.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))

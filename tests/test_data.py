@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from embshard.config import CRITEO_DENSE, TableConfig
-from embshard.data import CriteoData, CriteoFormatError, Feed, SyntheticData
+from embshard.app.config import CRITEO_DENSE, TableConfig
+from embshard.app.data import CriteoData, CriteoFormatError, Feed, SyntheticData
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from make_criteo_sample import sample_lines

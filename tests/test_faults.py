@@ -24,9 +24,9 @@ from torch.distributed.checkpoint import filesystem
 from torchrec import KeyedJaggedTensor
 
 from embshard import checkpoint as ckpt
-from embshard import train as train_module
-from embshard.config import load_config
-from embshard.train import TrainingError, train
+from embshard.app import train as train_module
+from embshard.app.config import load_config
+from embshard.app.train import TrainingError, train
 
 
 def train_until_stopped(path: str) -> tuple[str, bool] | dict:
@@ -137,7 +137,7 @@ def test_a_full_disk_during_a_save_stops_every_rank_and_keeps_the_last_checkpoin
 
 def workers_of(cli: subprocess.Popen) -> list[int]:
     found = subprocess.run(
-        ["pgrep", "-P", str(cli.pid), "-f", "embshard.train"], capture_output=True, text=True
+        ["pgrep", "-P", str(cli.pid), "-f", "embshard.app.train"], capture_output=True, text=True
     ).stdout.split()
     assert found, "no worker processes found"
     return [int(pid) for pid in found]

@@ -30,8 +30,8 @@ from torchrec import (
 
 import embshard
 from embshard import ShardingPlan, column_wise, data_parallel, grid, row_wise, table_wise
-from embshard.dist import Scratch
-from embshard.routes import ColumnMove, build_routes
+from embshard.runtime.routes import ColumnMove, build_routes
+from embshard.runtime.scratch import Scratch
 
 TOL = 1e-5
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import embshard
-from embshard.lookup import build_tbe
+from embshard.storage.lookup import build_tbe
 
 SHAPES = [(10, 8), (6, 4)]
 

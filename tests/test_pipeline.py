@@ -15,7 +15,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingCollection, EmbeddingConfi
 
 import embshard
 from embshard import ShardingPlan, column_wise, row_wise, table_wise
-from embshard.pipeline import TrainPipeline
+from embshard.modules.pipeline import TrainPipeline
 
 TABLES = (
     Table("a", 40, 8, ("f_a",)),

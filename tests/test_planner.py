@@ -22,9 +22,12 @@ from torchrec import EmbeddingBagConfig, EmbeddingConfig
 
 import embshard
 from embshard import ShardingPlan
-from embshard.cli import main as cli
-from embshard.config import TableConfig, load_config
-from embshard.plan import (
+from embshard.app.cli import main as cli
+from embshard.app.config import TableConfig, load_config
+from embshard.app.planning import plan_config
+from embshard.app.show import draw_table
+from embshard.errors import PlanningError
+from embshard.plan.specs import (
     ColumnWise,
     DataParallel,
     RowWise,
@@ -35,19 +38,16 @@ from embshard.plan import (
     row_wise,
     table_wise,
 )
-from embshard.planner import (
+from embshard.planner.search import (
     CostModel,
-    PlanningError,
     TableConstraint,
     Topology,
     parse_bytes,
-    plan_config,
     plan_loads,
     plan_tables,
     planned_tables,
 )
-from embshard.show import draw_table
-from embshard.traffic import TableTraffic, TrafficStats
+from embshard.planner.traffic import TableTraffic, TrafficStats
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30
@@ -762,7 +762,7 @@ def test_help_texts():
 
 def test_plans_do_not_depend_on_string_hashing():
     """Ties between equally costly tables are broken by name, not by set order."""
-    command = "from embshard.cli import main; main()"
+    command = "from embshard.app.cli import main; main()"
     outputs = {
         subprocess.run(
             [sys.executable, "-c", command, "plan", "configs/criteo_1tb.yaml", "-w", "64"],

@@ -24,9 +24,9 @@ from torchrec.models.dlrm import DLRM
 
 import embshard
 from embshard import checkpoint
-from embshard.cli import main as cli
-from embshard.init import init_shard
-from embshard.show import draw_table
+from embshard.app.cli import main as cli
+from embshard.app.show import draw_table
+from embshard.storage.init import init_shard
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = {

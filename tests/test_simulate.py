@@ -17,17 +17,18 @@ from torchrec import EmbeddingBagCollection
 
 import embshard
 from embshard import LocalShardsWrapper
-from embshard.config import ConfigError, load_config
-from embshard.data import Feed
-from embshard.plan import PlanError, RowWise, grid, row_wise
-from embshard.simulate import (
+from embshard.app.config import load_config
+from embshard.app.data import Feed, build_data
+from embshard.app.simulate import (
     SimulationError,
     Traffic,
     _shrunk,
     run_ranks,
     simulate,
 )
-from embshard.train import build_data, fused_optimizer
+from embshard.app.train import fused_optimizer
+from embshard.errors import ConfigError, PlanError
+from embshard.plan.specs import RowWise, grid, row_wise
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from make_criteo_sample import sample_lines

@@ -15,27 +15,20 @@ import yaml
 from torchrec import EmbeddingBagConfig
 
 from embshard import ShardingPlan, row_wise
-from embshard.config import load_config
-from embshard.data import power_law_ids
-from embshard.planner import (
-    PlanningError,
-    TableConstraint,
-    Topology,
-    plan_config,
-    plan_loads,
-    plan_tables,
-)
-from embshard.simulate import simulate
-from embshard.traffic import (
+from embshard.app.config import load_config
+from embshard.app.data import build_data, power_law_ids
+from embshard.app.planning import measure_traffic, plan_config
+from embshard.app.simulate import simulate
+from embshard.errors import PlanningError
+from embshard.planner.search import TableConstraint, Topology, plan_loads, plan_tables
+from embshard.planner.traffic import (
     TableTraffic,
     TrafficStats,
     balanced_plan,
     balanced_sizes,
     hot_rows,
-    measure_traffic,
     spread_blocks,
 )
-from embshard.train import build_data
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -121,7 +114,7 @@ def test_traffic_of_another_table_shape_is_refused(tmp_path):
 def test_plan_command_cuts_hot_rows_from_measured_batches(tmp_path):
     from click.testing import CliRunner
 
-    from embshard.cli import main as cli
+    from embshard.app.cli import main as cli
 
     # The 40M-row table kept row-wise: the planner would rather cut it into columns.
     text = (Path(__file__).resolve().parents[1] / "configs" / "criteo_1tb.yaml").read_text()
@@ -224,7 +217,7 @@ def test_blocks_spread_largest_first_onto_the_ranks_holding_least():
 def test_plan_command_balances_lookups_where_the_plan_fits(tmp_path):
     from click.testing import CliRunner
 
-    from embshard.cli import main as cli
+    from embshard.app.cli import main as cli
 
     config = str(ROOT / "configs" / "criteo_1tb.yaml")
     args = ["plan", config, "-w", "64", "--batches", "2", "--balance-lookups", "--json"]

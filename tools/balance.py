@@ -19,11 +19,11 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from embshard.config import load_config
-from embshard.plan import DataParallel, RowWise, ShardingPlan, row_wise
-from embshard.planner import lookup_balanced_plan, plan_config
-from embshard.simulate import simulate
-from embshard.traffic import balanced_sizes, measure_traffic
+from embshard.app.config import load_config
+from embshard.app.planning import lookup_balanced_plan, measure_traffic, plan_config
+from embshard.app.simulate import simulate
+from embshard.plan.specs import DataParallel, RowWise, ShardingPlan, row_wise
+from embshard.planner.traffic import balanced_sizes
 
 
 def slowest_over_mean(values: list[int]) -> float:

@@ -1,10 +1,10 @@
 """Benchmark embshard against TorchRec's DistributedModelParallel: `embshard bench`
-(embshard/cli.py; the work is embshard/bench.py's), with the same options.
+(embshard/app/cli.py; the work is embshard/app/bench.py's), with the same options.
 
 .venv/bin/python tools/bench.py --world-sizes 2 4 --workloads a b c --json bench.json
 """
 
-from embshard.cli import bench
+from embshard.app.cli import bench
 
 if __name__ == "__main__":
     bench(prog_name="tools/bench.py")

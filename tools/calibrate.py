@@ -17,8 +17,8 @@ import argparse
 import json
 from pathlib import Path
 
-from embshard.bench import WORKLOADS, make_plan, table_configs
-from embshard.planner import CostModel, Topology, plan_loads, planned_tables
+from embshard.app.bench import WORKLOADS, make_plan, table_configs
+from embshard.planner.search import CostModel, Topology, plan_loads, planned_tables
 
 
 def estimate_ms(workload: str, plan_name: str, world: int, **topology: float) -> float:

@@ -22,7 +22,7 @@ from torchrec.modules.embedding_configs import (
 )
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
 
-from embshard.plan import Grid, RowWise, ShardedTable, TableShard, local_shards
+from embshard.plan.specs import Grid, RowWise, ShardedTable, TableShard, local_shards
 
 
 @dataclass(frozen=True)

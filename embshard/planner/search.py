@@ -15,8 +15,8 @@ optimizer's state, within each rank's memory less what is reserved for buffers,
 activations and (on GPU) the CUDA context.
 
 ``plan_tables`` takes TorchRec's ``EmbeddingBagConfig``s and ``EmbeddingConfig``s
-(sequence tables) with each feature's mean pooling beside them (or embshard's config
-``TableConfig``s, which carry their own).
+(sequence tables) with each feature's mean pooling beside them (or tables that carry
+their own: ``DescribedTable``, as a training config's do).
 Splitting a table adds traffic, so it splits only where that lowers the slowest rank.
 A greedy packing places the tables (those kept to the fewest ranks first, then the
 costliest first) each in its cheapest sharding whose pieces fit under a target cost
@@ -34,14 +34,14 @@ import functools
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, EmbeddingConfig
 
-from embshard.config import TableConfig, TrainConfig
-from embshard.plan import (
+from embshard.errors import PlanningError
+from embshard.plan.specs import (
     RowWise,
     ShardedTable,
     ShardingPlan,
@@ -52,7 +52,12 @@ from embshard.plan import (
     row_wise,
     table_wise,
 )
-from embshard.traffic import TableTraffic, TrafficStats, balanced_plan, balanced_sizes, hot_rows
+from embshard.planner.traffic import (
+    TableTraffic,
+    TrafficStats,
+    balanced_sizes,
+    hot_rows,
+)
 
 GiB = 2**30
 _UNITS = {
@@ -73,11 +78,6 @@ _UNCUT = ("table_wise", "data_parallel")  # what _unsplit leaves alone
 _ROW_SPLIT = ("row_wise", "grid")  # kinds whose pieces get the ids of their rows only
 
 
-class PlanningError(ValueError):
-    """The planner cannot plan: a bad topology or constraint, or no plan fits; the
-    message says what, and how much memory is missing where."""
-
-
 def parse_bytes(text: str | int | float) -> int:
     """``80GiB``, ``512 MiB``, ``1.5TB`` or a number of bytes."""
     if isinstance(text, int | float):
@@ -95,7 +95,7 @@ def format_bytes(size: float) -> str:
     return f"{size:.0f} B"
 
 
-_SIZES = ("memory_per_rank", "reserved_memory")
+SIZE_FIELDS = ("memory_per_rank", "reserved_memory")
 _TOPOLOGY_RULES = {
     "world_size": ("a whole number of at least 1", lambda v, t: isinstance(v, int) and v >= 1),
     "ranks_per_host": ("a whole number of at least 1", lambda v, t: isinstance(v, int) and v >= 1),
@@ -136,7 +136,7 @@ class Topology:
             value = getattr(self, name)
             number = isinstance(value, int | float) and not isinstance(value, bool)
             if not (number and math.isfinite(value) and ok(value, self)):
-                shown = format_bytes(value) if number and name in _SIZES else repr(value)
+                shown = format_bytes(value) if number and name in SIZE_FIELDS else repr(value)
                 raise PlanningError(f"topology {name}: must be {rule}, got {shown}")
 
     @classmethod
@@ -222,11 +222,21 @@ class PlannedTable:
     weight_bytes: int = 4
 
 
-AnyTable = EmbeddingBagConfig | EmbeddingConfig | TableConfig
+@runtime_checkable
+class DescribedTable(Protocol):
+    """A table that brings its own TorchRec config and mean pooling (a training
+    config's table)."""
+
+    mean_pooling: float
+
+    def torchrec_config(self) -> EmbeddingBagConfig | EmbeddingConfig: ...
+
+
+AnyTable = EmbeddingBagConfig | EmbeddingConfig | DescribedTable
 
 
 def _as_config(table: AnyTable) -> EmbeddingBagConfig | EmbeddingConfig:
-    return table.torchrec_config() if isinstance(table, TableConfig) else table
+    return table.torchrec_config() if isinstance(table, DescribedTable) else table
 
 
 def planned_tables(
@@ -240,7 +250,7 @@ def planned_tables(
     both: a table's ids per sample are then those counted."""
     pooling = dict(mean_pooling or {})
     configs = [
-        (_as_config(t), t.mean_pooling if isinstance(t, TableConfig) else 1.0) for t in tables
+        (_as_config(t), t.mean_pooling if isinstance(t, DescribedTable) else 1.0) for t in tables
     ]
     known = {c.name for c, _ in configs} | {f for c, _ in configs for f in c.feature_names}
     unknown = sorted(set(pooling) - known)
@@ -291,7 +301,7 @@ def _traffic(
 
 
 _ID_BYTES = 8  # ids and bag lengths travel as int64
-_PASSES = 3  # forward read; backward read and write
+LOOKUP_PASSES = 3  # forward read; backward read and write
 
 
 @dataclass(frozen=True)
@@ -329,7 +339,7 @@ class CostModel:
         share = rows / table.num_embeddings if kind in _ROW_SPLIT else 1.0
         ids, bags = self.ids(table) * share, self.bags(table)
         out = ids if table.sequence else bags
-        lookup = ids * cols * table.weight_bytes * _PASSES / self.topology.lookup_bandwidth
+        lookup = ids * cols * table.weight_bytes * LOOKUP_PASSES / self.topology.lookup_bandwidth
         moved = (ids + bags) * _ID_BYTES + 2 * out * cols * 4
         return lookup + moved * self.topology.seconds_per_byte()
 
@@ -356,7 +366,7 @@ class CostModel:
         all-reduced (a ring: twice the bytes)."""
         world = self.topology.world_size
         looked_up = rows + self.batch_size * table.ids_per_sample * share
-        lookup = looked_up * table.embedding_dim * table.weight_bytes * _PASSES
+        lookup = looked_up * table.embedding_dim * table.weight_bytes * LOOKUP_PASSES
         gradient = rows * table.embedding_dim * 4  # fp32, all-reduced
         reduce = 2 * (world - 1) / world * gradient * self.topology.seconds_per_byte()
         return lookup / self.topology.lookup_bandwidth + reduce
@@ -1105,7 +1115,7 @@ def plan_tables(
     ``planned_tables``); ``constraints`` limit tables by name. The slowest rank is
     never above that of LPT table-wise (every table whole, costliest first on the
     least-loaded rank that may take it, where memory allows), nor below the reported
-    lower bound (``_lower_bound``). With measured ``stats`` (``embshard.traffic``),
+    lower bound (``_lower_bound``). With measured ``stats`` (``embshard.planner.traffic``),
     tables are priced by their measured ids, row blocks are cut so each gets an even
     share of its table's lookups, and each is priced by the lookups landing in it; a
     row-wise table whose hottest rows no cut can balance gets them copied on every rank
@@ -1243,90 +1253,22 @@ def shard_name(name: str, shard: TableShard) -> str:
     return f"{name}[{shard.row_offset}:+{shard.rows}, {shard.col_offset}:+{shard.cols}]"
 
 
-def topology_for(
-    config: TrainConfig, world_size: int, memory_per_rank: str | int | None = None
-) -> Topology:
-    """The config's topology (its kind's defaults, then its overrides) for a world."""
-    t = config.topology
-    overrides = {
-        f.name: getattr(t, f.name)
-        for f in fields(t)
-        if f.name != "kind" and getattr(t, f.name) is not None
-    }
-    if memory_per_rank is not None:
-        overrides["memory_per_rank"] = memory_per_rank
-    overrides |= {k: parse_bytes(overrides[k]) for k in _SIZES if k in overrides}
-    kind = Topology.gpu if t.kind == "gpu" else Topology.cpu
-    return kind(world_size, **overrides)
-
-
-def plan_config(
-    config: TrainConfig,
-    world_size: int,
-    memory_per_rank: str | int | None = None,
-    stats: TrafficStats | None = None,
-) -> tuple[ShardingPlan, PlanReport]:
-    """Plan a training config's tables, with its tables' constraints and optimizer (and
-    measured ``stats``, see ``plan_tables``); a config with its own ``plan:`` (which
-    training uses) gets that plan, and its report."""
-    topology = topology_for(config, world_size, memory_per_rank)
-    optimizer = config.sparse_optimizer.type
-    given = config.sharding_plan()
-    if given is not None:
-        return given, plan_report(given, config, topology, "the config's own plan says so")
-    constraints = {
-        t.name: TableConstraint(
-            tuple(t.shardings) if t.shardings else None,
-            tuple(t.ranks) if t.ranks else None,
-            t.column_blocks,
-        )
-        for t in config.tables
-    }
-    return plan_tables(
-        config.tables, topology, config.batch_size, constraints, optimizer, stats=stats
-    )
-
-
-def lookup_balanced_plan(
-    config: TrainConfig,
-    world_size: int,
-    stats: TrafficStats,
-    memory_per_rank: str | int | None = None,
-) -> tuple[ShardingPlan, PlanReport]:
-    """``traffic.balanced_plan`` of a config's tables, their row blocks spread over the
-    ranks by the bytes of their rows (weights and optimizer state), and its report; a
-    PlanningError naming the first rank whose shards exceed its usable memory."""
-    topology = topology_for(config, world_size, memory_per_rank)
-    model = CostModel(topology, config.batch_size, config.sparse_optimizer.type)
-    row_bytes = {t.name: model.memory(t, 1, t.embedding_dim) for t in planned_tables(config.tables)}
-    plan = balanced_plan(stats, world_size, row_bytes)
-    report = plan_report(
-        plan, config, topology, "--balance-lookups balances every rank's lookups", stats
-    )
-    for load in report.ranks:
-        if load.memory > topology.usable_memory:
-            raise PlanningError(
-                f"the lookup-balanced plan does not fit: rank {load.rank} needs "
-                f"{format_bytes(load.memory)} of {format_bytes(topology.usable_memory)} usable"
-            )
-    return plan, report
-
-
 def plan_report(
     plan: ShardingPlan,
-    config: TrainConfig,
+    tables: Sequence[AnyTable],
     topology: Topology,
+    batch_size: int,
+    optimizer: str,
     reason: str,
     stats: TrafficStats | None = None,
 ) -> PlanReport:
     """The report of a plan the planner did not make (a config's own, a lookup-balanced
     one): its loads (priced by ``stats`` where given), each table's sharding for
     ``reason``, and the bound of any plan."""
-    model = CostModel(topology, config.batch_size, config.sparse_optimizer.type)
-    resolved = plan.resolve(config.torchrec_configs(), topology.world_size)
-    specs = planned_tables(config.tables, stats=stats)
-    loads = plan_loads(plan, config.tables, topology, model.batch_size, model.optimizer,
-                       stats=stats)  # fmt: skip
+    model = CostModel(topology, batch_size, optimizer)
+    resolved = plan.resolve([_as_config(t) for t in tables], topology.world_size)
+    specs = planned_tables(tables, stats=stats)
+    loads = plan_loads(plan, tables, topology, batch_size, optimizer, stats=stats)
     return PlanReport(
         ranks=loads,
         tables=[  # the plan resolved in the tables' order

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from embshard.config import CRITEO_CATEGORICAL, CRITEO_DENSE, TableConfig
+from embshard.app.config import CRITEO_CATEGORICAL, CRITEO_DENSE, TableConfig, TrainConfig
+from embshard.errors import EmbshardError
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ def empty_batch(features: Sequence[str], dense_in: int) -> Batch:
     return Batch(torch.zeros(0, dense_in), sparse, torch.zeros(0))
 
 
-class CriteoFormatError(ValueError):
+class CriteoFormatError(EmbshardError, ValueError):
     """A malformed Criteo line; the message names the file and line number."""
 
 
@@ -303,3 +304,19 @@ class Feed:
             self._next = next(self._batches, None)
         except Exception as e:
             self._next, self._error = None, e
+
+
+def build_data(config: TrainConfig, rank: int, world: int) -> SyntheticData | CriteoData:
+    if config.data.type == "criteo":
+        return CriteoData(
+            config.data.path,
+            config.data.eval_path,
+            config.tables,
+            config.batch_size,
+            rank,
+            world,
+            config.data.skip_bad_lines,
+            epochs=config.data.epochs,
+        )
+    dense_in = config.dense_in_features
+    return SyntheticData(config.tables, dense_in, config.batch_size, config.seed, rank)

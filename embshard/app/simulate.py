@@ -23,16 +23,18 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed import multi_threaded_pg
 
-from embshard import module
-from embshard.config import TrainConfig, load_config
-from embshard.data import Feed
-from embshard.dist import Counts, InputDistribution, Scratch
-from embshard.inputs import LocalBatch
-from embshard.module import start_input_dist
-from embshard.plan import Grid, RowWise, ShardingPlan, TableSpec, plural
-from embshard.planner import _PASSES, Topology, format_bytes, plan_config, plan_loads, topology_for
-from embshard.routes import Routes, build_routes
-from embshard.train import build_data, fused_optimizer
+from embshard.app.config import TrainConfig, load_config
+from embshard.app.data import Feed, build_data
+from embshard.app.planning import plan_config, topology_for
+from embshard.app.train import fused_optimizer
+from embshard.errors import EmbshardError
+from embshard.modules.collection import forget_meshes
+from embshard.plan.specs import Grid, RowWise, ShardingPlan, TableSpec, plural
+from embshard.planner.search import LOOKUP_PASSES, Topology, format_bytes, plan_loads
+from embshard.runtime.batch import LocalBatch
+from embshard.runtime.input_dist import Counts, InputDistribution, start_input_dist
+from embshard.runtime.routes import Routes, build_routes
+from embshard.runtime.scratch import Scratch
 
 T = TypeVar("T")
 
@@ -43,7 +45,7 @@ CHECK_BATCH = 4  # samples per rank in --check
 CHECK_TOLERANCE = 1e-5
 
 
-class SimulationError(ValueError):
+class SimulationError(EmbshardError, ValueError):
     """A simulation that cannot run as asked; the message says why."""
 
 
@@ -80,7 +82,7 @@ def run_ranks(world_size: int, fn: Callable[..., T], *args: Any) -> list[T]:
         multi_threaded_pg._uninstall_threaded_pg()
         torch._C._distributed_c10d._set_thread_isolation_mode(False)
         # Meshes are cached per thread id, and a later world's threads may reuse ids.
-        module._submesh.cache_clear()
+        forget_meshes()
     raised = [e for e in errors if not isinstance(e, SystemExit)]  # woken ranks exit
     if raised or errors:
         raise (raised or errors)[0]
@@ -328,7 +330,7 @@ def _fill_memory(
 def _estimate(r: RankReport, topology: Topology, steps: int) -> None:
     """Seconds per step at the planner's prices: every looked-up byte read forward and
     read and written backward, and the bytes moved."""
-    r.lookup_seconds = r.lookup_bytes * _PASSES / topology.lookup_bandwidth / steps
+    r.lookup_seconds = r.lookup_bytes * LOOKUP_PASSES / topology.lookup_bandwidth / steps
     r.moving_seconds = r.moved * topology.seconds_per_byte() / steps
 
 
@@ -405,7 +407,7 @@ def _shrunk_sizes(sizes: tuple[int, ...], rows: int, kept: int) -> tuple[int, ..
 def _check(config: TrainConfig, plan: ShardingPlan, world_size: int, steps: int) -> Check:
     """The oracle tests' ``run_case`` on the config's tables cut to CHECK_ROWS rows,
     sharded as planned, with the config's fused optimizer."""
-    from embshard.oracle import Case, Table, run_case
+    from embshard.testing.oracle import Case, Table, run_case
 
     tables = tuple(
         Table(t.name, min(t.num_embeddings, CHECK_ROWS), t.embedding_dim, tuple(t.features),

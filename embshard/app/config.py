@@ -24,7 +24,8 @@ from torchrec.modules.embedding_configs import (
     PoolingType,
 )
 
-from embshard.plan import PlanError, ShardingPlan, yaml_problem
+from embshard.errors import ConfigError, PlanError
+from embshard.plan.specs import ShardingPlan, yaml_problem
 
 SPARSE_OPTIMIZERS = ["sgd", "adagrad", "rowwise_adagrad"]
 CRITEO_DENSE = 13
@@ -36,10 +37,6 @@ PLANNING_BATCH_SIZE = 512  # per rank, where a config gives none: TorchRec's pla
 # embedding_dim, pooled tables); "simulate" and "plan" need only tables, of any dims,
 # "plan" (plan, show) sequence tables too.
 Use = Literal["train", "simulate", "plan"]
-
-
-class ConfigError(ValueError):
-    """A config that cannot run; the message names the file and the key."""
 
 
 @dataclass(frozen=True)

@@ -148,7 +148,7 @@ def make_inputs(workload: str, rank: int, steps: int, ids: str = "uniform"):
     import torch
     from torchrec import KeyedJaggedTensor
 
-    from embshard.data import power_law_ids
+    from embshard.app.data import power_law_ids
 
     if ids not in ID_LAWS:
         raise ValueError(f"ids must be one of {ID_LAWS}, got {ids!r}")
@@ -448,7 +448,7 @@ def bare_tbe_time(ours, received, repeats: int) -> tuple[float, float]:
 def _time_bare_tbe(ours, indices, offsets, repeats: int) -> tuple[float, float]:
     import torch
 
-    from embshard.lookup import SGD, build_tbe
+    from embshard.storage.lookup import SGD, build_tbe
 
     shards, sharded = ours._storage.shards, ours._storage.tbe
     tbe = build_tbe([(s.rows, s.cols) for _, s in shards], SGD(0.01), torch.device("cpu"),
@@ -591,7 +591,7 @@ def worker(rank: int, world: int, store: str, args: Options, results) -> None:
     import torch
     import torch.distributed as dist
 
-    from embshard.teardown import shutdown
+    from embshard.runtime.teardown import shutdown
 
     quiet_worker()
     torch.set_num_threads(1)
@@ -712,9 +712,3 @@ def run(options: Options) -> list[dict]:
         plot(records, options.png)
     print(f"wrote {options.json}" + (f" and {options.png}" if options.png else ""), file=sys.stderr)
     return records
-
-
-if __name__ == "__main__":
-    from embshard.cli import bench
-
-    bench(prog_name="python -m embshard.bench")

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from embshard.module import ShardedCollection
+from embshard.modules.collection import ShardedCollection
 
 
 def prefetch(model: nn.Module, batch: Any) -> list[tuple[str, KeyedJaggedTensor]]:

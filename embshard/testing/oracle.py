@@ -26,10 +26,10 @@ from torchrec import (
 )
 from torchrec.modules.embedding_configs import DataType, PoolingType
 
-from embshard.lookup import SGD, Adagrad
-from embshard.module import shard
-from embshard.plan import ShardingPlan
-from embshard.shards import gather_table
+from embshard.modules.shard import shard
+from embshard.plan.specs import ShardingPlan
+from embshard.storage.lookup import SGD, Adagrad
+from embshard.storage.shards import gather_table
 
 
 @dataclass(frozen=True)

@@ -1,23 +1,23 @@
-"""Input and output distribution: the collectives of a training step.
-
-Forward: one all-to-all of counts (payload sizes, batch sizes, and a status that
-lets a rank with a bad batch stop everyone), one all-to-all of the packed ids
-(lengths, ids and weights of every slot, all sharding types together), and one
-all-to-all of pooled embeddings. Backward: that last one in reverse. Four in all,
-whatever the plan.
-"""
+"""Stage 1, the input distribution: check a rank's batch, route its ids to the ranks
+that own their rows, exchange counts (the step's one host sync; a status in it lets a
+rank with a bad batch, or none, stop everyone alike) and send the packed ids (lengths,
+ids and weights of every slot, all sharding types together) in one all-to-all."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from embshard.inputs import InputError, LocalBatch
-from embshard.routes import ColumnMove, Routes
+from embshard.errors import InputError
+from embshard.runtime.batch import LocalBatch, check_batch, describe_problem
+from embshard.runtime.routes import Routes
+from embshard.runtime.scratch import Scratch
 
 _OK, _BAD, _ENDED = 0, 1, 2  # a rank's status in the counts exchange
 
@@ -125,58 +125,6 @@ def _to_bits(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _from_bits(bits: torch.Tensor) -> torch.Tensor:
     return bits.int().view(torch.float32)
-
-
-class Scratch:
-    """Buffers kept from step to step. On CPU, glibc hands large freed blocks back to
-    the kernel, so a fresh buffer each step page-faults on its first touch: a third of
-    a row-wise step on workload (b) (`tools/profile_step.py`). A buffer is handed out
-    again only when no tensor holds it any more, so neither a gradient that autograd
-    has not consumed yet nor an output the caller still holds is ever overwritten;
-    two buffers a name let an output alternate while the caller holds the last one.
-    CUDA's caching allocator already reuses memory: there every call gets a new
-    tensor."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[str, list[torch.Tensor]] = {}
-
-    def take(
-        self,
-        name: str,
-        shape: tuple[int, ...],
-        like: torch.Tensor,
-        dtype: torch.dtype | None = None,
-    ) -> torch.Tensor:
-        """A contiguous tensor of ``shape`` on ``like``'s device, of ``dtype`` (default
-        ``like``'s). Not a view to autograd: the caller may modify an output built in it
-        in place."""
-        dtype = dtype or like.dtype
-        if like.device.type != "cpu":
-            return like.new_empty(shape, dtype=dtype)
-        numel = math.prod(shape)
-        kept = self._buffers.setdefault(name, [])
-        in_use = [_held_elsewhere(b) for b in kept]
-        held = [b for b, used in zip(kept, in_use) if used]
-        fits = [
-            b
-            for b, used in zip(kept, in_use)
-            if not used and b.numel() >= numel and b.dtype == dtype
-        ]
-        if fits:
-            buffer = fits[0]
-        else:
-            # Room to spare once sizes are seen to change (ids vary from step to step).
-            room = numel // 4 if kept and kept[-1].numel() != numel else 0
-            buffer = like.new_empty(numel + room, dtype=dtype)
-            kept[:] = [*held[-1:], buffer]
-        return buffer.new_empty(0).set_(buffer.untyped_storage(), 0, shape)
-
-
-def _held_elsewhere(buffer: torch.Tensor) -> bool:
-    """Whether a tensor other than ``buffer`` uses its memory (views included)."""
-    storage = buffer.untyped_storage()
-    # Counted: ``buffer`` itself and ``storage`` here.
-    return torch._C._storage_Use_Count(storage._cdata) > 2
 
 
 @dataclass(frozen=True)
@@ -513,131 +461,89 @@ def _slot_major_order(slots: int, batch_sizes: list[int], device: torch.device) 
     return (slots * starts[source] + slot * sizes[source] + sample).reshape(-1).int()
 
 
-def _column_runs(t: torch.Tensor, start: int, step: int, move: ColumnMove) -> torch.Tensor:
-    """The [rows, count, width] view of ``move``'s column runs in 2-D ``t``."""
-    rows, columns = t.stride()
-    return t.as_strided(
-        (t.shape[0], move.count, move.width),
-        (rows, step * columns, columns),
-        t.storage_offset() + start * columns,
+@dataclass
+class InputInFlight:
+    """A batch after its input distribution started: what the counts exchange said, the
+    checked local batch (for the data-parallel tables and MEAN pooling), and the ids
+    all-to-all on its way. Or the InputError its batch (or another rank's) raised, to
+    raise when it is used."""
+
+    counts: Counts | None = None
+    batch: LocalBatch | None = None
+    received: torch.Tensor | None = None
+    work: dist.Work | None = None
+    error: InputError | None = None
+    # Sequence lookups only: where the ids sent went.
+    sent: SentIds | None = None
+    # Ranks whose batches ran out (``signal_end``): nothing travels, the batch is not used.
+    ended: tuple[int, ...] = ()
+
+
+def start_input_dist(
+    features: KeyedJaggedTensor | None,
+    stage: InputDistribution,
+    group: dist.ProcessGroup | None,
+) -> InputInFlight:
+    """Stage 1 (collective): check the batch, route its ids to their owners,
+    exchange counts (the one host sync), and start the ids all-to-all. Needs only the
+    input distribution, no tables: ``embshard simulate`` runs it too.
+
+    ``features`` None says, in the counts exchange, that this rank's batches ran out;
+    when any rank says so, no ids travel and every rank learns which ranks ended."""
+    batch, routed, problem = (None, stage.nothing(), None)
+    if features is not None:
+        batch, routed, problem = _route(features, stage)
+    sequence = stage.sequence_counts(batch, routed) if stage.sequence else None
+    counts = exchange_counts(
+        stage.send_sizes(routed),
+        routed.ids_per_rank,
+        routed.batch_size,
+        batch.valid
+        if batch is not None
+        else torch.zeros((), dtype=torch.bool, device=stage.device),
+        group,
+        sequence,
+        ended=features is None,
     )
+    if counts.ended:
+        error = InputError(f"{_ranks(counts.ended)} ran out of batches: this batch was not used")
+        return InputInFlight(counts, error=error, ended=counts.ended)
+    if counts.failed:
+        problem = _problem(features, stage.routes, batch, problem)
+        return InputInFlight(error=gather_input_error(problem, group))
+    payload = stage.pack(routed, counts.sent_ids)
+    received, work = stage.exchange(payload, counts.send_sizes, counts.recv_sizes, group)
+    sent = stage.sent_ids(routed, counts) if stage.sequence else None
+    return InputInFlight(counts, batch, received, work, sent=sent)
 
 
-COMM_DTYPES = {
-    None: torch.float32,
-    "fp32": torch.float32,
-    "fp16": torch.float16,
-    "bf16": torch.bfloat16,
-}
+def _ranks(ranks: Sequence[int]) -> str:
+    """``rank 1`` or ``ranks 1, 3``."""
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-@dataclass(frozen=True)
-class OutputLayout:
-    """What the pooled all-to-all needs besides the batch sizes, fixed at sharding:
-    every rank's pooled block width, the column moves into the output (those of the
-    received blocks, and those of the local lookup's block), where this rank stands,
-    and the precision the pooled rows and their gradients travel in."""
-
-    block_dims: list[int]
-    moves: list[ColumnMove]
-    output_dim: int
-    rank: int
-    group: dist.ProcessGroup | None
-    scratch: Scratch
-    comm_precision: str | None = None
-    local_moves: list[ColumnMove] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if self.comm_precision not in COMM_DTYPES:
-            raise ValueError(
-                f"comm_precision must be one of {list(COMM_DTYPES)}, got {self.comm_precision!r}"
-            )
-
-    @property
-    def comm_dtype(self) -> torch.dtype:
-        return COMM_DTYPES[self.comm_precision]
-
-    def to_wire(self, name: str, values: torch.Tensor) -> torch.Tensor:
-        """``values`` in the comm dtype: themselves, or rounded into scratch ``name``."""
-        if values.dtype == self.comm_dtype:
-            return values
-        return self.scratch.take(name, values.shape, values, self.comm_dtype).copy_(values)
-
-    def from_wire(self, name: str, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``values`` as ``dtype``: themselves, or widened into scratch ``name``."""
-        if values.dtype == dtype:
-            return values
-        return self.scratch.take(name, values.shape, values, dtype).copy_(values)
+def _route(
+    features: KeyedJaggedTensor, stage: InputDistribution
+) -> tuple[LocalBatch | None, Routed, str | None]:
+    """The checked batch, routed to its owners, or what is wrong with it (and an
+    empty route). Never raises: a rank that failed here must still tell the others
+    in the counts exchange."""
+    try:
+        batch = check_batch(features, stage.routes, stage.feature_rows)
+        if isinstance(batch, str):
+            return None, stage.nothing(), batch
+        return batch, stage.route(batch), None
+    except Exception as e:
+        return None, stage.nothing(), f"routing the batch failed: {e!r}"
 
 
-class PooledAllToAll(torch.autograd.Function):
-    """Each rank's pooled rows go back to the ranks whose samples they are, and land
-    in their output columns, beside the local lookup's (data-parallel tables).
-
-    Forward: [global batch, this rank's slot dims] -> [local batch, output dims]: the
-    all-to-all, then every slot's columns copied to (or, for row-wise partials, added
-    into) their output columns, and ``local``'s copied to theirs (added, for hot rows'
-    partial sums). Backward:
-    each slot takes its output columns' gradient, the all-to-all runs in reverse, and
-    the result is divided by the world size, so the sparse gradients are averaged over
-    ranks as DDP averages the dense ones.
-    ``anchor`` requires grad on every rank, so every rank joins the backward
-    all-to-all even when it holds no shards.
-
-    Both all-to-alls carry ``layout.comm_dtype``: with fp16 or bf16, each value is
-    rounded once on the wire and back to float32 on arrival, before row-wise partials
-    are added and before the division.
-    """
-
-    @staticmethod
-    def forward(ctx, anchor, pooled, local, batch_sizes, layout):  # type: ignore[override]
-        local_batch = batch_sizes[layout.rank]
-        send_splits = [b * pooled.shape[1] for b in batch_sizes]
-        recv_splits = [local_batch * d for d in layout.block_dims]
-        send = layout.to_wire("pooled_send", pooled.contiguous().view(-1))
-        received = layout.scratch.take("pooled", (sum(recv_splits),), pooled, layout.comm_dtype)
-        dist.all_to_all_single(received, send, recv_splits, send_splits, group=layout.group)
-        blocks = _blocks(received, recv_splits, local_batch, layout.block_dims)
-        out = layout.scratch.take("out", (local_batch, layout.output_dim), pooled)
-        moves = [(blocks[m.rank], m) for m in layout.moves]
-        for source, m in moves + [(local, m) for m in layout.local_moves]:
-            piece = _column_runs(source, m.source, m.source_step, m)
-            target = _column_runs(out, m.target, m.target_step, m)
-            if m.add:
-                target.add_(piece)
-            else:
-                target.copy_(piece)
-        ctx.save_for_backward(anchor)
-        ctx.splits = (send_splits, recv_splits, local_batch, pooled.shape, local.shape)
-        ctx.layout = layout
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        (send_splits, recv_splits, local_batch, pooled_shape, local_shape) = ctx.splits
-        layout = ctx.layout
-        grad_local = grad.new_empty(local_shape)
-        for m in layout.local_moves:
-            _column_runs(grad_local, m.source, m.source_step, m).copy_(
-                _column_runs(grad, m.target, m.target_step, m)
-            )
-        send = layout.scratch.take("grad_out", (sum(recv_splits),), grad, layout.comm_dtype)
-        blocks = _blocks(send, recv_splits, local_batch, layout.block_dims)
-        for m in layout.moves:
-            _column_runs(blocks[m.rank], m.source, m.source_step, m).copy_(
-                _column_runs(grad, m.target, m.target_step, m)
-            )
-        received = layout.scratch.take("grad_pooled", pooled_shape, grad, layout.comm_dtype)
-        dist.all_to_all_single(
-            received.view(-1), send, send_splits, recv_splits, group=layout.group
-        )
-        grad_pooled = layout.from_wire("grad_pooled_fp32", received, grad.dtype)
-        grad_pooled.div_(dist.get_world_size(layout.group))
-        return None, grad_pooled, grad_local, None, None
-
-
-def _blocks(
-    flat: torch.Tensor, splits: list[int], rows: int, dims: list[int]
-) -> list[torch.Tensor]:
-    """Every rank's [rows, dim] block of an all-to-all buffer."""
-    return [c.view(rows, d) for c, d in zip(flat.split(splits), dims)]
+def _problem(
+    features: KeyedJaggedTensor, routes: Routes, batch: LocalBatch | None, problem: str | None
+) -> str | None:
+    """What is wrong with this rank's batch, if anything, once some rank's is bad."""
+    if problem is not None or batch is None or bool(batch.valid):
+        return problem
+    try:
+        return describe_problem(features, routes)
+    except Exception as e:
+        return f"checking the batch failed: {e!r}"

@@ -8,8 +8,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from embshard.plan import ColumnWise, Grid, ShardedTable, TableShard, plural
-from embshard.planner import CostModel, PlannedTable, RankLoad, Topology, format_bytes
+from embshard.plan.specs import ColumnWise, Grid, ShardedTable, TableShard, plural
+from embshard.planner.search import CostModel, PlannedTable, RankLoad, Topology, format_bytes
 
 _SYMBOLS = string.digits + string.ascii_lowercase + string.ascii_uppercase
 

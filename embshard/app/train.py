@@ -1,9 +1,9 @@
 """The main job: train a sharded TorchRec DLRM under torchrun.
 
-    torchrun --nproc-per-node 2 -m embshard.train --config configs/small.yaml
+    torchrun --nproc-per-node 2 -m embshard.app.train --config configs/small.yaml
 
 Each step, pipelined as TorchRec's TrainPipelineSparseDist: the next batch is taken
-and its input distribution started (``embshard.pipeline.prefetch``), then the
+and its input distribution started (``embshard.modules.pipeline.prefetch``), then the
 current one's: every rank takes its own batch, the sharded model pools and predicts,
 BCE loss on the local batch, backward (the fused optimizer updates the tables, DDP
 averages the dense gradients), dense optimizer step, then one small all-reduce of
@@ -35,15 +35,17 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from tqdm import tqdm
 
 from embshard import checkpoint
-from embshard.config import ConfigError, OptimizerConfig, TrainConfig, check_launch, load_config
-from embshard.data import Batch, CriteoData, Feed, SyntheticData
-from embshard.inputs import InputError
-from embshard.lookup import SGD, Adagrad, FusedOptimizer, RowWiseAdagrad
-from embshard.model import shard_model
-from embshard.pipeline import drain, prefetch
-from embshard.plan import ShardingPlan
-from embshard.planner import format_bytes, plan_config, plan_loads, topology_for
-from embshard.teardown import shutdown
+from embshard.app.config import OptimizerConfig, TrainConfig, check_launch, load_config
+from embshard.app.data import Batch, CriteoData, Feed, SyntheticData, build_data
+from embshard.app.planning import plan_config, topology_for
+from embshard.checkpoint.store import first_line, rank_failures
+from embshard.errors import ConfigError, EmbshardError, InputError
+from embshard.modules.model import shard_model
+from embshard.modules.pipeline import drain, prefetch
+from embshard.plan.specs import ShardingPlan
+from embshard.planner.search import format_bytes, plan_loads
+from embshard.runtime.teardown import shutdown
+from embshard.storage.lookup import SGD, Adagrad, FusedOptimizer, RowWiseAdagrad
 
 _stop_requested = False
 
@@ -76,22 +78,6 @@ def dense_optimizer(config: OptimizerConfig, params) -> torch.optim.Optimizer:
     if config.type == "adam":
         return torch.optim.Adam(params, lr=config.lr, eps=config.eps)
     return torch.optim.Adagrad(params, lr=config.lr, eps=config.eps)
-
-
-def build_data(config: TrainConfig, rank: int, world: int) -> SyntheticData | CriteoData:
-    if config.data.type == "criteo":
-        return CriteoData(
-            config.data.path,
-            config.data.eval_path,
-            config.tables,
-            config.batch_size,
-            rank,
-            world,
-            config.data.skip_bad_lines,
-            epochs=config.data.epochs,
-        )
-    dense_in = config.dense_in_features
-    return SyntheticData(config.tables, dense_in, config.batch_size, config.seed, rank)
 
 
 def describe_plan(plan: ShardingPlan, config: TrainConfig, world: int) -> str:
@@ -159,7 +145,7 @@ def _open_feed(data: SyntheticData | CriteoData, start: int) -> tuple[Feed, int]
     return feed, _next_epoch(feed)
 
 
-class TrainingError(RuntimeError):
+class TrainingError(EmbshardError, RuntimeError):
     """Training stopped on a failure. ``agreed``: every rank raises it, with the same
     message (a bad batch or data line on any rank); else it is this rank's own (a
     collective that failed because another rank is stuck or gone)."""
@@ -369,7 +355,7 @@ def _train(config: TrainConfig, resuming: str | None) -> dict:
                 try:
                     checkpoint.save(saves.dir, model, optimizer, step=step, keep=saves.keep)
                 except CheckpointException as e:  # DCP raises it on every rank
-                    raise TrainingError(f"{phase} failed: {checkpoint.rank_failures(e)}") from None
+                    raise TrainingError(f"{phase} failed: {rank_failures(e)}") from None
             if stop:
                 say(f"stopping at step {step}: a rank received SIGTERM")
                 summary["stopped"] = True
@@ -384,7 +370,7 @@ def _train(config: TrainConfig, resuming: str | None) -> dict:
     except RuntimeError as e:  # a collective failed: a rank is stuck or gone
         collectives_failed = True
         raise TrainingError(
-            f"rank {rank}, {phase}: {checkpoint.first_line(e)} (a collective failed: another "
+            f"rank {rank}, {phase}: {first_line(e)} (a collective failed: another "
             f"rank may be stuck or gone; timeout_s is {config.timeout_s})",
             agreed=False,
         ) from e
@@ -415,7 +401,7 @@ def init_process_group(timeout: timedelta) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m embshard.train", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m embshard.app.train", description=__doc__)
     parser.add_argument("--config", required=True, help="training config (YAML)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     args = parser.parse_args(argv)

@@ -27,8 +27,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from embshard.lookup import Adagrad, FusedOptimizer, RowWiseAdagrad, build_tbe
-from embshard.plan import (
+from embshard.plan.specs import (
     ColumnWise,
     DataParallel,
     Grid,
@@ -38,7 +37,8 @@ from embshard.plan import (
     TableWise,
     local_shards,
 )
-from embshard.replicated import ReplicatedTables
+from embshard.storage.lookup import Adagrad, FusedOptimizer, RowWiseAdagrad, build_tbe
+from embshard.storage.replicated import ReplicatedTables
 
 aten = torch.ops.aten
 

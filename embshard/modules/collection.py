@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
 
 import torch
@@ -29,27 +28,21 @@ from torchrec.modules.embedding_configs import (
     EmbeddingBagConfig,
     PoolingType,
 )
-from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
-from embshard.dist import (
-    Counts,
+from embshard.plan.specs import ShardedTable, ShardingPlan
+from embshard.runtime.input_dist import (
     InputDistribution,
-    OutputLayout,
-    PooledAllToAll,
-    Routed,
-    Scratch,
-    SentIds,
-    exchange_counts,
-    gather_input_error,
+    InputInFlight,
+    start_input_dist,
 )
-from embshard.init import init_shard
-from embshard.inputs import InputError, LocalBatch, check_batch, describe_problem
-from embshard.lookup import SGD, FusedOptimizer
-from embshard.plan import ShardedTable, ShardingPlan
-from embshard.replicated import build_replicated
-from embshard.routes import Routes, build_routes
-from embshard.shards import allocate_storage, gather_table, table_dtensor
+from embshard.runtime.output_dist import OutputLayout, PooledAllToAll
+from embshard.runtime.routes import build_routes
+from embshard.runtime.scratch import Scratch
+from embshard.storage.init import init_shard
+from embshard.storage.lookup import FusedOptimizer
+from embshard.storage.replicated import build_replicated
+from embshard.storage.shards import allocate_storage, gather_table, table_dtensor
 
 
 def _silence_fx_tracing_notice() -> None:
@@ -86,6 +79,12 @@ def _submesh(mesh: DeviceMesh, ranks: tuple[int, ...]) -> DeviceMesh:
     return DeviceMesh(mesh.device_type, mesh.mesh[list(ranks)], _init_backend=False)
 
 
+def forget_meshes() -> None:
+    """Drop the sub-meshes built so far: ``embshard simulate`` runs worlds of many
+    sizes in one process."""
+    _submesh.cache_clear()
+
+
 def world_mesh(device_type: str | None = None) -> DeviceMesh:
     """A 1-D mesh over the whole world, without process groups of its own (see
     _submesh). ``device_type`` defaults to CUDA when the default group runs NCCL, else
@@ -93,24 +92,6 @@ def world_mesh(device_type: str | None = None) -> DeviceMesh:
     if device_type is None:
         device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
     return DeviceMesh(device_type, torch.arange(dist.get_world_size()), _init_backend=False)
-
-
-@dataclass
-class InputInFlight:
-    """A batch after its input distribution started: what the counts exchange said, the
-    checked local batch (for the data-parallel tables and MEAN pooling), and the ids
-    all-to-all on its way. Or the InputError its batch (or another rank's) raised, to
-    raise when it is used."""
-
-    counts: Counts | None = None
-    batch: LocalBatch | None = None
-    received: torch.Tensor | None = None
-    work: dist.Work | None = None
-    error: InputError | None = None
-    # Sequence lookups only: where the ids sent went.
-    sent: SentIds | None = None
-    # Ranks whose batches ran out (``signal_end``): nothing travels, the batch is not used.
-    ended: tuple[int, ...] = ()
 
 
 class Pooled(NamedTuple):
@@ -482,151 +463,3 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return list(self._configs)
-
-
-def start_input_dist(
-    features: KeyedJaggedTensor | None,
-    stage: InputDistribution,
-    group: dist.ProcessGroup | None,
-) -> InputInFlight:
-    """Stage 1 (collective): check the batch, route its ids to their owners,
-    exchange counts (the one host sync), and start the ids all-to-all. Needs only the
-    input distribution, no tables: ``embshard simulate`` runs it too.
-
-    ``features`` None says, in the counts exchange, that this rank's batches ran out;
-    when any rank says so, no ids travel and every rank learns which ranks ended."""
-    batch, routed, problem = (None, stage.nothing(), None)
-    if features is not None:
-        batch, routed, problem = _route(features, stage)
-    sequence = stage.sequence_counts(batch, routed) if stage.sequence else None
-    counts = exchange_counts(
-        stage.send_sizes(routed),
-        routed.ids_per_rank,
-        routed.batch_size,
-        batch.valid
-        if batch is not None
-        else torch.zeros((), dtype=torch.bool, device=stage.device),
-        group,
-        sequence,
-        ended=features is None,
-    )
-    if counts.ended:
-        error = InputError(f"{_ranks(counts.ended)} ran out of batches: this batch was not used")
-        return InputInFlight(counts, error=error, ended=counts.ended)
-    if counts.failed:
-        problem = _problem(features, stage.routes, batch, problem)
-        return InputInFlight(error=gather_input_error(problem, group))
-    payload = stage.pack(routed, counts.sent_ids)
-    received, work = stage.exchange(payload, counts.send_sizes, counts.recv_sizes, group)
-    sent = stage.sent_ids(routed, counts) if stage.sequence else None
-    return InputInFlight(counts, batch, received, work, sent=sent)
-
-
-def _ranks(ranks: Sequence[int]) -> str:
-    """``rank 1`` or ``ranks 1, 3``."""
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-
-
-def _route(
-    features: KeyedJaggedTensor, stage: InputDistribution
-) -> tuple[LocalBatch | None, Routed, str | None]:
-    """The checked batch, routed to its owners, or what is wrong with it (and an
-    empty route). Never raises: a rank that failed here must still tell the others
-    in the counts exchange."""
-    try:
-        batch = check_batch(features, stage.routes, stage.feature_rows)
-        if isinstance(batch, str):
-            return None, stage.nothing(), batch
-        return batch, stage.route(batch), None
-    except Exception as e:
-        return None, stage.nothing(), f"routing the batch failed: {e!r}"
-
-
-def _problem(
-    features: KeyedJaggedTensor, routes: Routes, batch: LocalBatch | None, problem: str | None
-) -> str | None:
-    """What is wrong with this rank's batch, if anything, once some rank's is bad."""
-    if problem is not None or batch is None or bool(batch.valid):
-        return problem
-    try:
-        return describe_problem(features, routes)
-    except Exception as e:
-        return f"checking the batch failed: {e!r}"
-
-
-def shard(
-    module: EmbeddingBagCollection,
-    plan: ShardingPlan,
-    *,
-    mesh: DeviceMesh | None = None,
-    optimizer: FusedOptimizer = SGD(lr=0.01),
-    seed: int = 0,
-    comm_precision: str | None = None,
-) -> ShardedCollection:
-    """Shard ``module`` by ``plan`` over ``mesh`` (default: the whole default process group).
-
-    An ``EmbeddingCollection`` gives a ``ShardedEmbeddingCollection`` (embshard.sequence):
-    one row per id, table-wise, row-wise, column-wise or grid.
-
-    A module on ``meta`` gets the plan-independent seeded initialization; a module with
-    real weights keeps them, each rank copying only its own rows and columns. Tables
-    keep their ``data_type``: FP32, or FP16 (half the memory; every table of the
-    module must then be FP16).
-
-    ``comm_precision`` ``"fp16"`` or ``"bf16"`` sends the pooled rows and their
-    gradients in that precision, half the bytes of the default ``None`` (``"fp32"``);
-    the output stays float32.
-    """
-    if not isinstance(module, EmbeddingBagCollection | EmbeddingCollection):
-        raise TypeError(
-            "shard() takes a TorchRec EmbeddingBagCollection or EmbeddingCollection, "
-            f"got {type(module)}"
-        )
-    if not dist.is_initialized():
-        raise RuntimeError("shard() needs torch.distributed initialized (init_process_group)")
-    if mesh is None:
-        mesh = world_mesh()
-    if isinstance(module, EmbeddingCollection):
-        return _shard_sequence(module, plan, mesh, optimizer, seed, comm_precision)
-    return ShardedEmbeddingBagCollection(
-        module.embedding_bag_configs(),
-        plan,
-        mesh,
-        optimizer,
-        seed,
-        weights=_given_weights(module.embedding_bags),
-        is_weighted=module.is_weighted(),
-        comm_precision=comm_precision,
-    )
-
-
-def _given_weights(tables: nn.ModuleDict) -> dict[str, torch.Tensor] | None:
-    """The tables' weights to copy into the shards, or None for a module on ``meta``
-    (the seeded initialization)."""
-    weights = {name: table.weight for name, table in tables.items()}
-    if any(w.is_meta for w in weights.values()):
-        return None
-    return {name: w.detach() for name, w in weights.items()}
-
-
-def _shard_sequence(
-    module: EmbeddingCollection,
-    plan: ShardingPlan,
-    mesh: DeviceMesh,
-    optimizer: FusedOptimizer,
-    seed: int,
-    comm_precision: str | None,
-) -> ShardedCollection:
-    from embshard.sequence import ShardedEmbeddingCollection  # it builds on this module
-
-    if module.need_indices():
-        raise ValueError("need_indices=True is not supported for an EmbeddingCollection yet")
-    return ShardedEmbeddingCollection(
-        module.embedding_configs(),
-        plan,
-        mesh,
-        optimizer,
-        seed,
-        weights=_given_weights(module.embeddings),
-        comm_precision=comm_precision,
-    )

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from embshard.bench import COMM_PRECISIONS, ID_LAWS, PLANS, WORKLOADS
+from embshard.app.bench import COMM_PRECISIONS, ID_LAWS, PLANS, WORKLOADS
 
 PLOT_SUFFIXES = (".png",)
 
@@ -74,19 +74,20 @@ def train(config: str, nproc: int, resume: bool, max_restarts: int) -> None:
     """Train the DLRM that CONFIG (YAML) describes, with NPROC ranks on this host.
 
     The same as: torchrun --standalone --nproc-per-node NPROC --max-restarts K
-    -m embshard.train --config CONFIG [--resume]
+    -m embshard.app.train --config CONFIG [--resume]
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    from embshard.config import ConfigError, check_launch, load_config
+    from embshard.app.config import check_launch, load_config
+    from embshard.errors import ConfigError
 
     try:  # fail here, before any process starts
         check_launch(load_config(config), config, nproc, resume)
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
     launch = ["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts)]
-    job = ["-m", "embshard.train", "--config", config, *(["--resume"] if resume else [])]
+    job = ["-m", "embshard.app.train", "--config", config, *(["--resume"] if resume else [])]
     args = get_args_parser().parse_args([*launch, *job])
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
     quiet = _WorkersSaidWhy()
@@ -216,7 +217,7 @@ def bench(
     floor: a bare TBE doing the same lookups and update (each rank alone) plus the
     step's collectives replayed alone. docs/performance.md explains every figure.
     """
-    from embshard.bench import Options, run
+    from embshard.app.bench import Options, run
 
     run(Options(world_sizes, workloads, plans, steps, warmup, comm_precision, ids, json_path, png))
 
@@ -236,8 +237,9 @@ def inspect(directory: str, as_json: bool) -> None:
     """
     import json
 
-    from embshard.checkpoint import CheckpointError, describe
-    from embshard.plan import plural
+    from embshard.checkpoint.store import describe
+    from embshard.errors import CheckpointError
+    from embshard.plan.specs import plural
 
     try:
         info = describe(directory)
@@ -281,8 +283,8 @@ def verify(directory: str) -> None:
     DIRECTORY is a checkpoint (step_*) or a root of them, for the latest. Prints OK,
     or each corrupt chunk (table, file, offset) and exits with status 1.
     """
-    from embshard.checkpoint import CheckpointError
-    from embshard.checkpoint import verify as verify_checkpoint
+    from embshard.checkpoint.store import verify as verify_checkpoint
+    from embshard.errors import CheckpointError
 
     try:
         report = verify_checkpoint(directory)
@@ -305,9 +307,9 @@ def verify(directory: str) -> None:
 def export(directory: str, out: str, module: str | None) -> None:
     """Write DIRECTORY's model as a plain unsharded state dict (torch.save) to OUT:
     the whole model's keys, or with --module one module's. No optimizer state."""
-    from embshard.checkpoint import CheckpointError
-    from embshard.checkpoint import export as export_checkpoint
-    from embshard.plan import plural
+    from embshard.checkpoint.store import export as export_checkpoint
+    from embshard.errors import CheckpointError
+    from embshard.plan.specs import plural
 
     try:
         keys = export_checkpoint(directory, out, module=module)
@@ -336,7 +338,7 @@ def export(directory: str, out: str, module: str | None) -> None:
     "--balance-lookups",
     is_flag=True,
     help="With --batches: not the planner's plan but every table row-wise by the "
-    "traffic, its hot rows copied on every rank (embshard.planner.lookup_balanced_plan), so "
+    "traffic, its hot rows copied on every rank (embshard.planner.search.lookup_balanced_plan), so "
     "each rank makes about as many lookups; slower steps where pooled rows dominate.",
 )
 def plan(
@@ -359,9 +361,9 @@ def plan(
 
     import yaml
 
-    from embshard.config import ConfigError, load_config
-    from embshard.planner import PlanningError, lookup_balanced_plan, plan_config
-    from embshard.traffic import measure_traffic
+    from embshard.app.config import load_config
+    from embshard.app.planning import lookup_balanced_plan, measure_traffic, plan_config
+    from embshard.errors import ConfigError, PlanningError
 
     if balance_lookups and not batches:
         raise click.ClickException("--balance-lookups needs the traffic: give --batches N")
@@ -412,12 +414,10 @@ def simulate(
     unallocated: each rank's ids, lookups, all-to-all bytes and memory, the slowest rank."""
     import json
 
-    from embshard.config import ConfigError
-    from embshard.data import CriteoFormatError
-    from embshard.plan import PlanError
-    from embshard.planner import PlanningError
-    from embshard.simulate import SimulationError
-    from embshard.simulate import simulate as run_simulation
+    from embshard.app.data import CriteoFormatError
+    from embshard.app.simulate import SimulationError
+    from embshard.app.simulate import simulate as run_simulation
+    from embshard.errors import ConfigError, PlanError, PlanningError
 
     try:
         result = run_simulation(config, world_size, plan_file, batches, check)
@@ -453,16 +453,12 @@ def show(
 ) -> None:
     """Draw how PLAN_FILE lays out each table of CONFIG: which rank holds which rows
     and columns (a symbol per rank: 0-9, a-z, A-Z, repeating past 62 ranks)."""
-    from embshard.config import ConfigError, load_config
-    from embshard.plan import PlanError, ShardingPlan, plural
-    from embshard.planner import (
-        CostModel,
-        PlanningError,
-        plan_loads,
-        planned_tables,
-        topology_for,
-    )
-    from embshard.show import draw_plan, plot_plan, shard_boxes, summary
+    from embshard.app.config import load_config
+    from embshard.app.planning import topology_for
+    from embshard.app.show import draw_plan, plot_plan, shard_boxes, summary
+    from embshard.errors import ConfigError, PlanError, PlanningError
+    from embshard.plan.specs import ShardingPlan, plural
+    from embshard.planner.search import CostModel, plan_loads, planned_tables
 
     try:
         model = load_config(config, use="plan", check_files=False)
@@ -500,7 +496,8 @@ def show(
 
 
 def _implied_world_size(sharding) -> int:
-    from embshard.plan import ColumnWise, Grid, PlanError, RowWise, TableWise
+    from embshard.errors import PlanError
+    from embshard.plan.specs import ColumnWise, Grid, RowWise, TableWise
 
     sizes, highest = set(), -1
     for spec in sharding.tables.values():

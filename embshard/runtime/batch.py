@@ -15,13 +15,9 @@ from dataclasses import dataclass
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from embshard.routes import Routes
+from embshard.runtime.routes import Routes
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-class InputError(ValueError):
-    """A rank's batch is not valid for the sharded module; raised on every rank."""
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
-from embshard.lookup import SGD, FusedOptimizer
-from embshard.module import ShardedCollection, shard, world_mesh
-from embshard.plan import ShardingPlan
+from embshard.modules.collection import ShardedCollection, world_mesh
+from embshard.modules.shard import shard
+from embshard.plan.specs import ShardingPlan
+from embshard.storage.lookup import SGD, FusedOptimizer
 
 # TorchRec's DistributedModelParallel wraps the dense part in DDP with these settings
 # (DefaultDataParallelWrapper, torchrec 1.8). static_graph lets a model hold

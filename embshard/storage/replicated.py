@@ -23,9 +23,9 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     SplitTableBatchedEmbeddingBagsCodegen,
 )
 
-from embshard.inputs import LocalBatch
-from embshard.lookup import FusedOptimizer, build_tbe
-from embshard.routes import Routes
+from embshard.runtime.batch import LocalBatch
+from embshard.runtime.routes import Routes
+from embshard.storage.lookup import FusedOptimizer, build_tbe
 
 # Rows are read out of the TBE in bags of one row, ``chunk`` bags a TBE feature: a
 # table of n rows takes ceil(n / chunk) features, and the padding is at most a

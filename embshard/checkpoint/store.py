@@ -56,11 +56,12 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
-from embshard.lookup import Adagrad, RowWiseAdagrad
-from embshard.module import ShardedCollection
-from embshard.plan import TableShard, plural
-from embshard.shards import LocalShardsWrapper, column_blocks
-from embshard.untrusted import SafeLoadPlanner, SafeReader, load_bytes
+from embshard.checkpoint.untrusted import SafeLoadPlanner, SafeReader, load_bytes
+from embshard.errors import CheckpointError
+from embshard.modules.collection import ShardedCollection
+from embshard.plan.specs import TableShard, plural
+from embshard.storage.lookup import Adagrad, RowWiseAdagrad
+from embshard.storage.shards import LocalShardsWrapper, column_blocks
 
 META = "embshard"
 CHECKSUMS = "embshard_checksums.json"
@@ -70,10 +71,6 @@ _TABLE_PARENTS = ("embedding_bags", "embeddings")  # EmbeddingBagCollection, Emb
 
 Checksums = dict[tuple[str, int], tuple[int, int]]
 """Recorded checksums: (file, offset) -> (length, crc32) of each saved chunk."""
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded into this model; the message says why."""
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

@@ -20,14 +20,12 @@ from typing import Any, TypeVar
 import yaml
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
+from embshard.errors import PlanError
+
 T = TypeVar("T")
 
 # FBGEMM's TBE kernels take only embedding dims that are multiples of 4.
 FBGEMM_DIM_MULTIPLE = 4
-
-
-class PlanError(ValueError):
-    """A plan that cannot shard the given tables; the message names each table and problem."""
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,11 @@ from torchrec.distributed.sharding_plan import placement
 from torchrec.distributed.types import EmbeddingModuleShardingPlan, ParameterSharding, ShardingType
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
-from embshard.plan import (
+from embshard.errors import PlanError
+from embshard.plan.specs import (
     ColumnWise,
     DataParallel,
     Grid,
-    PlanError,
     RowWise,
     ShardedTable,
     ShardingPlan,

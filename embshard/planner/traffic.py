@@ -1,24 +1,22 @@
-"""Measured traffic: how many lookups each table's rows get, from the config's data.
+"""Measured traffic: how many lookups each table's rows get, and plans cut by it.
 
 The planner otherwise assumes ids are uniform over a table's rows; real ids are
 skewed (low ids are hot in the synthetic data and in Criteo), so an even row-wise
-split sends most of a table's lookups to its first rank. ``measure_traffic`` counts,
-over a few batches of the readers training uses, the lookups of every row that got
-any (a histogram with one-row buckets, kept sparse), and the bags and ids per sample;
+split sends most of a table's lookups to its first rank. ``TrafficStats`` holds the
+lookups of every row that got any (a histogram with one-row buckets, kept sparse),
+and the bags and ids per sample, counted from data by the application;
 ``balanced_sizes`` cuts a table's rows where its cumulative lookups divide evenly,
 after the ``hot_rows`` that no cut could balance.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from embshard.config import TrainConfig
-from embshard.data import Batch
-from embshard.plan import ShardingPlan, data_parallel, row_wise
+from embshard.plan.specs import ShardingPlan, data_parallel, row_wise
 
 
 @dataclass(frozen=True)
@@ -49,46 +47,6 @@ class TrafficStats:
     """Every table's measured traffic, by table name."""
 
     tables: dict[str, TableTraffic]
-
-
-def count_traffic(config: TrainConfig, batches: Iterable[Batch]) -> TrafficStats:
-    """The lookups per row, bags and samples of each of ``config``'s tables over
-    ``batches`` (a table's lookups are those of all features it serves)."""
-    ids: dict[str, list[np.ndarray]] = {t.name: [] for t in config.tables}
-    bags = dict.fromkeys(ids, 0)
-    samples = 0
-    for batch in batches:
-        samples += batch.size
-        features = batch.sparse.to_dict()
-        for table in config.tables:
-            for feature in table.features:
-                jagged = features[feature]
-                ids[table.name].append(jagged.values().numpy())
-                bags[table.name] += int((jagged.lengths() > 0).sum())
-    tables = {}
-    for table in config.tables:
-        values = np.concatenate(ids[table.name]) if ids[table.name] else np.zeros(0, np.int64)
-        rows, counts = np.unique(values, return_counts=True)
-        tables[table.name] = TableTraffic(
-            table.num_embeddings, rows, counts, samples, bags[table.name]
-        )
-    return TrafficStats(tables)
-
-
-def measure_traffic(
-    config: TrainConfig, world_size: int, batches: int = 4, ranks: int = 2
-) -> TrafficStats:
-    """``batches`` batches of each of the first ``ranks`` ranks' data readers (those
-    training builds for a world of ``world_size``): a cheap sample of the traffic."""
-    from embshard.train import build_data  # train imports the model stack: only here
-
-    def read() -> Iterable[Batch]:
-        for rank in range(min(ranks, world_size)):
-            reader = build_data(config, rank, world_size)
-            for _, batch in zip(range(batches), reader.epoch_batches()):
-                yield batch
-
-    return count_traffic(config, read())
 
 
 def balanced_sizes(traffic: TableTraffic, pieces: int, first_row: int = 0) -> list[int]:

@@ -1,7 +1,7 @@
 """ShardedEmbeddingCollection: a TorchRec EmbeddingCollection sharded over a mesh.
 
 An EmbeddingCollection returns one row per id (``Dict[str, JaggedTensor]``), not a
-pooled row per bag. The data path is the EmbeddingBagCollection's (module.py): the
+pooled row per bag. The data path is the EmbeddingBagCollection's (collection.py): the
 same checked batch and routing, each rank sending an owner its distinct ids only;
 then one call of the rank's pooled TBE with one id a bag (FBGEMM's pooled CPU
 kernels update rows several times faster than its unpooled ones, and take shards of
@@ -19,8 +19,9 @@ import torch.distributed as dist
 from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.sparse.jagged_tensor import JaggedTensor
 
-from embshard.dist import Scratch
-from embshard.module import InputInFlight, ShardedCollection
+from embshard.modules.collection import ShardedCollection
+from embshard.runtime.input_dist import InputInFlight
+from embshard.runtime.scratch import Scratch
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,153 @@
+"""Planning a training config: its topology, its tables' constraints, the traffic of
+its data, and its own plan if it gives one; the planner itself takes none of these."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import fields
+
+import numpy as np
+
+from embshard.app.config import TrainConfig
+from embshard.app.data import Batch, build_data
+from embshard.errors import PlanningError
+from embshard.plan.specs import ShardingPlan
+from embshard.planner.search import (
+    SIZE_FIELDS,
+    CostModel,
+    PlanReport,
+    TableConstraint,
+    Topology,
+    format_bytes,
+    parse_bytes,
+    plan_report,
+    plan_tables,
+    planned_tables,
+)
+from embshard.planner.traffic import TableTraffic, TrafficStats, balanced_plan
+
+
+def topology_for(
+    config: TrainConfig, world_size: int, memory_per_rank: str | int | None = None
+) -> Topology:
+    """The config's topology (its kind's defaults, then its overrides) for a world."""
+    t = config.topology
+    overrides = {
+        f.name: getattr(t, f.name)
+        for f in fields(t)
+        if f.name != "kind" and getattr(t, f.name) is not None
+    }
+    if memory_per_rank is not None:
+        overrides["memory_per_rank"] = memory_per_rank
+    overrides |= {k: parse_bytes(overrides[k]) for k in SIZE_FIELDS if k in overrides}
+    kind = Topology.gpu if t.kind == "gpu" else Topology.cpu
+    return kind(world_size, **overrides)
+
+
+def plan_config(
+    config: TrainConfig,
+    world_size: int,
+    memory_per_rank: str | int | None = None,
+    stats: TrafficStats | None = None,
+) -> tuple[ShardingPlan, PlanReport]:
+    """Plan a training config's tables, with its tables' constraints and optimizer (and
+    measured ``stats``, see ``plan_tables``); a config with its own ``plan:`` (which
+    training uses) gets that plan, and its report."""
+    topology = topology_for(config, world_size, memory_per_rank)
+    optimizer = config.sparse_optimizer.type
+    given = config.sharding_plan()
+    if given is not None:
+        return given, _report(given, config, topology, "the config's own plan says so")
+    constraints = {
+        t.name: TableConstraint(
+            tuple(t.shardings) if t.shardings else None,
+            tuple(t.ranks) if t.ranks else None,
+            t.column_blocks,
+        )
+        for t in config.tables
+    }
+    return plan_tables(
+        config.tables, topology, config.batch_size, constraints, optimizer, stats=stats
+    )
+
+
+def lookup_balanced_plan(
+    config: TrainConfig,
+    world_size: int,
+    stats: TrafficStats,
+    memory_per_rank: str | int | None = None,
+) -> tuple[ShardingPlan, PlanReport]:
+    """``traffic.balanced_plan`` of a config's tables, their row blocks spread over the
+    ranks by the bytes of their rows (weights and optimizer state), and its report; a
+    PlanningError naming the first rank whose shards exceed its usable memory."""
+    topology = topology_for(config, world_size, memory_per_rank)
+    model = CostModel(topology, config.batch_size, config.sparse_optimizer.type)
+    row_bytes = {t.name: model.memory(t, 1, t.embedding_dim) for t in planned_tables(config.tables)}
+    plan = balanced_plan(stats, world_size, row_bytes)
+    report = _report(
+        plan, config, topology, "--balance-lookups balances every rank's lookups", stats
+    )
+    for load in report.ranks:
+        if load.memory > topology.usable_memory:
+            raise PlanningError(
+                f"the lookup-balanced plan does not fit: rank {load.rank} needs "
+                f"{format_bytes(load.memory)} of {format_bytes(topology.usable_memory)} usable"
+            )
+    return plan, report
+
+
+def _report(
+    plan: ShardingPlan,
+    config: TrainConfig,
+    topology: Topology,
+    reason: str,
+    stats: TrafficStats | None = None,
+) -> PlanReport:
+    return plan_report(
+        plan,
+        config.tables,
+        topology,
+        config.batch_size,
+        config.sparse_optimizer.type,
+        reason,
+        stats,
+    )
+
+
+def count_traffic(config: TrainConfig, batches: Iterable[Batch]) -> TrafficStats:
+    """The lookups per row, bags and samples of each of ``config``'s tables over
+    ``batches`` (a table's lookups are those of all features it serves)."""
+    ids: dict[str, list[np.ndarray]] = {t.name: [] for t in config.tables}
+    bags = dict.fromkeys(ids, 0)
+    samples = 0
+    for batch in batches:
+        samples += batch.size
+        features = batch.sparse.to_dict()
+        for table in config.tables:
+            for feature in table.features:
+                jagged = features[feature]
+                ids[table.name].append(jagged.values().numpy())
+                bags[table.name] += int((jagged.lengths() > 0).sum())
+    tables = {}
+    for table in config.tables:
+        values = np.concatenate(ids[table.name]) if ids[table.name] else np.zeros(0, np.int64)
+        rows, counts = np.unique(values, return_counts=True)
+        tables[table.name] = TableTraffic(
+            table.num_embeddings, rows, counts, samples, bags[table.name]
+        )
+    return TrafficStats(tables)
+
+
+def measure_traffic(
+    config: TrainConfig, world_size: int, batches: int = 4, ranks: int = 2
+) -> TrafficStats:
+    """``batches`` batches of each of the first ``ranks`` ranks' data readers (those
+    training builds for a world of ``world_size``): a cheap sample of the traffic."""
+
+    def read() -> Iterable[Batch]:
+        for rank in range(min(ranks, world_size)):
+            reader = build_data(config, rank, world_size)
+            for _, batch in zip(range(batches), reader.epoch_batches()):
+                yield batch
+
+    return count_traffic(config, read())

@@ -1,0 +1,90 @@
+"""``shard()``: a TorchRec EmbeddingBagCollection or EmbeddingCollection, sharded."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torchrec import EmbeddingBagCollection, EmbeddingCollection
+
+from embshard.modules.collection import ShardedCollection, ShardedEmbeddingBagCollection, world_mesh
+from embshard.modules.sequence import ShardedEmbeddingCollection
+from embshard.plan.specs import ShardingPlan
+from embshard.storage.lookup import SGD, FusedOptimizer
+
+
+def shard(
+    module: EmbeddingBagCollection,
+    plan: ShardingPlan,
+    *,
+    mesh: DeviceMesh | None = None,
+    optimizer: FusedOptimizer = SGD(lr=0.01),
+    seed: int = 0,
+    comm_precision: str | None = None,
+) -> ShardedCollection:
+    """Shard ``module`` by ``plan`` over ``mesh`` (default: the whole default process group).
+
+    An ``EmbeddingCollection`` gives a ``ShardedEmbeddingCollection`` (embshard.modules.sequence):
+    one row per id, table-wise, row-wise, column-wise or grid.
+
+    A module on ``meta`` gets the plan-independent seeded initialization; a module with
+    real weights keeps them, each rank copying only its own rows and columns. Tables
+    keep their ``data_type``: FP32, or FP16 (half the memory; every table of the
+    module must then be FP16).
+
+    ``comm_precision`` ``"fp16"`` or ``"bf16"`` sends the pooled rows and their
+    gradients in that precision, half the bytes of the default ``None`` (``"fp32"``);
+    the output stays float32.
+    """
+    if not isinstance(module, EmbeddingBagCollection | EmbeddingCollection):
+        raise TypeError(
+            "shard() takes a TorchRec EmbeddingBagCollection or EmbeddingCollection, "
+            f"got {type(module)}"
+        )
+    if not dist.is_initialized():
+        raise RuntimeError("shard() needs torch.distributed initialized (init_process_group)")
+    if mesh is None:
+        mesh = world_mesh()
+    if isinstance(module, EmbeddingCollection):
+        return _shard_sequence(module, plan, mesh, optimizer, seed, comm_precision)
+    return ShardedEmbeddingBagCollection(
+        module.embedding_bag_configs(),
+        plan,
+        mesh,
+        optimizer,
+        seed,
+        weights=_given_weights(module.embedding_bags),
+        is_weighted=module.is_weighted(),
+        comm_precision=comm_precision,
+    )
+
+
+def _given_weights(tables: nn.ModuleDict) -> dict[str, torch.Tensor] | None:
+    """The tables' weights to copy into the shards, or None for a module on ``meta``
+    (the seeded initialization)."""
+    weights = {name: table.weight for name, table in tables.items()}
+    if any(w.is_meta for w in weights.values()):
+        return None
+    return {name: w.detach() for name, w in weights.items()}
+
+
+def _shard_sequence(
+    module: EmbeddingCollection,
+    plan: ShardingPlan,
+    mesh: DeviceMesh,
+    optimizer: FusedOptimizer,
+    seed: int,
+    comm_precision: str | None,
+) -> ShardedCollection:
+    if module.need_indices():
+        raise ValueError("need_indices=True is not supported for an EmbeddingCollection yet")
+    return ShardedEmbeddingCollection(
+        module.embedding_configs(),
+        plan,
+        mesh,
+        optimizer,
+        seed,
+        weights=_given_weights(module.embeddings),
+        comm_precision=comm_precision,
+    )
