@@ -6,6 +6,13 @@ against the tables' ``EmbeddingBagConfig``s and a world size gives every table's
 concrete shards. Every problem is reported at once, each naming its table: a plan
 read from YAML with the tables (and world size) at hand lists its malformed entries
 and its misfits in one PlanError.
+
+Each spec owns its meaning: ``problems()`` (its own), ``table_problems(rows, dim,
+world_size)`` (fitting a table), ``shards(rows, dim, world_size)``, ``placement(shards)``
+(the plan ranks of its DTensor's mesh, None for the whole mesh, and its placement),
+``to_dict``/``from_dict`` (plan files name it by ``KIND``), and what the data path
+asks of it: ``SPLITS_ROWS`` (ids are bucketized by row block), ``REPLICATED`` (a
+whole copy on every rank), ``hot_rows``.
 """
 
 from __future__ import annotations
@@ -15,9 +22,10 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import yaml
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from embshard.errors import PlanError
@@ -34,6 +42,35 @@ class TableWise:
 
     rank: int
 
+    KIND: ClassVar[str] = "table_wise"
+    FIELDS: ClassVar[frozenset[str]] = frozenset({"rank"})
+    SPLITS_ROWS: ClassVar[bool] = False  # ids are bucketized by row for it
+    REPLICATED: ClassVar[bool] = False  # a whole copy on every rank
+    hot_rows: ClassVar[int] = 0
+
+    def problems(self) -> list[str]:
+        if not _is_int(self.rank) or self.rank < 0:
+            return [f"rank must be a non-negative int, got {self.rank!r}"]
+        return []
+
+    def table_problems(self, rows: int, dim: int, world_size: int | None) -> list[str]:
+        return _out_of_world([self.rank], world_size) + _fbgemm_dim(dim, "embedding_dim")
+
+    def shards(self, rows: int, dim: int, world_size: int) -> tuple[TableShard, ...]:
+        return (TableShard(self.rank, 0, rows, 0, dim),)
+
+    def placement(self, shards: Sequence[TableShard]) -> tuple[tuple[int, ...] | None, Placement]:
+        return (self.rank,), Replicate()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.KIND, "rank": self.rank}
+
+    @classmethod
+    def from_dict(cls, entry: dict[str, Any]) -> TableWise:
+        if "rank" not in entry:
+            raise PlanError("table_wise needs a rank")
+        return table_wise(entry["rank"])
+
 
 @dataclass(frozen=True)
 class RowWise:
@@ -46,6 +83,81 @@ class RowWise:
     hot_rows: int = 0
     ranks: tuple[int, ...] | None = None
 
+    KIND: ClassVar[str] = "row_wise"
+    FIELDS: ClassVar[frozenset[str]] = frozenset({"sizes", "hot_rows", "ranks"})
+    SPLITS_ROWS: ClassVar[bool] = True
+    REPLICATED: ClassVar[bool] = False
+
+    def problems(self) -> list[str]:
+        problems = []
+        if self.sizes is not None and not all(_is_int(s) and s >= 0 for s in self.sizes):
+            problems.append(f"row_wise sizes must be non-negative ints, got {list(self.sizes)}")
+        if not _is_int(self.hot_rows) or self.hot_rows < 0:
+            problems.append(f"row_wise hot_rows must be a non-negative int, got {self.hot_rows!r}")
+        if self.ranks is not None:
+            if not all(_is_int(r) and r >= 0 for r in self.ranks):
+                problems.append(f"row_wise ranks must be non-negative ints, got {list(self.ranks)}")
+            elif len(set(self.ranks)) != len(self.ranks):
+                problems.append(
+                    f"row_wise ranks {list(self.ranks)} repeat a rank (one block a rank)"
+                )
+            if self.sizes is not None and len(self.sizes) != len(self.ranks):
+                problems.append(
+                    f"row_wise gives {plural(len(self.sizes), 'size')} "
+                    f"for {plural(len(self.ranks), 'rank')}"
+                )
+        return problems
+
+    def table_problems(self, rows: int, dim: int, world_size: int | None) -> list[str]:
+        problems = _fbgemm_dim(dim, "embedding_dim")
+        sizes = self.sizes
+        if sizes is not None and world_size is not None and len(sizes) != world_size:
+            problems.append(
+                f"row_wise gives {plural(len(sizes), 'size')} "
+                f"for a world of {plural(world_size, 'rank')}"
+            )
+        world = None if world_size is None else list(range(world_size))
+        if self.ranks is not None and world is not None and sorted(self.ranks) != world:
+            problems.append(
+                f"row_wise ranks {list(self.ranks)} are not an order of the world's "
+                f"{plural(world_size, 'rank')} (each rank once)"
+            )
+        split = rows - self.hot_rows
+        if self.hot_rows and split <= 0:
+            problems.append(
+                f"row_wise hot_rows {self.hot_rows} leaves none of the table's "
+                f"{plural(rows, 'row')} to split (data_parallel() copies a whole table)"
+            )
+        elif sizes is not None and sum(sizes) != split:
+            left = f", the rows left after {self.hot_rows} hot ones" if self.hot_rows else ""
+            problems.append(
+                f"row_wise sizes {list(sizes)} sum to {sum(sizes)}, not {plural(split, 'row')}"
+                + left
+            )
+        return problems
+
+    def shards(self, rows: int, dim: int, world_size: int) -> tuple[TableShard, ...]:
+        hot, split = self.hot_rows, rows - self.hot_rows
+        sizes = self.sizes if self.sizes is not None else even_row_sizes(split, world_size)
+        ranks = self.ranks if self.ranks is not None else range(world_size)
+        offsets = accumulate(sizes, initial=hot)
+        copies = tuple(TableShard(r, 0, hot, 0, dim, copy=True) for r in range(world_size))
+        blocks = tuple(TableShard(r, o, n, 0, dim) for r, o, n in zip(ranks, offsets, sizes))
+        return (copies if hot else ()) + blocks
+
+    def placement(self, shards: Sequence[TableShard]) -> tuple[tuple[int, ...] | None, Placement]:
+        return None, Shard(0)
+
+    def to_dict(self) -> dict[str, Any]:
+        sizes = {} if self.sizes is None else {"sizes": list(self.sizes)}
+        hot = {"hot_rows": self.hot_rows} if self.hot_rows else {}
+        ranks = {} if self.ranks is None else {"ranks": list(self.ranks)}
+        return {"type": self.KIND} | sizes | hot | ranks
+
+    @classmethod
+    def from_dict(cls, entry: dict[str, Any]) -> RowWise:
+        return row_wise(entry.get("sizes"), entry.get("hot_rows", 0), entry.get("ranks"))
+
 
 @dataclass(frozen=True)
 class ColumnWise:
@@ -54,11 +166,86 @@ class ColumnWise:
     ranks: tuple[int, ...]
     widths: tuple[int, ...] | None = None
 
+    KIND: ClassVar[str] = "column_wise"
+    FIELDS: ClassVar[frozenset[str]] = frozenset({"ranks", "widths"})
+    SPLITS_ROWS: ClassVar[bool] = False
+    REPLICATED: ClassVar[bool] = False
+    hot_rows: ClassVar[int] = 0
+
+    def problems(self) -> list[str]:
+        problems = []
+        if not self.ranks:
+            problems.append("column_wise needs at least one rank")
+        if not all(_is_int(r) and r >= 0 for r in self.ranks):
+            problems.append(f"column_wise ranks must be non-negative ints, got {list(self.ranks)}")
+        if self.widths is not None:
+            if len(self.widths) != len(self.ranks):
+                problems.append(
+                    f"column_wise gives {plural(len(self.widths), 'width')} "
+                    f"for {plural(len(self.ranks), 'rank')}"
+                )
+            if not all(_is_int(w) and w > 0 for w in self.widths):
+                problems.append(
+                    f"column_wise widths must be positive ints, got {list(self.widths)}"
+                )
+        return problems
+
+    def table_problems(self, rows: int, dim: int, world_size: int | None) -> list[str]:
+        groups = [(r,) for r in self.ranks]
+        return _column_problems(self.KIND, groups, self.column_widths(dim), dim, world_size)
+
+    def column_widths(self, dim: int) -> tuple[int, ...] | None:
+        """The column blocks' widths; None when equal widths do not split ``dim``."""
+        return _widths(self.widths, len(self.ranks), dim)
+
+    def shards(self, rows: int, dim: int, world_size: int) -> tuple[TableShard, ...]:
+        widths = self.column_widths(dim)
+        offsets = accumulate(widths, initial=0)
+        return tuple(TableShard(r, 0, rows, o, w) for r, o, w in zip(self.ranks, offsets, widths))
+
+    def placement(self, shards: Sequence[TableShard]) -> tuple[tuple[int, ...] | None, Placement]:
+        return tuple(sorted({s.rank for s in shards})), Shard(1)
+
+    def to_dict(self) -> dict[str, Any]:
+        widths = {} if self.widths is None else {"widths": list(self.widths)}
+        return {"type": self.KIND, "ranks": list(self.ranks)} | widths
+
+    @classmethod
+    def from_dict(cls, entry: dict[str, Any]) -> ColumnWise:
+        if "ranks" not in entry:
+            raise PlanError("column_wise needs ranks")
+        return column_wise(entry["ranks"], entry.get("widths"))
+
 
 @dataclass(frozen=True)
 class DataParallel:
     """A full copy of the table on every rank, looked up locally: no ids or pooled rows
     travel for it, and its gradient is averaged over the ranks, as DDP's are."""
+
+    KIND: ClassVar[str] = "data_parallel"
+    FIELDS: ClassVar[frozenset[str]] = frozenset()
+    SPLITS_ROWS: ClassVar[bool] = False
+    REPLICATED: ClassVar[bool] = True
+    hot_rows: ClassVar[int] = 0
+
+    def problems(self) -> list[str]:
+        return []
+
+    def table_problems(self, rows: int, dim: int, world_size: int | None) -> list[str]:
+        return _fbgemm_dim(dim, "embedding_dim")
+
+    def shards(self, rows: int, dim: int, world_size: int) -> tuple[TableShard, ...]:
+        return tuple(TableShard(r, 0, rows, 0, dim, copy=True) for r in range(world_size))
+
+    def placement(self, shards: Sequence[TableShard]) -> tuple[tuple[int, ...] | None, Placement]:
+        return None, Replicate()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.KIND}
+
+    @classmethod
+    def from_dict(cls, entry: dict[str, Any]) -> DataParallel:
+        return data_parallel()
 
 
 @dataclass(frozen=True)
@@ -72,8 +259,126 @@ class Grid:
     ranks: tuple[tuple[int, ...], ...]
     sizes: tuple[tuple[int, ...], ...] | None = None
 
+    KIND: ClassVar[str] = "grid"
+    FIELDS: ClassVar[frozenset[str]] = frozenset({"column_blocks", "ranks", "sizes"})
+    SPLITS_ROWS: ClassVar[bool] = True
+    REPLICATED: ClassVar[bool] = False
+    hot_rows: ClassVar[int] = 0
+
+    def problems(self) -> list[str]:
+        """Its blocks, its groups of ranks and their sizes."""
+        problems, blocks, groups = [], self.column_blocks, self.ranks
+        count = None
+        if _is_int(blocks) and blocks > 0:
+            count = blocks
+        elif isinstance(blocks, tuple) and blocks and all(_is_int(w) and w > 0 for w in blocks):
+            count = len(blocks)
+        else:
+            problems.append(
+                f"grid column_blocks must be a positive int or a list of positive widths, "
+                f"got {blocks!r}"
+            )
+        if not groups:
+            problems.append("grid needs a group of ranks for every column block, got none")
+        for i, group in enumerate(groups):
+            if not group:
+                problems.append(f"grid block {i} has an empty group of ranks")
+            elif not all(_is_int(r) and r >= 0 for r in group):
+                problems.append(
+                    f"grid block {i}: ranks must be non-negative ints, got {list(group)}"
+                )
+            elif len(set(group)) != len(group):
+                problems.append(
+                    f"grid block {i}: ranks {list(group)} repeat a rank (one block a rank)"
+                )
+        if count is not None and groups and count != len(groups):
+            problems.append(
+                f"grid has {plural(count, 'column block')} but "
+                f"{plural(len(groups), 'group')} of ranks"
+            )
+        if self.sizes is not None:
+            if len(self.sizes) != len(groups):
+                problems.append(
+                    f"grid gives {plural(len(self.sizes), 'list')} of sizes "
+                    f"for {plural(len(groups), 'group')} of ranks"
+                )
+            for i, (group, sizes) in enumerate(zip(groups, self.sizes)):
+                if not all(_is_int(n) and n >= 0 for n in sizes):
+                    problems.append(
+                        f"grid block {i}: sizes must be non-negative ints, got {list(sizes)}"
+                    )
+                elif len(sizes) != len(group):
+                    problems.append(
+                        f"grid block {i} gives {plural(len(sizes), 'size')} "
+                        f"for {plural(len(group), 'rank')}"
+                    )
+        return problems
+
+    def table_problems(self, rows: int, dim: int, world_size: int | None) -> list[str]:
+        problems = _column_problems(self.KIND, self.ranks, self.column_widths(dim), dim, world_size)
+        return problems + [
+            f"grid block {i} sizes {list(sizes)} sum to {sum(sizes)}, not {plural(rows, 'row')}"
+            for i, sizes in enumerate(self.group_sizes(rows))
+            if sum(sizes) != rows
+        ]
+
+    def column_widths(self, dim: int) -> tuple[int, ...] | None:
+        """The column blocks' widths; None when equal widths do not split ``dim``."""
+        blocks = self.column_blocks
+        if isinstance(blocks, int):
+            return _widths(None, blocks, dim)
+        return _widths(blocks, len(blocks), dim)
+
+    def group_sizes(self, rows: int) -> tuple[tuple[int, ...], ...]:
+        """Each column block's row sizes over its group: given, or even over the group."""
+        if self.sizes is not None:
+            return self.sizes
+        return tuple(even_row_sizes(rows, len(group)) for group in self.ranks)
+
+    def shards(self, rows: int, dim: int, world_size: int) -> tuple[TableShard, ...]:
+        widths = self.column_widths(dim)
+        offsets = accumulate(widths, initial=0)
+        return tuple(
+            TableShard(rank, row, size, col, width)
+            for group, sizes, col, width in zip(self.ranks, self.group_sizes(rows), offsets, widths)
+            for rank, row, size in zip(group, accumulate(sizes, initial=0), sizes)
+        )
+
+    def placement(self, shards: Sequence[TableShard]) -> tuple[tuple[int, ...] | None, Placement]:
+        return tuple(sorted({s.rank for s in shards})), Shard(1)
+
+    def to_dict(self) -> dict[str, Any]:
+        blocks = self.column_blocks
+        return {
+            "type": self.KIND,
+            "column_blocks": blocks if isinstance(blocks, int) else list(blocks),
+            "ranks": [list(group) for group in self.ranks],
+        } | ({} if self.sizes is None else {"sizes": [list(s) for s in self.sizes]})
+
+    @classmethod
+    def from_dict(cls, entry: dict[str, Any]) -> Grid:
+        missing = [key for key in ("column_blocks", "ranks") if key not in entry]
+        if missing:
+            raise PlanError(f"grid needs {' and '.join(missing)}")
+        blocks = entry["column_blocks"]
+        if not isinstance(blocks, int | list):
+            raise PlanError(
+                f"grid column_blocks must be a count or a list of widths, got {blocks!r}"
+            )
+        for key in ("ranks", "sizes"):
+            value = entry.get(key)
+            if value is not None and not all(isinstance(v, list) for v in value):
+                raise PlanError(
+                    f"grid {key} must be a list of lists, one per column block, got {value!r}"
+                )
+        return grid(blocks, entry["ranks"], entry.get("sizes"))
+
 
 TableSpec = TableWise | RowWise | ColumnWise | Grid | DataParallel
+# Every spec by the name plan files give it.
+SPECS: dict[str, type[TableSpec]] = {
+    cls.KIND: cls for cls in (TableWise, RowWise, ColumnWise, Grid, DataParallel)
+}
 
 
 def table_wise(rank: int) -> TableWise:
@@ -167,17 +472,17 @@ class ShardedTable:
     @property
     def kind(self) -> str:
         """The spec's type as plan files name it: ``table_wise``, ``grid``, ..."""
-        return _spec_to_dict(self.spec)["type"]
+        return self.spec.KIND
 
     @property
     def replicated(self) -> bool:
         """Data-parallel: every rank holds the whole table (one shard a rank)."""
-        return isinstance(self.spec, DataParallel)
+        return self.spec.REPLICATED
 
     @property
     def hot_rows(self) -> int:
         """A row-wise table's rows copied on every rank (``row_wise(hot_rows=...)``), else 0."""
-        return self.spec.hot_rows if isinstance(self.spec, RowWise) else 0
+        return self.spec.hot_rows
 
     @property
     def copied_rows(self) -> int:
@@ -268,223 +573,52 @@ def _is_int(value: Any) -> bool:
 
 def _spec_problems(spec: Any) -> list[str]:
     """Problems a spec has on its own, before any table or world is known."""
-    if isinstance(spec, TableWise):
-        if not _is_int(spec.rank) or spec.rank < 0:
-            return [f"rank must be a non-negative int, got {spec.rank!r}"]
-        return []
-    if isinstance(spec, RowWise):
-        problems = []
-        if spec.sizes is not None and not all(_is_int(s) and s >= 0 for s in spec.sizes):
-            problems.append(f"row_wise sizes must be non-negative ints, got {list(spec.sizes)}")
-        if not _is_int(spec.hot_rows) or spec.hot_rows < 0:
-            problems.append(f"row_wise hot_rows must be a non-negative int, got {spec.hot_rows!r}")
-        if spec.ranks is not None:
-            if not all(_is_int(r) and r >= 0 for r in spec.ranks):
-                problems.append(f"row_wise ranks must be non-negative ints, got {list(spec.ranks)}")
-            elif len(set(spec.ranks)) != len(spec.ranks):
-                problems.append(
-                    f"row_wise ranks {list(spec.ranks)} repeat a rank (one block a rank)"
-                )
-            if spec.sizes is not None and len(spec.sizes) != len(spec.ranks):
-                problems.append(
-                    f"row_wise gives {plural(len(spec.sizes), 'size')} "
-                    f"for {plural(len(spec.ranks), 'rank')}"
-                )
-        return problems
-    if isinstance(spec, DataParallel):
-        return []
-    if isinstance(spec, ColumnWise):
-        problems = []
-        if not spec.ranks:
-            problems.append("column_wise needs at least one rank")
-        if not all(_is_int(r) and r >= 0 for r in spec.ranks):
-            problems.append(f"column_wise ranks must be non-negative ints, got {list(spec.ranks)}")
-        if spec.widths is not None:
-            if len(spec.widths) != len(spec.ranks):
-                problems.append(
-                    f"column_wise gives {plural(len(spec.widths), 'width')} "
-                    f"for {plural(len(spec.ranks), 'rank')}"
-                )
-            if not all(_is_int(w) and w > 0 for w in spec.widths):
-                problems.append(
-                    f"column_wise widths must be positive ints, got {list(spec.widths)}"
-                )
-        return problems
-    if isinstance(spec, Grid):
-        return _grid_problems(spec)
-    return [
-        "expected table_wise(...), row_wise(...), column_wise(...), grid(...) or "
-        f"data_parallel(), got {spec!r}"
-    ]
+    if not isinstance(spec, tuple(SPECS.values())):
+        return [
+            "expected table_wise(...), row_wise(...), column_wise(...), grid(...) or "
+            f"data_parallel(), got {spec!r}"
+        ]
+    return spec.problems()
 
 
-def _grid_problems(spec: Grid) -> list[str]:
-    """A grid's own problems: its blocks, its groups of ranks and their sizes."""
-    problems, blocks, groups = [], spec.column_blocks, spec.ranks
-    count = None
-    if _is_int(blocks) and blocks > 0:
-        count = blocks
-    elif isinstance(blocks, tuple) and blocks and all(_is_int(w) and w > 0 for w in blocks):
-        count = len(blocks)
-    else:
-        problems.append(
-            f"grid column_blocks must be a positive int or a list of positive widths, "
-            f"got {blocks!r}"
-        )
-    if not groups:
-        problems.append("grid needs a group of ranks for every column block, got none")
-    for i, group in enumerate(groups):
-        if not group:
-            problems.append(f"grid block {i} has an empty group of ranks")
-        elif not all(_is_int(r) and r >= 0 for r in group):
-            problems.append(f"grid block {i}: ranks must be non-negative ints, got {list(group)}")
-        elif len(set(group)) != len(group):
-            problems.append(f"grid block {i}: ranks {list(group)} repeat a rank (one block a rank)")
-    if count is not None and groups and count != len(groups):
-        problems.append(
-            f"grid has {plural(count, 'column block')} but {plural(len(groups), 'group')} of ranks"
-        )
-    if spec.sizes is not None:
-        if len(spec.sizes) != len(groups):
-            problems.append(
-                f"grid gives {plural(len(spec.sizes), 'list')} of sizes "
-                f"for {plural(len(groups), 'group')} of ranks"
-            )
-        for i, (group, sizes) in enumerate(zip(groups, spec.sizes)):
-            if not all(_is_int(n) and n >= 0 for n in sizes):
-                problems.append(
-                    f"grid block {i}: sizes must be non-negative ints, got {list(sizes)}"
-                )
-            elif len(sizes) != len(group):
-                problems.append(
-                    f"grid block {i} gives {plural(len(sizes), 'size')} "
-                    f"for {plural(len(group), 'rank')}"
-                )
-    return problems
+def _out_of_world(ranks: Sequence[int], world_size: int | None) -> list[str]:
+    bad = sorted({r for r in ranks if world_size is not None and r >= world_size})
+    return [f"rank {r} is outside the world of {plural(world_size, 'rank')}" for r in bad]
 
 
-def _column_widths(dim: int, spec: ColumnWise | Grid) -> tuple[int, ...] | None:
-    """The column blocks' widths; None when equal widths do not split ``dim``."""
-    if isinstance(spec, Grid):
-        blocks = spec.column_blocks
-        widths, count = (None, blocks) if isinstance(blocks, int) else (blocks, len(blocks))
-    else:
-        widths, count = spec.widths, len(spec.ranks)
-    if widths is not None:
-        return widths
+def _fbgemm_dim(width: int, what: str) -> list[str]:
+    if width % FBGEMM_DIM_MULTIPLE:
+        return [f"{what} {width} is not a multiple of {FBGEMM_DIM_MULTIPLE}, which FBGEMM needs"]
+    return []
+
+
+def _widths(given: Sequence[int] | None, count: int, dim: int) -> tuple[int, ...] | None:
+    """Column widths: ``given``, or ``count`` equal ones (None when they do not split
+    ``dim``)."""
+    if given is not None:
+        return tuple(given)
     if dim % count:
         return None
     return (dim // count,) * count
 
 
-def _group_sizes(rows: int, spec: Grid) -> tuple[tuple[int, ...], ...]:
-    """Each column block's row sizes over its group: given, or even over the group."""
-    if spec.sizes is not None:
-        return spec.sizes
-    return tuple(even_row_sizes(rows, len(group)) for group in spec.ranks)
-
-
-def _table_problems(
-    config: EmbeddingBagConfig, spec: TableSpec, world_size: int | None
+def _column_problems(
+    kind: str,
+    groups: Sequence[Sequence[int]],
+    widths: tuple[int, ...] | None,
+    dim: int,
+    world_size: int | None,
 ) -> list[str]:
-    """What keeps a well-formed spec from sharding its table; checks that need the world
-    size are left out when it is None."""
-    rows, dim = config.num_embeddings, config.embedding_dim
-
-    def out_of_world(ranks: Sequence[int]) -> list[str]:
-        bad = sorted({r for r in ranks if world_size is not None and r >= world_size})
-        return [f"rank {r} is outside the world of {plural(world_size, 'rank')}" for r in bad]
-
-    def fbgemm_dim(width: int, what: str) -> list[str]:
-        if width % FBGEMM_DIM_MULTIPLE:
-            return [
-                f"{what} {width} is not a multiple of {FBGEMM_DIM_MULTIPLE}, which FBGEMM needs"
-            ]
-        return []
-
-    if isinstance(spec, TableWise):
-        return out_of_world([spec.rank]) + fbgemm_dim(dim, "embedding_dim")
-
-    if isinstance(spec, DataParallel):
-        return fbgemm_dim(dim, "embedding_dim")
-
-    if isinstance(spec, RowWise):
-        problems = fbgemm_dim(dim, "embedding_dim")
-        sizes = spec.sizes
-        if sizes is not None and world_size is not None and len(sizes) != world_size:
-            problems.append(
-                f"row_wise gives {plural(len(sizes), 'size')} "
-                f"for a world of {plural(world_size, 'rank')}"
-            )
-        world = None if world_size is None else list(range(world_size))
-        if spec.ranks is not None and world is not None and sorted(spec.ranks) != world:
-            problems.append(
-                f"row_wise ranks {list(spec.ranks)} are not an order of the world's "
-                f"{plural(world_size, 'rank')} (each rank once)"
-            )
-        split = rows - spec.hot_rows
-        if spec.hot_rows and split <= 0:
-            problems.append(
-                f"row_wise hot_rows {spec.hot_rows} leaves none of the table's "
-                f"{plural(rows, 'row')} to split (data_parallel() copies a whole table)"
-            )
-        elif sizes is not None and sum(sizes) != split:
-            left = f", the rows left after {spec.hot_rows} hot ones" if spec.hot_rows else ""
-            problems.append(
-                f"row_wise sizes {list(sizes)} sum to {sum(sizes)}, not {plural(split, 'row')}"
-                + left
-            )
-        return problems
-
-    kind = "grid" if isinstance(spec, Grid) else "column_wise"
-    groups = spec.ranks if isinstance(spec, Grid) else (spec.ranks,)
-    problems = out_of_world([r for group in groups for r in group])
-    widths = _column_widths(dim, spec)
+    """What keeps column blocks, block ``i`` on the ranks ``groups[i]``, from splitting
+    a table."""
+    problems = _out_of_world([r for group in groups for r in group], world_size)
     if widths is None:
-        count = len(spec.ranks)
-        problems.append(f"embedding_dim {dim} does not split into {count} equal widths")
+        problems.append(f"embedding_dim {dim} does not split into {len(groups)} equal widths")
     elif sum(widths) != dim:
         problems.append(f"{kind} widths {list(widths)} sum to {sum(widths)}, not {dim}")
     for width in sorted(set(widths or ())):
-        problems += fbgemm_dim(width, "column block width")
-    if isinstance(spec, Grid):
-        problems += [
-            f"grid block {i} sizes {list(sizes)} sum to {sum(sizes)}, not {plural(rows, 'row')}"
-            for i, sizes in enumerate(_group_sizes(rows, spec))
-            if sum(sizes) != rows
-        ]
+        problems += _fbgemm_dim(width, "column block width")
     return problems
-
-
-def _table_shards(
-    config: EmbeddingBagConfig, spec: TableSpec, world_size: int
-) -> tuple[TableShard, ...]:
-    """The shards of a spec that fits its table (``_table_problems`` found nothing)."""
-    rows, dim = config.num_embeddings, config.embedding_dim
-    if isinstance(spec, TableWise):
-        return (TableShard(spec.rank, 0, rows, 0, dim),)
-    if isinstance(spec, DataParallel):
-        return tuple(TableShard(r, 0, rows, 0, dim, copy=True) for r in range(world_size))
-    if isinstance(spec, RowWise):
-        hot, split = spec.hot_rows, rows - spec.hot_rows
-        sizes = spec.sizes if spec.sizes is not None else even_row_sizes(split, world_size)
-        ranks = spec.ranks if spec.ranks is not None else range(world_size)
-        offsets = accumulate(sizes, initial=hot)
-        copies = tuple(TableShard(r, 0, hot, 0, dim, copy=True) for r in range(world_size))
-        blocks = tuple(TableShard(r, o, n, 0, dim) for r, o, n in zip(ranks, offsets, sizes))
-        return (copies if hot else ()) + blocks
-    widths = _column_widths(dim, spec)
-    offsets = list(accumulate(widths, initial=0))
-    if isinstance(spec, ColumnWise):
-        return tuple(
-            TableShard(r, 0, rows, offsets[i], w)
-            for i, (r, w) in enumerate(zip(spec.ranks, widths))
-        )
-    return tuple(
-        TableShard(rank, row, size, col, width)
-        for group, sizes, col, width in zip(spec.ranks, _group_sizes(rows, spec), offsets, widths)
-        for rank, row, size in zip(group, accumulate(sizes, initial=0), sizes)
-    )
 
 
 def _check_world_size(world_size: Any) -> None:
@@ -509,7 +643,8 @@ def _fit_problems(
     ]
     for config in tables:
         if config.name in specs:
-            found = _table_problems(config, specs[config.name], world_size)
+            spec, rows, dim = specs[config.name], config.num_embeddings, config.embedding_dim
+            found = spec.table_problems(rows, dim, world_size)
             problems += [f"table {config.name!r}: {p}" for p in found]
     return problems
 
@@ -542,14 +677,14 @@ class ShardingPlan:
                 t.num_embeddings,
                 t.embedding_dim,
                 self.tables[t.name],
-                _table_shards(t, self.tables[t.name], world_size),
+                self.tables[t.name].shards(t.num_embeddings, t.embedding_dim, world_size),
             )
             for t in tables
         }
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(
-            {"tables": {name: _spec_to_dict(spec) for name, spec in self.tables.items()}},
+            {"tables": {name: spec.to_dict() for name, spec in self.tables.items()}},
             sort_keys=False,
             default_flow_style=None,
         )
@@ -617,72 +752,14 @@ class ShardingPlan:
             raise PlanError(f"{path}: {e}") from None
 
 
-_SPEC_FIELDS = {
-    "table_wise": {"rank"},
-    "row_wise": {"sizes", "hot_rows", "ranks"},
-    "column_wise": {"ranks", "widths"},
-    "grid": {"column_blocks", "ranks", "sizes"},
-    "data_parallel": set(),
-}
-
-
-def _spec_to_dict(spec: TableSpec) -> dict[str, Any]:
-    if isinstance(spec, TableWise):
-        return {"type": "table_wise", "rank": spec.rank}
-    if isinstance(spec, RowWise):
-        sizes = {} if spec.sizes is None else {"sizes": list(spec.sizes)}
-        hot = {"hot_rows": spec.hot_rows} if spec.hot_rows else {}
-        ranks = {} if spec.ranks is None else {"ranks": list(spec.ranks)}
-        return {"type": "row_wise"} | sizes | hot | ranks
-    if isinstance(spec, Grid):
-        blocks = spec.column_blocks
-        return {
-            "type": "grid",
-            "column_blocks": blocks if isinstance(blocks, int) else list(blocks),
-            "ranks": [list(group) for group in spec.ranks],
-        } | ({} if spec.sizes is None else {"sizes": [list(s) for s in spec.sizes]})
-    if isinstance(spec, DataParallel):
-        return {"type": "data_parallel"}
-    widths = {} if spec.widths is None else {"widths": list(spec.widths)}
-    return {"type": "column_wise", "ranks": list(spec.ranks)} | widths
-
-
 def _spec_from_dict(entry: Any) -> TableSpec:
-    if not isinstance(entry, dict) or entry.get("type") not in _SPEC_FIELDS:
-        raise PlanError(f"expected a mapping with type one of {list(_SPEC_FIELDS)}, got {entry!r}")
-    kind = entry["type"]
-    unknown = set(entry) - _SPEC_FIELDS[kind] - {"type"}
+    if not isinstance(entry, dict) or entry.get("type") not in SPECS:
+        raise PlanError(f"expected a mapping with type one of {list(SPECS)}, got {entry!r}")
+    spec = SPECS[entry["type"]]
+    unknown = set(entry) - spec.FIELDS - {"type"}
     if unknown:
-        raise PlanError(f"unknown keys {sorted(unknown)} for {kind}")
+        raise PlanError(f"unknown keys {sorted(unknown)} for {spec.KIND}")
     for key in ("sizes", "ranks", "widths"):
         if entry.get(key) is not None and not isinstance(entry[key], list):
-            raise PlanError(f"{kind} {key} must be a list, got {entry[key]!r}")
-    if kind == "table_wise":
-        if "rank" not in entry:
-            raise PlanError("table_wise needs a rank")
-        return table_wise(entry["rank"])
-    if kind == "row_wise":
-        return row_wise(entry.get("sizes"), entry.get("hot_rows", 0), entry.get("ranks"))
-    if kind == "grid":
-        return _grid_from_dict(entry)
-    if kind == "data_parallel":
-        return data_parallel()
-    if "ranks" not in entry:
-        raise PlanError("column_wise needs ranks")
-    return column_wise(entry["ranks"], entry.get("widths"))
-
-
-def _grid_from_dict(entry: dict[str, Any]) -> Grid:
-    missing = [key for key in ("column_blocks", "ranks") if key not in entry]
-    if missing:
-        raise PlanError(f"grid needs {' and '.join(missing)}")
-    blocks = entry["column_blocks"]
-    if not isinstance(blocks, int | list):
-        raise PlanError(f"grid column_blocks must be a count or a list of widths, got {blocks!r}")
-    for key in ("ranks", "sizes"):
-        value = entry.get(key)
-        if value is not None and not all(isinstance(v, list) for v in value):
-            raise PlanError(
-                f"grid {key} must be a list of lists, one per column block, got {value!r}"
-            )
-    return grid(blocks, entry["ranks"], entry.get("sizes"))
+            raise PlanError(f"{spec.KIND} {key} must be a list, got {entry[key]!r}")
+    return spec.from_dict(entry)

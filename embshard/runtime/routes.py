@@ -22,7 +22,7 @@ from torchrec.modules.embedding_configs import (
 )
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
 
-from embshard.plan.specs import Grid, RowWise, ShardedTable, TableShard, local_shards
+from embshard.plan.specs import ShardedTable, TableShard, local_shards
 
 
 @dataclass(frozen=True)
@@ -261,7 +261,7 @@ def _block_orders(
     return {
         (name, col): _block_order(table, col, world_size)
         for name, table in tables.items()
-        if isinstance(table.spec, RowWise | Grid)
+        if table.spec.SPLITS_ROWS
         for col in {s.col_offset for s in table.shards}
     }
 
@@ -340,7 +340,7 @@ def build_routes(
                     mean=isinstance(config, EmbeddingBagConfig)
                     and config.pooling == PoolingType.MEAN,
                     out_offset=offset,
-                    row_wise=isinstance(tables[config.name].spec, RowWise | Grid),
+                    row_wise=tables[config.name].spec.SPLITS_ROWS,
                     data_parallel=tables[config.name].replicated,
                     copied_rows=tables[config.name].copied_rows,
                 )

@@ -25,16 +25,11 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from embshard.plan.specs import (
-    ColumnWise,
-    DataParallel,
-    Grid,
-    RowWise,
     ShardedTable,
     TableShard,
-    TableWise,
     local_shards,
 )
 from embshard.storage.lookup import Adagrad, FusedOptimizer, RowWiseAdagrad, build_tbe
@@ -214,16 +209,8 @@ def table_dtensor(
     of plan ranks ``ranks``. ``shape`` overrides the global shape, for optimizer state
     laid out like the table's rows.
     """
-    if isinstance(table.spec, TableWise):
-        table_mesh, placement = submesh((table.spec.rank,)), Replicate()
-    elif isinstance(table.spec, DataParallel):
-        table_mesh, placement = mesh, Replicate()
-    elif isinstance(table.spec, RowWise):
-        table_mesh, placement = mesh, Shard(0)
-    elif isinstance(table.spec, ColumnWise | Grid):
-        table_mesh, placement = submesh(tuple(sorted({s.rank for s in table.shards}))), Shard(1)
-    else:
-        raise TypeError(f"table {table.name!r}: unknown sharding spec {table.spec!r}")
+    ranks, placement = table.spec.placement(table.shards)
+    table_mesh = mesh if ranks is None else submesh(ranks)
     rows, cols = shape or (table.num_embeddings, table.embedding_dim)
     return DTensor.from_local(
         local,
