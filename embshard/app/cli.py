@@ -239,7 +239,7 @@ def inspect(directory: str, as_json: bool) -> None:
 
     from embshard.checkpoint.store import describe
     from embshard.errors import CheckpointError
-    from embshard.plan.specs import plural
+    from embshard.plan.specs import Kind, plural
 
     try:
         info = describe(directory)
@@ -263,7 +263,7 @@ def inspect(directory: str, as_json: bool) -> None:
             f"{name}: {tuple(table['shape'])} {table['dtype']}, {table['optimizer']}"
             + (f" state {tuple(state)}" if state else "")
         )
-        if table["layout"] == "data_parallel":
+        if table["layout"] == Kind.DATA_PARALLEL:
             ranks = plural(len(table["shards"]), "rank")
             click.echo(f"    a copy on each of {ranks}: rows 0:{table['shape'][0]}, all columns")
             continue

@@ -25,7 +25,7 @@ from torchrec.modules.embedding_configs import (
 )
 
 from embshard.errors import ConfigError, PlanError
-from embshard.plan.specs import ShardingPlan, yaml_problem
+from embshard.plan.specs import Kind, ShardingPlan, yaml_problem
 
 SPARSE_OPTIMIZERS = ["sgd", "adagrad", "rowwise_adagrad"]
 CRITEO_DENSE = 13
@@ -37,6 +37,9 @@ PLANNING_BATCH_SIZE = 512  # per rank, where a config gives none: TorchRec's pla
 # embedding_dim, pooled tables); "simulate" and "plan" need only tables, of any dims,
 # "plan" (plan, show) sequence tables too.
 Use = Literal["train", "simulate", "plan"]
+# What a table's ``shardings`` may allow the planner: every kind but the grid, which it
+# never plans.
+PLANNED_KINDS = tuple(k.value for k in Kind if k is not Kind.GRID)
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,7 @@ class TableConfig:
     data_type: Literal["fp32", "fp16"] = "fp32"  # fp16: half the memory
     mean_pooling: float = 1.0  # mean ids per bag, for synthetic data and the planner
     # Planner constraints: allowed sharding types, ranks its shards may use, column blocks.
-    shardings: list[Literal["table_wise", "row_wise", "column_wise", "data_parallel"]] | None = None
+    shardings: list[Literal[PLANNED_KINDS]] | None = None
     ranks: list[int] | None = None
     column_blocks: int | None = None
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from itertools import accumulate
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -32,6 +33,17 @@ from embshard.errors import PlanError
 
 T = TypeVar("T")
 
+
+class Kind(StrEnum):
+    """The sharding kinds by the names plan files, configs and the planner use."""
+
+    TABLE_WISE = "table_wise"
+    ROW_WISE = "row_wise"
+    COLUMN_WISE = "column_wise"
+    DATA_PARALLEL = "data_parallel"
+    GRID = "grid"
+
+
 # FBGEMM's TBE kernels take only embedding dims that are multiples of 4.
 FBGEMM_DIM_MULTIPLE = 4
 
@@ -42,7 +54,7 @@ class TableWise:
 
     rank: int
 
-    KIND: ClassVar[str] = "table_wise"
+    KIND: ClassVar[Kind] = Kind.TABLE_WISE
     FIELDS: ClassVar[frozenset[str]] = frozenset({"rank"})
     SPLITS_ROWS: ClassVar[bool] = False  # ids are bucketized by row for it
     REPLICATED: ClassVar[bool] = False  # a whole copy on every rank
@@ -63,7 +75,7 @@ class TableWise:
         return (self.rank,), Replicate()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"type": self.KIND, "rank": self.rank}
+        return {"type": self.KIND.value, "rank": self.rank}
 
     @classmethod
     def from_dict(cls, entry: dict[str, Any]) -> TableWise:
@@ -83,7 +95,7 @@ class RowWise:
     hot_rows: int = 0
     ranks: tuple[int, ...] | None = None
 
-    KIND: ClassVar[str] = "row_wise"
+    KIND: ClassVar[Kind] = Kind.ROW_WISE
     FIELDS: ClassVar[frozenset[str]] = frozenset({"sizes", "hot_rows", "ranks"})
     SPLITS_ROWS: ClassVar[bool] = True
     REPLICATED: ClassVar[bool] = False
@@ -152,7 +164,7 @@ class RowWise:
         sizes = {} if self.sizes is None else {"sizes": list(self.sizes)}
         hot = {"hot_rows": self.hot_rows} if self.hot_rows else {}
         ranks = {} if self.ranks is None else {"ranks": list(self.ranks)}
-        return {"type": self.KIND} | sizes | hot | ranks
+        return {"type": self.KIND.value} | sizes | hot | ranks
 
     @classmethod
     def from_dict(cls, entry: dict[str, Any]) -> RowWise:
@@ -166,7 +178,7 @@ class ColumnWise:
     ranks: tuple[int, ...]
     widths: tuple[int, ...] | None = None
 
-    KIND: ClassVar[str] = "column_wise"
+    KIND: ClassVar[Kind] = Kind.COLUMN_WISE
     FIELDS: ClassVar[frozenset[str]] = frozenset({"ranks", "widths"})
     SPLITS_ROWS: ClassVar[bool] = False
     REPLICATED: ClassVar[bool] = False
@@ -208,7 +220,7 @@ class ColumnWise:
 
     def to_dict(self) -> dict[str, Any]:
         widths = {} if self.widths is None else {"widths": list(self.widths)}
-        return {"type": self.KIND, "ranks": list(self.ranks)} | widths
+        return {"type": self.KIND.value, "ranks": list(self.ranks)} | widths
 
     @classmethod
     def from_dict(cls, entry: dict[str, Any]) -> ColumnWise:
@@ -222,7 +234,7 @@ class DataParallel:
     """A full copy of the table on every rank, looked up locally: no ids or pooled rows
     travel for it, and its gradient is averaged over the ranks, as DDP's are."""
 
-    KIND: ClassVar[str] = "data_parallel"
+    KIND: ClassVar[Kind] = Kind.DATA_PARALLEL
     FIELDS: ClassVar[frozenset[str]] = frozenset()
     SPLITS_ROWS: ClassVar[bool] = False
     REPLICATED: ClassVar[bool] = True
@@ -241,7 +253,7 @@ class DataParallel:
         return None, Replicate()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"type": self.KIND}
+        return {"type": self.KIND.value}
 
     @classmethod
     def from_dict(cls, entry: dict[str, Any]) -> DataParallel:
@@ -259,7 +271,7 @@ class Grid:
     ranks: tuple[tuple[int, ...], ...]
     sizes: tuple[tuple[int, ...], ...] | None = None
 
-    KIND: ClassVar[str] = "grid"
+    KIND: ClassVar[Kind] = Kind.GRID
     FIELDS: ClassVar[frozenset[str]] = frozenset({"column_blocks", "ranks", "sizes"})
     SPLITS_ROWS: ClassVar[bool] = True
     REPLICATED: ClassVar[bool] = False
@@ -350,7 +362,7 @@ class Grid:
     def to_dict(self) -> dict[str, Any]:
         blocks = self.column_blocks
         return {
-            "type": self.KIND,
+            "type": self.KIND.value,
             "column_blocks": blocks if isinstance(blocks, int) else list(blocks),
             "ranks": [list(group) for group in self.ranks],
         } | ({} if self.sizes is None else {"sizes": [list(s) for s in self.sizes]})
@@ -376,7 +388,7 @@ class Grid:
 
 TableSpec = TableWise | RowWise | ColumnWise | Grid | DataParallel
 # Every spec by the name plan files give it.
-SPECS: dict[str, type[TableSpec]] = {
+SPECS: dict[Kind, type[TableSpec]] = {
     cls.KIND: cls for cls in (TableWise, RowWise, ColumnWise, Grid, DataParallel)
 }
 
@@ -754,7 +766,9 @@ class ShardingPlan:
 
 def _spec_from_dict(entry: Any) -> TableSpec:
     if not isinstance(entry, dict) or entry.get("type") not in SPECS:
-        raise PlanError(f"expected a mapping with type one of {list(SPECS)}, got {entry!r}")
+        raise PlanError(
+            f"expected a mapping with type one of {[k.value for k in SPECS]}, got {entry!r}"
+        )
     spec = SPECS[entry["type"]]
     unknown = set(entry) - spec.FIELDS - {"type"}
     if unknown:

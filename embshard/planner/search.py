@@ -42,6 +42,7 @@ from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, Emb
 
 from embshard.errors import PlanningError
 from embshard.plan.specs import (
+    Kind,
     RowWise,
     ShardedTable,
     ShardingPlan,
@@ -72,10 +73,10 @@ _UNITS = {
     "GB": 1e9,
     "TB": 1e12,
 }
-_KINDS = ("table_wise", "row_wise", "column_wise")  # what the packing cuts tables into
-_SHARDINGS = (*_KINDS, "data_parallel")
-_UNCUT = ("table_wise", "data_parallel")  # what _unsplit leaves alone
-_ROW_SPLIT = ("row_wise", "grid")  # kinds whose pieces get the ids of their rows only
+_KINDS = (Kind.TABLE_WISE, Kind.ROW_WISE, Kind.COLUMN_WISE)  # what the packing cuts tables into
+_SHARDINGS = (*_KINDS, Kind.DATA_PARALLEL)
+_UNCUT = (Kind.TABLE_WISE, Kind.DATA_PARALLEL)  # what _unsplit leaves alone
+_ROW_SPLIT = (Kind.ROW_WISE, Kind.GRID)  # kinds whose pieces get the ids of their rows only
 
 
 def parse_bytes(text: str | int | float) -> int:
@@ -334,7 +335,7 @@ class CostModel:
         ids but every bag's length, a column piece every id and bag. A pooled piece
         sends a row back for every bag (a partial sum, for a row piece); a sequence
         piece one for each id it got. A data-parallel copy: ``replica_cost``."""
-        if kind == "data_parallel":
+        if kind == Kind.DATA_PARALLEL:
             return self.replica_cost(table)
         share = rows / table.num_embeddings if kind in _ROW_SPLIT else 1.0
         ids, bags = self.ids(table) * share, self.bags(table)
@@ -344,7 +345,7 @@ class CostModel:
         return lookup + moved * self.topology.seconds_per_byte()
 
     def whole_cost(self, table: PlannedTable) -> float:
-        return self.shard_cost(table, "table_wise", table.num_embeddings, table.embedding_dim)
+        return self.shard_cost(table, Kind.TABLE_WISE, table.num_embeddings, table.embedding_dim)
 
     def requester_cost(self, table: PlannedTable) -> float:
         """What each rank pays to have ``table`` served by others: its own ids out, its
@@ -455,13 +456,13 @@ def _shapes(
 ) -> list[tuple[int, int]]:
     """Even pieces (row blocks differ by a row at most), in rank order; with measured
     ``traffic``, row blocks that each get an even share of the lookups."""
-    if kind == "column_wise":
+    if kind == Kind.COLUMN_WISE:
         return [(table.num_embeddings, table.embedding_dim // blocks)] * blocks
-    if kind == "data_parallel":
+    if kind == Kind.DATA_PARALLEL:
         return [(table.num_embeddings, table.embedding_dim)] * blocks
-    if kind == "row_wise" and traffic is not None:
+    if kind == Kind.ROW_WISE and traffic is not None:
         return [(rows, table.embedding_dim) for rows in balanced_sizes(traffic, blocks)]
-    if kind == "row_wise":
+    if kind == Kind.ROW_WISE:
         base, extra = divmod(table.num_embeddings, blocks)
         return [(base + (i < extra), table.embedding_dim) for i in range(blocks)]
     return [(table.num_embeddings, table.embedding_dim)]
@@ -469,9 +470,9 @@ def _shapes(
 
 def _biggest(table: PlannedTable, kind: str, blocks: int) -> tuple[int, int]:
     """The shape of the biggest of ``_shapes``."""
-    if kind == "row_wise":
+    if kind == Kind.ROW_WISE:
         return -(-table.num_embeddings // blocks), table.embedding_dim
-    if kind == "data_parallel":
+    if kind == Kind.DATA_PARALLEL:
         return table.num_embeddings, table.embedding_dim
     return table.num_embeddings, table.embedding_dim // blocks
 
@@ -482,11 +483,11 @@ def _linear(table: PlannedTable, model: CostModel, kind: str) -> tuple[float, fl
     cost ``a + b k`` in all, however unevenly cut. Table-wise is the one piece; a
     data-parallel table, a copy on each rank at ``replica_cost``."""
     whole = model.whole_cost(table)
-    if kind == "table_wise":
+    if kind == Kind.TABLE_WISE:
         return whole, 0.0
-    if kind == "data_parallel":
+    if kind == Kind.DATA_PARALLEL:
         return 0.0, model.replica_cost(table)
-    empty = (0, table.embedding_dim) if kind == "row_wise" else (table.num_embeddings, 0)
+    empty = (0, table.embedding_dim) if kind == Kind.ROW_WISE else (table.num_embeddings, 0)
     b = model.shard_cost(table, kind, *empty)
     return whole - b, b
 
@@ -560,14 +561,14 @@ class _Packing:
 
 def _kinds(constraint: TableConstraint) -> tuple[str, ...]:
     if constraint.column_blocks:
-        return ("column_wise",)
+        return (Kind.COLUMN_WISE,)
     return tuple(constraint.types or _SHARDINGS)
 
 
 def _packed_kinds(kinds: Sequence[str], copies: bool) -> tuple[str, ...]:
     """The kinds the packing tries: data-parallel with ``copies``, or where nothing
     else is allowed (``plan_tables`` searches with and without copies)."""
-    cut = tuple(k for k in kinds if k != "data_parallel")
+    cut = tuple(k for k in kinds if k != Kind.DATA_PARALLEL)
     return tuple(kinds) if copies or not cut else cut
 
 
@@ -578,18 +579,18 @@ def _limit(constraint: TableConstraint, world: int) -> int:
 def _split_counts(table: PlannedTable, kind: str, limit: int, constraint: TableConstraint):
     """Piece counts worth trying: 2, 3, 4, 6, 8, 12, ... up to the ranks allowed, and 1
     (as good as whole) where whole is not allowed."""
-    if kind == "table_wise":
+    if kind == Kind.TABLE_WISE:
         return [1]
-    if kind == "data_parallel":
+    if kind == Kind.DATA_PARALLEL:
         return [limit]  # every rank: _table drops it where the constraint's ranks are fewer
-    if kind == "column_wise" and constraint.column_blocks:
+    if kind == Kind.COLUMN_WISE and constraint.column_blocks:
         return [constraint.column_blocks]
     counts, k = {limit}, 2
     while k < limit:
         counts |= {k, k + k // 2}
         k *= 2
-    least = 2 if "table_wise" in _kinds(constraint) else 1
-    if kind == "column_wise":
+    least = 2 if Kind.TABLE_WISE in _kinds(constraint) else 1
+    if kind == Kind.COLUMN_WISE:
         fit = [k for k in counts | {1} if k <= limit and table.embedding_dim % (4 * k) == 0]
     else:
         fit = [k for k in counts | {1} if k <= min(limit, table.num_embeddings)]
@@ -606,14 +607,14 @@ def _table(
 ) -> _Table:
     kinds, limit = _kinds(constraint), _limit(constraint, world)
     if limit < world:  # a data-parallel copy goes on every rank
-        kinds = tuple(k for k in kinds if k != "data_parallel")
+        kinds = tuple(k for k in kinds if k != Kind.DATA_PARALLEL)
     whole = model.memory(table, table.num_embeddings, table.embedding_dim)
     linear = {kind: _linear(table, model, kind) for kind in kinds}
     options = []
     for kind in _packed_kinds(kinds, copies):
         a, b = linear[kind]
         for blocks in _split_counts(table, kind, limit, constraint):
-            if kind == "row_wise" and traffic is not None:
+            if kind == Kind.ROW_WISE and traffic is not None:
                 sizes = [r for r, _ in _shapes(table, kind, blocks, traffic)]
                 rows, cols = max(sizes), table.embedding_dim
                 share = max(_row_shares(traffic, sizes))
@@ -621,11 +622,11 @@ def _table(
                 rows, cols = _biggest(table, kind, blocks)
                 share = (
                     rows / table.num_embeddings
-                    if kind == "row_wise"
+                    if kind == Kind.ROW_WISE
                     else cols / table.embedding_dim
                 )
             memory = model.memory(table, rows, cols)
-            waste = memory * blocks - whole if kind in ("column_wise", "data_parallel") else 0
+            waste = memory * blocks - whole if kind in (Kind.COLUMN_WISE, Kind.DATA_PARALLEL) else 0
             options.append(_Option(kind, blocks, a + b * blocks, a * share + b, memory, waste))
     if not options:
         raise PlanningError(f"table {table.name!r}: its constraints allow no sharding")
@@ -658,7 +659,8 @@ def _check_constraints(
         where, dim = f"constraint on table {name!r}", known[name].embedding_dim
         bad_types = [t for t in c.types or () if t not in _SHARDINGS]
         if bad_types:
-            problems.append(f"{where}: shardings {bad_types} are none of {list(_SHARDINGS)}")
+            known = [k.value for k in _SHARDINGS]
+            problems.append(f"{where}: shardings {bad_types} are none of {known}")
         outside = [r for r in c.ranks or () if not (isinstance(r, int) and 0 <= r < world)]
         if outside:
             problems.append(
@@ -676,7 +678,7 @@ def _check_constraints(
                 f"{where}: column_blocks {blocks} is more than the "
                 f"{plural(_limit(c, world), 'rank')} it may use"
             )
-        if blocks is not None and c.types and "column_wise" not in c.types:
+        if blocks is not None and c.types and Kind.COLUMN_WISE not in c.types:
             problems.append(f"{where}: column_blocks needs column_wise among its shardings")
     if problems:
         raise PlanningError("; ".join(problems))
@@ -716,12 +718,12 @@ def _ways(
     limit = _limit(constraint, model.topology.world_size)
     if constraint.column_blocks:
         blocks = constraint.column_blocks
-        a, b = _linear(table, model, "column_wise")
+        a, b = _linear(table, model, Kind.COLUMN_WISE)
         return [(a + b * blocks, 0.0, min(blocks, limit))]
     most = {
-        "table_wise": 1,
-        "row_wise": min(limit, table.num_embeddings),
-        "column_wise": min(limit, max(1, table.embedding_dim // 4)),
+        Kind.TABLE_WISE: 1,
+        Kind.ROW_WISE: min(limit, table.num_embeddings),
+        Kind.COLUMN_WISE: min(limit, max(1, table.embedding_dim // 4)),
     }
     ways = [(*_linear(table, model, k), most[k]) for k in _kinds(constraint) if k in most]
     if _copied(table, model, constraint, copies):  # a copy costing less than 0: _bound_with
@@ -736,9 +738,9 @@ def _copied(
     """Whether plans may hold a data-parallel copy of ``table``: with ``copies`` where
     its constraint allows one, else where it allows nothing else."""
     kinds, world = _kinds(constraint), model.topology.world_size
-    if "data_parallel" not in kinds or _limit(constraint, world) < world:
+    if Kind.DATA_PARALLEL not in kinds or _limit(constraint, world) < world:
         return False
-    return copies or kinds == ("data_parallel",)
+    return copies or kinds == (Kind.DATA_PARALLEL,)
 
 
 def _lower_bound(
@@ -826,10 +828,10 @@ def _pieces(
     blocks by their measured share of the lookups where the table has traffic."""
     a, b = table.linear[kind]
     n, dim = table.spec.num_embeddings, table.spec.embedding_dim
-    if kind == "row_wise" and table.traffic is not None:
+    if kind == Kind.ROW_WISE and table.traffic is not None:
         shares = _row_shares(table.traffic, [rows for rows, _ in shapes])
     else:
-        shares = [rows / n if kind == "row_wise" else cols / dim for rows, cols in shapes]
+        shares = [rows / n if kind == Kind.ROW_WISE else cols / dim for rows, cols in shapes]
     return [
         _Piece(int(r), rows, cols, a * share + b, model.memory(table.spec, rows, cols))
         for r, (rows, cols), share in zip(ranks, shapes, shares)
@@ -862,7 +864,7 @@ def _place(
             continue
         shapes = _shapes(table.spec, option.kind, option.blocks, table.traffic)
         return option.kind, _pieces(table, model, option.kind, ranks, shapes)
-    if "row_wise" in table.kinds:
+    if Kind.ROW_WISE in table.kinds:
         return _rows_to_room(table, packing, model, target)
     return None
 
@@ -874,7 +876,7 @@ def _rows_to_room(
     memory: uneven blocks fill what even ones cannot, and a table that fits in the
     free memory of the ranks it may use, in all, always fits so with no target."""
     spec, capacity = table.spec, model.topology.usable_memory
-    a, b = table.linear["row_wise"]
+    a, b = table.linear[Kind.ROW_WISE]
     room = (capacity - packing.memory) // model.memory(spec, 1, spec.embedding_dim)
     spare = target - packing.cost - b
     if a > 0:
@@ -894,11 +896,11 @@ def _rows_to_room(
     rows[-1] -= filled[count - 1] - spec.num_embeddings
     blocks = sorted(zip(order[:count].tolist(), rows.tolist()))
     shapes = [(n, spec.embedding_dim) for _, n in blocks]
-    pieces = _pieces(table, model, "row_wise", [r for r, _ in blocks], shapes)
+    pieces = _pieces(table, model, Kind.ROW_WISE, [r for r, _ in blocks], shapes)
     # the room is worked out as if lookups were even over rows; measured ones are not
     if table.traffic is not None and any(packing.cost[p.rank] + p.cost > target for p in pieces):
         return None
-    return "row_wise", pieces
+    return Kind.ROW_WISE, pieces
 
 
 def _pack(tables: Sequence[_Table], model: CostModel, target: float) -> _Packing:
@@ -946,7 +948,7 @@ def _no_room(packing: _Packing, model: CostModel) -> PlanningError:
     free = model.topology.usable_memory - packing.memory
     ranks = np.arange(len(free)) if table.allowed is None else np.flatnonzero(table.allowed)
     theirs = "" if table.allowed is None else f" of its ranks {ranks.tolist()}"
-    if "row_wise" in table.kinds:
+    if Kind.ROW_WISE in table.kinds:
         have = int(free[ranks].sum())
         return PlanningError(
             f"{start} ({format_bytes(table.whole_memory)}) does not fit even in row blocks "
@@ -1016,14 +1018,14 @@ def _why(table: _Table, packing: _Packing, model: CostModel) -> str:
     """Why the table is sharded as it is, once ``_unsplit`` found it no cheaper way:
     what follows "because" in the report's line for it."""
     kind, pieces = packing.layouts[table.spec.name]
-    if kind == "table_wise":
+    if kind == Kind.TABLE_WISE:
         return "whole, it fits without slowing the slowest rank"
-    if kind == "data_parallel" and table.kinds == ("data_parallel",):
+    if kind == Kind.DATA_PARALLEL and table.kinds == (Kind.DATA_PARALLEL,):
         return "its constraints allow only data_parallel"
-    if kind == "data_parallel":
+    if kind == Kind.DATA_PARALLEL:
         return "a copy on every rank costs less than any cut of it"
     capacity = model.topology.usable_memory
-    if "table_wise" not in table.kinds:
+    if Kind.TABLE_WISE not in table.kinds:
         return "its constraints allow no table_wise"
     if table.whole_memory > capacity:
         return "it is too big for one rank"
@@ -1042,22 +1044,24 @@ def _rank_loads(packing: _Packing, tables: Sequence[_Table]) -> list[RankLoad]:
     loads = [
         RankLoad(r, int(m), float(c)) for r, (m, c) in enumerate(zip(packing.memory, packing.cost))
     ]
-    copies_last = sorted(tables, key=lambda t: packing.layouts[t.spec.name][0] == "data_parallel")
+    copies_last = sorted(
+        tables, key=lambda t: packing.layouts[t.spec.name][0] == Kind.DATA_PARALLEL
+    )
     for table in copies_last:
         kind, pieces = packing.layouts[table.spec.name]
         for i, p in enumerate(pieces):
             name = table.spec.name
-            shown = {"table_wise": name, "data_parallel": f"{name} (copy)"}
+            shown = {Kind.TABLE_WISE: name, Kind.DATA_PARALLEL: f"{name} (copy)"}
             loads[p.rank].shards.append(shown.get(kind, f"{name}[{i}]"))
     return loads
 
 
 def _spec(kind: str, pieces: list[_Piece], world: int):
-    if kind == "table_wise":
+    if kind == Kind.TABLE_WISE:
         return table_wise(pieces[0].rank)
-    if kind == "data_parallel":
+    if kind == Kind.DATA_PARALLEL:
         return data_parallel()
-    if kind == "column_wise":
+    if kind == Kind.COLUMN_WISE:
         return column_wise([p.rank for p in pieces], [p.cols for p in pieces])
     sizes = [0] * world  # pieces come in rank order: row block i on the i-th rank
     for p in pieces:
@@ -1091,7 +1095,7 @@ def _packed(
     kept = [constraints.get(t.name, free) for t in specs]
     packing = _search(prepared, model, max(_copied_bound(specs, kept, model, copies), 1e-12))
     reasons = _unsplit(packing, prepared, model)
-    if any(kind == "data_parallel" for kind, _ in packing.layouts.values()):
+    if any(kind == Kind.DATA_PARALLEL for kind, _ in packing.layouts.values()):
         packing.cost += model.topology.collective_latency()
     return packing, prepared, reasons
 
@@ -1130,7 +1134,7 @@ def plan_tables(
     _check_memory(specs, model)
     packing, prepared, reasons = _packed(specs, constraints, model, measured, copies=False)
     free = TableConstraint()
-    if any("data_parallel" in _kinds(constraints.get(t.name, free)) for t in specs):
+    if any(Kind.DATA_PARALLEL in _kinds(constraints.get(t.name, free)) for t in specs):
         try:  # the same search with copies among the options, and the better of the two
             copied = _packed(specs, constraints, model, measured, copies=True)
         except PlanningError:  # the copies took the room some table needed
