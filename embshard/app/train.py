@@ -244,9 +244,13 @@ def _resume_from(config: TrainConfig, resuming: str | None) -> Path | None:
     return found
 
 
-def _train(config: TrainConfig, resuming: str | None) -> dict:
+def _sharded_model(
+    config: TrainConfig, resuming: str | None
+) -> tuple[nn.Module, torch.optim.Optimizer, int]:
+    """The config's model sharded by its plan (its own, or the planner's), its dense
+    optimizer, and the step to start from (a checkpoint's, when resuming)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    plan = plan_config(config, world)[0]  # the config's own plan, or the planner's
+    plan = plan_config(config, world)[0]
     torch.manual_seed(config.seed)  # the dense layers' init: runs are reproducible
     model = shard_model(
         build_model(config),
@@ -259,20 +263,51 @@ def _train(config: TrainConfig, resuming: str | None) -> dict:
         layout = describe_plan(plan, config, world)
         print(f"embshard: {config.model.kind} on {world} ranks, plan:\n{layout}", flush=True)
     optimizer = dense_optimizer(config.dense_optimizer, model.parameters())
-    saves = config.checkpoint
     start = 0
     found = _resume_from(config, resuming)
     if found is not None:
         start = checkpoint.load(found, model, optimizer)
         if rank == 0:
             print(f"embshard: resumed from {found} at step {start}", flush=True)
-    try:  # a rank that cannot read its data must not leave the others waiting
-        data, problem = build_data(config, rank, world), None
+    return model, optimizer, start
+
+
+def _read_data(config: TrainConfig) -> tuple[SyntheticData | CriteoData, list[Batch]]:
+    """This rank's data and held-out batches; a rank that cannot read its data stops
+    every rank, naming it (collective), rather than leave the others waiting."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    problem, data, eval_batches = None, None, []
+    try:
+        data = build_data(config, rank, world)
         eval_batches = data.eval_batches(config.eval.batches) if config.eval.every else []
     except Exception as e:
         problem = f"rank {rank}: {e}"
     agree(problem, "reading the data")
+    return data, eval_batches
+
+
+def _save(
+    config: TrainConfig,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    phase: str,
+) -> None:
+    """A checkpoint of ``step`` (collective); a failed save on any rank stops every
+    rank with what failed where."""
+    saves = config.checkpoint
+    try:
+        checkpoint.save(saves.dir, model, optimizer, step=step, keep=saves.keep)
+    except CheckpointException as e:  # DCP raises it on every rank
+        raise TrainingError(f"{phase} failed: {rank_failures(e)}") from None
+
+
+def _train(config: TrainConfig, resuming: str | None) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, optimizer, start = _sharded_model(config, resuming)
+    data, eval_batches = _read_data(config)
     empty = data.empty_batch()
+    saves = config.checkpoint
     metrics = Metrics(config.logging.metrics, rank)
     quiet = rank != 0 or not config.logging.progress
     progress = tqdm(total=config.steps, initial=start, disable=quiet, file=sys.stdout)
@@ -281,13 +316,17 @@ def _train(config: TrainConfig, resuming: str | None) -> dict:
         if rank == 0:
             progress.write(line)
 
+    def evaluation(step: int) -> tuple[float, float]:
+        auc, eval_loss = evaluate(model, eval_batches, empty)
+        metrics.write({"step": step, "eval_auc": auc, "eval_loss": eval_loss})
+        say(f"step {step}: eval AUC {auc:.4f}, eval loss {eval_loss:.4f}")
+        return auc, eval_loss
+
     summary: dict = {"steps": start, "samples": 0}
     phase, collectives_failed = f"step {start}: evaluation", False
     try:
         if config.eval.every and start == 0:
-            auc, eval_loss = evaluate(model, eval_batches, empty)
-            metrics.write({"step": 0, "eval_auc": auc, "eval_loss": eval_loss})
-            say(f"step 0: eval AUC {auc:.4f}, eval loss {eval_loss:.4f}")
+            evaluation(0)
         phase = f"step {start}: opening the training data"
         feed, upcoming = _open_feed(data, start)
         began = last = time.perf_counter()
@@ -346,16 +385,11 @@ def _train(config: TrainConfig, resuming: str | None) -> dict:
             progress.update(1)
             if config.eval.every and (step % config.eval.every == 0 or done):
                 phase = f"step {step}: evaluation"
-                auc, eval_loss = evaluate(model, eval_batches, empty)
-                metrics.write({"step": step, "eval_auc": auc, "eval_loss": eval_loss})
-                say(f"step {step}: eval AUC {auc:.4f}, eval loss {eval_loss:.4f}")
+                auc, eval_loss = evaluation(step)
                 summary.update(eval_auc=auc, eval_loss=eval_loss)
             if saves.dir and (stop or done or (saves.every and step % saves.every == 0)):
                 phase = f"step {step}: saving a checkpoint"
-                try:
-                    checkpoint.save(saves.dir, model, optimizer, step=step, keep=saves.keep)
-                except CheckpointException as e:  # DCP raises it on every rank
-                    raise TrainingError(f"{phase} failed: {rank_failures(e)}") from None
+                _save(config, model, optimizer, step, phase)
             if stop:
                 say(f"stopping at step {step}: a rank received SIGTERM")
                 summary["stopped"] = True
