@@ -19,7 +19,7 @@ _MODULES = {
         "PlanError",
         "PlanningError",
     ],
-    "embshard.storage.lookup": ["SGD", "Adagrad", "FusedOptimizer", "RowWiseAdagrad"],
+    "embshard.storage.optimizers": ["SGD", "Adagrad", "FusedOptimizer", "RowWiseAdagrad"],
     "embshard.modules.model": ["shard_model"],
     "embshard.modules.collection": ["ShardedEmbeddingBagCollection"],
     "embshard.modules.shard": ["shard"],

@@ -448,7 +448,8 @@ def bare_tbe_time(ours, received, repeats: int) -> tuple[float, float]:
 def _time_bare_tbe(ours, indices, offsets, repeats: int) -> tuple[float, float]:
     import torch
 
-    from embshard.storage.lookup import SGD, build_tbe
+    from embshard.storage.lookup import build_tbe
+    from embshard.storage.optimizers import SGD
 
     shards, sharded = ours._storage.shards, ours._storage.tbe
     tbe = build_tbe([(s.rows, s.cols) for _, s in shards], SGD(0.01), torch.device("cpu"),

@@ -26,8 +26,9 @@ from torchrec.modules.embedding_configs import (
 
 from embshard.errors import ConfigError, PlanError
 from embshard.plan.specs import Kind, ShardingPlan, yaml_problem
+from embshard.storage.optimizers import FUSED_OPTIMIZERS
 
-SPARSE_OPTIMIZERS = ["sgd", "adagrad", "rowwise_adagrad"]
+SPARSE_OPTIMIZERS = list(FUSED_OPTIMIZERS)
 CRITEO_DENSE = 13
 CRITEO_CATEGORICAL = 26
 # What training needs beyond the tables; planning, drawing and simulating take defaults.

@@ -45,7 +45,7 @@ from embshard.modules.pipeline import drain, prefetch
 from embshard.plan.specs import ShardingPlan
 from embshard.planner.search import format_bytes, plan_loads
 from embshard.runtime.teardown import shutdown
-from embshard.storage.lookup import SGD, Adagrad, FusedOptimizer, RowWiseAdagrad
+from embshard.storage.optimizers import FUSED_OPTIMIZERS, SGD, FusedOptimizer
 
 _stop_requested = False
 
@@ -66,10 +66,8 @@ def build_model(config: TrainConfig) -> nn.Module:
 
 
 def fused_optimizer(config: OptimizerConfig) -> FusedOptimizer:
-    if config.type == "sgd":
-        return SGD(lr=config.lr)
-    kind = RowWiseAdagrad if config.type == "rowwise_adagrad" else Adagrad
-    return kind(lr=config.lr, eps=config.eps)
+    kind = FUSED_OPTIMIZERS[config.type]
+    return kind(lr=config.lr) if kind is SGD else kind(lr=config.lr, eps=config.eps)
 
 
 def dense_optimizer(config: OptimizerConfig, params) -> torch.optim.Optimizer:

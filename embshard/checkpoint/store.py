@@ -60,7 +60,7 @@ from embshard.checkpoint.untrusted import SafeLoadPlanner, SafeReader, load_byte
 from embshard.errors import CheckpointError
 from embshard.modules.collection import ShardedCollection
 from embshard.plan.specs import TableShard, plural
-from embshard.storage.lookup import Adagrad, RowWiseAdagrad
+from embshard.storage.optimizers import SGD
 from embshard.storage.shards import LocalShardsWrapper, column_blocks
 
 META = "embshard"
@@ -87,7 +87,9 @@ def _sharded(model: nn.Module) -> dict[str, ShardedCollection]:
 
 
 def _optimizer_kind(module: ShardedCollection) -> str | None:
-    return {Adagrad: "adagrad", RowWiseAdagrad: "rowwise_adagrad"}.get(type(module.fused_optimizer))
+    """The fused optimizer with state, as checkpoints name it (None: SGD, stateless)."""
+    kind = module.fused_optimizer.KIND
+    return None if kind == SGD.KIND else kind
 
 
 def _describe(model: nn.Module, step: int) -> dict[str, Any]:

@@ -40,7 +40,7 @@ from embshard.runtime.output_dist import OutputLayout, PooledAllToAll
 from embshard.runtime.routes import build_routes
 from embshard.runtime.scratch import Scratch
 from embshard.storage.init import init_shard
-from embshard.storage.lookup import FusedOptimizer
+from embshard.storage.optimizers import FusedOptimizer
 from embshard.storage.replicated import build_replicated
 from embshard.storage.shards import allocate_storage, gather_table, table_dtensor
 

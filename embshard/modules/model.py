@@ -16,7 +16,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from embshard.modules.collection import ShardedCollection, world_mesh
 from embshard.modules.shard import shard
 from embshard.plan.specs import ShardingPlan
-from embshard.storage.lookup import SGD, FusedOptimizer
+from embshard.storage.optimizers import SGD, FusedOptimizer
 
 # TorchRec's DistributedModelParallel wraps the dense part in DDP with these settings
 # (DefaultDataParallelWrapper, torchrec 1.8). static_graph lets a model hold

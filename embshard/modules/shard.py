@@ -11,7 +11,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingCollection
 from embshard.modules.collection import ShardedCollection, ShardedEmbeddingBagCollection, world_mesh
 from embshard.modules.sequence import ShardedEmbeddingCollection
 from embshard.plan.specs import ShardingPlan
-from embshard.storage.lookup import SGD, FusedOptimizer
+from embshard.storage.optimizers import SGD, FusedOptimizer
 
 
 def shard(

@@ -7,11 +7,10 @@ the optimizer update) is a single kernel call, SUM pooled.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
+from fbgemm_gpu.split_embedding_configs import SparseType
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
     BoundsCheckMode,
     EmbeddingLocation,
@@ -22,32 +21,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     SplitTableBatchedEmbeddingBagsCodegen,
 )
 
-
-@dataclass(frozen=True)
-class SGD:
-    """Plain SGD on the touched rows (FBGEMM's EXACT_SGD)."""
-
-    lr: float = 0.01
-
-
-@dataclass(frozen=True)
-class RowWiseAdagrad:
-    """Adagrad with one accumulator per row (EXACT_ROWWISE_ADAGRAD): the mean of the
-    squared gradient over the row's columns *of this shard*."""
-
-    lr: float = 0.01
-    eps: float = 1e-8
-
-
-@dataclass(frozen=True)
-class Adagrad:
-    """Adagrad with one accumulator per element (EXACT_ADAGRAD)."""
-
-    lr: float = 0.01
-    eps: float = 1e-8
-
-
-FusedOptimizer = SGD | RowWiseAdagrad | Adagrad
+from embshard.storage.optimizers import FUSED_OPTIMIZERS, FusedOptimizer
 
 # The weight dtypes FBGEMM 1.8's CPU kernels run: BF16 and INT8 weights fail there
 # ("split_embedding_cpu_forward_2" not implemented for 'BFloat16').
@@ -55,17 +29,11 @@ WEIGHT_PRECISIONS = {torch.float32: SparseType.FP32, torch.float16: SparseType.F
 
 
 def _fbgemm_optimizer(optimizer: FusedOptimizer) -> dict[str, Any]:
-    if isinstance(optimizer, SGD):
-        return {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": optimizer.lr}
-    if isinstance(optimizer, RowWiseAdagrad):
-        kind = EmbOptimType.EXACT_ROWWISE_ADAGRAD
-    elif isinstance(optimizer, Adagrad):
-        kind = EmbOptimType.EXACT_ADAGRAD
-    else:
+    if not isinstance(optimizer, tuple(FUSED_OPTIMIZERS.values())):
         raise TypeError(
             f"optimizer must be embshard.SGD, RowWiseAdagrad or Adagrad, got {optimizer!r}"
         )
-    return {"optimizer": kind, "learning_rate": optimizer.lr, "eps": optimizer.eps}
+    return optimizer.fbgemm_args()
 
 
 def build_tbe(

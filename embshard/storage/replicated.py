@@ -25,7 +25,8 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 
 from embshard.runtime.batch import LocalBatch
 from embshard.runtime.routes import Routes
-from embshard.storage.lookup import FusedOptimizer, build_tbe
+from embshard.storage.lookup import build_tbe
+from embshard.storage.optimizers import FusedOptimizer
 
 # Rows are read out of the TBE in bags of one row, ``chunk`` bags a TBE feature: a
 # table of n rows takes ceil(n / chunk) features, and the padding is at most a

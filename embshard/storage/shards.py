@@ -32,7 +32,8 @@ from embshard.plan.specs import (
     TableShard,
     local_shards,
 )
-from embshard.storage.lookup import Adagrad, FusedOptimizer, RowWiseAdagrad, build_tbe
+from embshard.storage.lookup import build_tbe
+from embshard.storage.optimizers import Adagrad, FusedOptimizer, RowWiseAdagrad
 from embshard.storage.replicated import ReplicatedTables
 
 aten = torch.ops.aten

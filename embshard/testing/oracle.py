@@ -28,7 +28,7 @@ from torchrec.modules.embedding_configs import DataType, PoolingType
 
 from embshard.modules.shard import shard
 from embshard.plan.specs import ShardingPlan
-from embshard.storage.lookup import SGD, Adagrad
+from embshard.storage.optimizers import SGD, Adagrad
 from embshard.storage.shards import gather_table
 
 
