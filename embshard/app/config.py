@@ -307,15 +307,20 @@ def check_launch(config: TrainConfig, where: str, world_size: int, resume: bool)
     """What a training job of ``world_size`` ranks needs of its config, found before
     any process starts: its own plan fits that world, and ``resume`` has a checkpoint
     directory to look in. Problems are ConfigErrors naming the file."""
-    try:
-        config.sharding_plan(world_size)
-    except PlanError as e:
-        raise ConfigError(f"{where}.plan: {e}") from None
+    _check_plan(config, where, world_size)
     if resume and config.checkpoint.dir is None:
         raise ConfigError(
             f"{where}: --resume continues from the latest checkpoint under checkpoint.dir, "
             "and the config has no checkpoint: section"
         )
+
+
+def _check_plan(config: TrainConfig, where: str, world_size: int | None = None) -> None:
+    """The config's own plan fits its tables (and ``world_size``, where given)."""
+    try:
+        config.sharding_plan(world_size)
+    except PlanError as e:
+        raise ConfigError(f"{where}.plan: {e}") from None
 
 
 def _check(config: TrainConfig, where: str, use: Use, check_files: bool) -> None:
@@ -350,10 +355,7 @@ def _check(config: TrainConfig, where: str, use: Use, check_files: bool) -> None
         raise ConfigError(
             f"{where}.model.dense_arch_layer_sizes: the last size must equal embedding_dim"
         )
-    try:
-        config.sharding_plan()
-    except PlanError as e:
-        raise ConfigError(f"{where}.plan: {e}") from None
+    _check_plan(config, where)
     if len({t.data_type for t in config.tables}) > 1:
         raise ConfigError(
             f"{where}.tables: all tables need one data_type (the model has one "

@@ -9,7 +9,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from embshard.plan.specs import ColumnWise, Grid, ShardedTable, TableShard, plural
-from embshard.planner.search import CostModel, PlannedTable, RankLoad, Topology, format_bytes
+from embshard.planner.search import (
+    CostModel,
+    PlannedTable,
+    RankLoad,
+    Topology,
+    byte_unit,
+    format_bytes,
+)
 
 _SYMBOLS = string.digits + string.ascii_lowercase + string.ascii_uppercase
 
@@ -86,14 +93,6 @@ def draw_plan(
     return "\n".join(
         line for t in tables.values() for line in draw_table(t, width, t.name in sequence)
     )
-
-
-def byte_unit(size: float) -> tuple[str, int]:
-    """The largest binary unit (B to TiB) that ``size`` reaches, and its size in bytes."""
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if size >= scale:
-            return unit, scale
-    return "B", 1
 
 
 @dataclass(frozen=True)

@@ -89,11 +89,17 @@ def parse_bytes(text: str | int | float) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
 
 
-def format_bytes(size: float) -> str:
+def byte_unit(size: float) -> tuple[str, int]:
+    """The largest binary unit (B to TiB) that ``size`` reaches, and its size in bytes."""
     for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(size) >= scale:
-            return f"{size / scale:.1f} {unit}"
-    return f"{size:.0f} B"
+            return unit, scale
+    return "B", 1
+
+
+def format_bytes(size: float) -> str:
+    unit, scale = byte_unit(size)
+    return f"{size:.0f} B" if scale == 1 else f"{size / scale:.1f} {unit}"
 
 
 SIZE_FIELDS = ("memory_per_rank", "reserved_memory")
