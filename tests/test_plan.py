@@ -663,3 +663,68 @@ def test_plan_files_name_themselves_in_every_error(tmp_path):
         ShardingPlan.load(wrong)
     with pytest.raises(PlanError, match=r"absent\.yaml: cannot read the plan"):
         ShardingPlan.load(tmp_path / "absent.yaml")
+
+
+def test_specs_name_the_ranks_they_place_blocks_on():
+    assert table_wise(3).named_ranks == (3,)
+    assert row_wise([5, 5]).named_ranks == ()
+    assert row_wise(ranks=[2, 0, 1]).named_ranks == (2, 0, 1)
+    assert column_wise([1, 1, 0]).named_ranks == (1, 1, 0)
+    assert grid(2, [[0, 2], [1]]).named_ranks == (0, 2, 1)
+    assert data_parallel().named_ranks == ()
+
+
+def test_only_a_row_wise_spec_with_sizes_or_ranks_names_a_world_size():
+    assert row_wise([3, 0, 7]).named_world_size == 3
+    assert row_wise(ranks=[1, 0]).named_world_size == 2
+    assert row_wise([4, 6], hot_rows=2, ranks=[1, 0]).named_world_size == 2
+    assert row_wise().named_world_size is None
+    assert row_wise(hot_rows=5).named_world_size is None
+    for spec in (table_wise(3), column_wise([0, 1]), grid(1, [[0, 1]]), data_parallel()):
+        assert spec.named_world_size is None, spec
+
+
+def test_only_row_wise_has_a_row_block_on_every_rank_of_any_world():
+    assert row_wise().ROW_BLOCK_ON_EVERY_RANK
+    for spec in (table_wise(0), column_wise([0, 1]), grid(1, [[0, 1]]), data_parallel()):
+        assert not spec.ROW_BLOCK_ON_EVERY_RANK, spec
+    for world_size in (2, 5):
+        resolved = ShardingPlan({"a": row_wise(hot_rows=2)}).resolve(TABLES[:1], world_size)
+        blocks = [s.rank for s in resolved["a"].shards if not s.copy]
+        assert blocks == list(range(world_size))
+
+
+def test_column_wise_and_grid_split_columns():
+    assert column_wise([0, 1]).SPLITS_COLUMNS and grid(2, [[0], [1]]).SPLITS_COLUMNS
+    for spec in (table_wise(0), row_wise(), data_parallel()):
+        assert not spec.SPLITS_COLUMNS, spec
+
+
+def test_row_block_sizes_are_a_row_wise_specs_given_sizes():
+    assert row_wise([3, 0, 7]).row_block_sizes == (3, 0, 7)
+    assert row_wise([3, 7], hot_rows=4).row_block_sizes == (3, 7)
+    assert row_wise().row_block_sizes is None
+    sized_grid = grid(2, [[0, 1], [1]], [[5, 5], [10]])
+    for spec in (table_wise(0), column_wise([0, 1]), sized_grid, data_parallel()):
+        assert spec.row_block_sizes is None, spec
+
+
+def test_row_groups_are_a_grids_groups_of_ranks():
+    assert grid(2, [[0, 2], [1]]).row_groups == ((0, 2), (1,))
+    assert grid([4, 12], [[3, 1, 0]]).row_groups == ((3, 1, 0),)
+    for spec in (table_wise(0), row_wise(ranks=[1, 0]), column_wise([0, 1]), data_parallel()):
+        assert spec.row_groups is None, spec
+
+
+def test_a_shrunk_spec_keeps_its_row_blocks_shares():
+    assert row_wise([10, 0, 30, 60]).shrunk(100, 20) == row_wise([2, 0, 6, 12])
+    assert row_wise().shrunk(100, 20) == row_wise()
+    hot = row_wise([10, 20, 30], hot_rows=40, ranks=[1, 2, 0]).shrunk(100, 20)
+    assert hot == row_wise([2, 4, 6], hot_rows=8, ranks=[1, 2, 0])
+    assert row_wise(hot_rows=99).shrunk(100, 20) == row_wise(hot_rows=19)
+    assert row_wise(hot_rows=2).shrunk(100, 20) == row_wise(hot_rows=1)
+    cut = grid(2, [[0, 2], [1]], [[10, 90], [100]]).shrunk(100, 20)
+    assert cut == grid(2, [[0, 2], [1]], [[2, 18], [20]])
+    unchanged = (table_wise(1), column_wise([0, 1], [4, 12]), grid(2, [[0, 1], [1]]))
+    for spec in (*unchanged, data_parallel()):
+        assert spec.shrunk(100, 20) == spec, spec

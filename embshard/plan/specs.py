@@ -10,16 +10,18 @@ and its misfits in one PlanError.
 Each spec owns its meaning: ``problems()`` (its own), ``table_problems(rows, dim,
 world_size)`` (fitting a table), ``shards(rows, dim, world_size)``, ``placement(shards)``
 (the plan ranks of its DTensor's mesh, None for the whole mesh, and its placement),
-``to_dict``/``from_dict`` (plan files name it by ``KIND``), and what the data path
+``to_dict``/``from_dict`` (plan files name it by ``KIND``), what the data path
 asks of it: ``SPLITS_ROWS`` (ids are bucketized by row block), ``REPLICATED`` (a
-whole copy on every rank), ``hot_rows``.
+whole copy on every rank), ``hot_rows``; and what the tools around it read:
+``SPLITS_COLUMNS``, ``ROW_BLOCK_ON_EVERY_RANK``, ``named_ranks``,
+``named_world_size``, ``row_block_sizes``, ``row_groups``, ``shrunk(rows, kept)``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from itertools import accumulate
 from pathlib import Path
@@ -57,8 +59,22 @@ class TableWise:
     KIND: ClassVar[Kind] = Kind.TABLE_WISE
     FIELDS: ClassVar[frozenset[str]] = frozenset({"rank"})
     SPLITS_ROWS: ClassVar[bool] = False  # ids are bucketized by row for it
+    SPLITS_COLUMNS: ClassVar[bool] = False  # its blocks hold parts of the columns
     REPLICATED: ClassVar[bool] = False  # a whole copy on every rank
+    # One row block on each rank of the world, however many: the world's size shapes it.
+    ROW_BLOCK_ON_EVERY_RANK: ClassVar[bool] = False
     hot_rows: ClassVar[int] = 0
+    # The world size its entries name, one a rank (a row-wise spec's sizes or ranks).
+    named_world_size: ClassVar[None] = None
+    # Its row blocks' sizes over every rank where the plan gives them (row_wise(sizes)).
+    row_block_sizes: ClassVar[None] = None
+    # The groups of ranks its column blocks' rows are split over (a grid's).
+    row_groups: ClassVar[None] = None
+
+    @property
+    def named_ranks(self) -> tuple[int, ...]:
+        """The ranks the spec places blocks on by name: its one rank."""
+        return (self.rank,)
 
     def problems(self) -> list[str]:
         if not _is_int(self.rank) or self.rank < 0:
@@ -66,13 +82,17 @@ class TableWise:
         return []
 
     def table_problems(self, rows: int, dim: int, world_size: int | None) -> list[str]:
-        return _out_of_world([self.rank], world_size) + _fbgemm_dim(dim, "embedding_dim")
+        return _out_of_world(self.named_ranks, world_size) + _fbgemm_dim(dim, "embedding_dim")
 
     def shards(self, rows: int, dim: int, world_size: int) -> tuple[TableShard, ...]:
         return (TableShard(self.rank, 0, rows, 0, dim),)
 
+    def shrunk(self, rows: int, kept: int) -> TableWise:
+        """The spec for its table cut to its first ``kept`` of ``rows`` rows: itself."""
+        return self
+
     def placement(self, shards: Sequence[TableShard]) -> tuple[tuple[int, ...] | None, Placement]:
-        return (self.rank,), Replicate()
+        return self.named_ranks, Replicate()
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": self.KIND.value, "rank": self.rank}
@@ -98,7 +118,28 @@ class RowWise:
     KIND: ClassVar[Kind] = Kind.ROW_WISE
     FIELDS: ClassVar[frozenset[str]] = frozenset({"sizes", "hot_rows", "ranks"})
     SPLITS_ROWS: ClassVar[bool] = True
+    SPLITS_COLUMNS: ClassVar[bool] = False
     REPLICATED: ClassVar[bool] = False
+    ROW_BLOCK_ON_EVERY_RANK: ClassVar[bool] = True
+    row_groups: ClassVar[None] = None
+
+    @property
+    def named_ranks(self) -> tuple[int, ...]:
+        """The ranks the spec places blocks on by name: ``ranks``, or none (rank order)."""
+        return self.ranks or ()
+
+    @property
+    def named_world_size(self) -> int | None:
+        """The world size its ``sizes`` (else its ``ranks``) name, one entry a rank of the
+        world; None when it gives neither and fits any world."""
+        named = self.sizes or self.ranks
+        return None if named is None else len(named)
+
+    @property
+    def row_block_sizes(self) -> tuple[int, ...] | None:
+        """Its row blocks' sizes in row order, one block a rank, where the plan gives them
+        (``sizes``); None for even blocks."""
+        return self.sizes
 
     def problems(self) -> list[str]:
         problems = []
@@ -157,6 +198,13 @@ class RowWise:
         blocks = tuple(TableShard(r, o, n, 0, dim) for r, o, n in zip(ranks, offsets, sizes))
         return (copies if hot else ()) + blocks
 
+    def shrunk(self, rows: int, kept: int) -> RowWise:
+        """The spec for its table cut to its first ``kept`` of ``rows`` rows: hot rows (one
+        at least) and row blocks keep their shares, blocks their ranks."""
+        hot = max(1, self.hot_rows * kept // rows) if self.hot_rows else 0
+        sizes = self.sizes and _shrunk_sizes(self.sizes, rows - self.hot_rows, kept - hot)
+        return replace(self, sizes=sizes, hot_rows=hot)
+
     def placement(self, shards: Sequence[TableShard]) -> tuple[tuple[int, ...] | None, Placement]:
         return None, Shard(0)
 
@@ -181,8 +229,18 @@ class ColumnWise:
     KIND: ClassVar[Kind] = Kind.COLUMN_WISE
     FIELDS: ClassVar[frozenset[str]] = frozenset({"ranks", "widths"})
     SPLITS_ROWS: ClassVar[bool] = False
+    SPLITS_COLUMNS: ClassVar[bool] = True
     REPLICATED: ClassVar[bool] = False
+    ROW_BLOCK_ON_EVERY_RANK: ClassVar[bool] = False
     hot_rows: ClassVar[int] = 0
+    named_world_size: ClassVar[None] = None
+    row_block_sizes: ClassVar[None] = None
+    row_groups: ClassVar[None] = None
+
+    @property
+    def named_ranks(self) -> tuple[int, ...]:
+        """The ranks the spec places blocks on by name: its column blocks' ranks."""
+        return self.ranks
 
     def problems(self) -> list[str]:
         problems = []
@@ -203,8 +261,10 @@ class ColumnWise:
         return problems
 
     def table_problems(self, rows: int, dim: int, world_size: int | None) -> list[str]:
-        groups = [(r,) for r in self.ranks]
-        return _column_problems(self.KIND, groups, self.column_widths(dim), dim, world_size)
+        widths = self.column_widths(dim)
+        return _column_problems(
+            self.KIND, self.named_ranks, len(self.ranks), widths, dim, world_size
+        )
 
     def column_widths(self, dim: int) -> tuple[int, ...] | None:
         """The column blocks' widths; None when equal widths do not split ``dim``."""
@@ -214,6 +274,10 @@ class ColumnWise:
         widths = self.column_widths(dim)
         offsets = accumulate(widths, initial=0)
         return tuple(TableShard(r, 0, rows, o, w) for r, o, w in zip(self.ranks, offsets, widths))
+
+    def shrunk(self, rows: int, kept: int) -> ColumnWise:
+        """The spec for its table cut to its first ``kept`` of ``rows`` rows: itself."""
+        return self
 
     def placement(self, shards: Sequence[TableShard]) -> tuple[tuple[int, ...] | None, Placement]:
         return tuple(sorted({s.rank for s in shards})), Shard(1)
@@ -237,8 +301,14 @@ class DataParallel:
     KIND: ClassVar[Kind] = Kind.DATA_PARALLEL
     FIELDS: ClassVar[frozenset[str]] = frozenset()
     SPLITS_ROWS: ClassVar[bool] = False
+    SPLITS_COLUMNS: ClassVar[bool] = False
     REPLICATED: ClassVar[bool] = True
+    ROW_BLOCK_ON_EVERY_RANK: ClassVar[bool] = False
     hot_rows: ClassVar[int] = 0
+    named_ranks: ClassVar[tuple[int, ...]] = ()  # a copy on every rank, none by name
+    named_world_size: ClassVar[None] = None
+    row_block_sizes: ClassVar[None] = None
+    row_groups: ClassVar[None] = None
 
     def problems(self) -> list[str]:
         return []
@@ -248,6 +318,10 @@ class DataParallel:
 
     def shards(self, rows: int, dim: int, world_size: int) -> tuple[TableShard, ...]:
         return tuple(TableShard(r, 0, rows, 0, dim, copy=True) for r in range(world_size))
+
+    def shrunk(self, rows: int, kept: int) -> DataParallel:
+        """The spec for its table cut to its first ``kept`` of ``rows`` rows: itself."""
+        return self
 
     def placement(self, shards: Sequence[TableShard]) -> tuple[tuple[int, ...] | None, Placement]:
         return None, Replicate()
@@ -274,8 +348,22 @@ class Grid:
     KIND: ClassVar[Kind] = Kind.GRID
     FIELDS: ClassVar[frozenset[str]] = frozenset({"column_blocks", "ranks", "sizes"})
     SPLITS_ROWS: ClassVar[bool] = True
+    SPLITS_COLUMNS: ClassVar[bool] = True
     REPLICATED: ClassVar[bool] = False
+    ROW_BLOCK_ON_EVERY_RANK: ClassVar[bool] = False
     hot_rows: ClassVar[int] = 0
+    named_world_size: ClassVar[None] = None
+    row_block_sizes: ClassVar[None] = None
+
+    @property
+    def named_ranks(self) -> tuple[int, ...]:
+        """The ranks the spec places blocks on by name: every group's, block by block."""
+        return tuple(r for group in self.ranks for r in group)
+
+    @property
+    def row_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The groups of ranks its column blocks' rows are split over, in column order."""
+        return self.ranks
 
     def problems(self) -> list[str]:
         """Its blocks, its groups of ranks and their sizes."""
@@ -327,7 +415,10 @@ class Grid:
         return problems
 
     def table_problems(self, rows: int, dim: int, world_size: int | None) -> list[str]:
-        problems = _column_problems(self.KIND, self.ranks, self.column_widths(dim), dim, world_size)
+        widths = self.column_widths(dim)
+        problems = _column_problems(
+            self.KIND, self.named_ranks, len(self.ranks), widths, dim, world_size
+        )
         return problems + [
             f"grid block {i} sizes {list(sizes)} sum to {sum(sizes)}, not {plural(rows, 'row')}"
             for i, sizes in enumerate(self.group_sizes(rows))
@@ -355,6 +446,13 @@ class Grid:
             for group, sizes, col, width in zip(self.ranks, self.group_sizes(rows), offsets, widths)
             for rank, row, size in zip(group, accumulate(sizes, initial=0), sizes)
         )
+
+    def shrunk(self, rows: int, kept: int) -> Grid:
+        """The spec for its table cut to its first ``kept`` of ``rows`` rows: given row
+        sizes keep their shares of each column block, blocks their ranks."""
+        if self.sizes is None:
+            return self
+        return replace(self, sizes=tuple(_shrunk_sizes(s, rows, kept) for s in self.sizes))
 
     def placement(self, shards: Sequence[TableShard]) -> tuple[tuple[int, ...] | None, Placement]:
         return tuple(sorted({s.rank for s in shards})), Shard(1)
@@ -616,21 +714,30 @@ def _widths(given: Sequence[int] | None, count: int, dim: int) -> tuple[int, ...
 
 def _column_problems(
     kind: str,
-    groups: Sequence[Sequence[int]],
+    ranks: Sequence[int],
+    blocks: int,
     widths: tuple[int, ...] | None,
     dim: int,
     world_size: int | None,
 ) -> list[str]:
-    """What keeps column blocks, block ``i`` on the ranks ``groups[i]``, from splitting
-    a table."""
-    problems = _out_of_world([r for group in groups for r in group], world_size)
+    """What keeps ``blocks`` column blocks on ``ranks`` from splitting a table."""
+    problems = _out_of_world(ranks, world_size)
     if widths is None:
-        problems.append(f"embedding_dim {dim} does not split into {len(groups)} equal widths")
+        problems.append(f"embedding_dim {dim} does not split into {blocks} equal widths")
     elif sum(widths) != dim:
         problems.append(f"{kind} widths {list(widths)} sum to {sum(widths)}, not {dim}")
     for width in sorted(set(widths or ())):
         problems += _fbgemm_dim(width, "column block width")
     return problems
+
+
+def _shrunk_sizes(sizes: tuple[int, ...], rows: int, kept: int) -> tuple[int, ...]:
+    """``sizes`` of blocks splitting ``rows`` rows, cut to ``kept`` rows in their shares."""
+    ends, total = [], 0
+    for size in sizes:
+        total += size
+        ends.append(total * kept // rows)
+    return tuple(b - a for a, b in zip([0, *ends], ends))
 
 
 def _check_world_size(world_size: Any) -> None:
