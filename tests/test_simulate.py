@@ -22,13 +22,11 @@ from embshard.app.data import Feed, build_data
 from embshard.app.simulate import (
     SimulationError,
     Traffic,
-    _shrunk,
     run_ranks,
     simulate,
 )
 from embshard.app.train import fused_optimizer
 from embshard.errors import ConfigError, PlanError
-from embshard.plan.specs import RowWise, grid, row_wise
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from make_criteo_sample import sample_lines
@@ -226,17 +224,6 @@ def test_check_runs_the_config_model_against_the_oracle(tmp_path):
     config = synthetic_config(tmp_path, 6)
     check = simulate(config, 6, batches=2, check=True).check
     assert check.passed and check.steps == 2, check
-
-
-def test_a_cut_row_wise_table_keeps_its_blocks_shares():
-    assert _shrunk(RowWise((10, 0, 30, 60)), 100, 20) == RowWise((2, 0, 6, 12))
-    assert _shrunk(RowWise(None), 100, 20) == RowWise(None)
-    hot = _shrunk(row_wise([10, 20, 30], hot_rows=40, ranks=[1, 2, 0]), 100, 20)
-    assert hot == row_wise([2, 4, 6], hot_rows=8, ranks=[1, 2, 0])
-    assert _shrunk(row_wise(hot_rows=99), 100, 20) == row_wise(hot_rows=19)
-    assert _shrunk(row_wise(hot_rows=2), 100, 20) == row_wise(hot_rows=1)
-    cut = _shrunk(grid(2, [[0, 2], [1]], [[10, 90], [100]]), 100, 20)
-    assert cut == grid(2, [[0, 2], [1]], [[2, 18], [20]])
 
 
 def fail_on_rank_1() -> int:

@@ -496,25 +496,16 @@ def show(
 
 
 def _implied_world_size(sharding) -> int:
+    """The one world size the plan's specs name; else, when none names one and no table
+    has a row block on every rank (whose count the world sets), one past the highest
+    rank named."""
     from embshard.errors import PlanError
-    from embshard.plan.specs import ColumnWise, Grid, RowWise, TableWise
 
-    sizes, highest = set(), -1
-    for spec in sharding.tables.values():
-        if isinstance(spec, TableWise):
-            highest = max(highest, spec.rank)
-        elif isinstance(spec, ColumnWise):
-            highest = max(highest, *spec.ranks)
-        elif isinstance(spec, Grid):
-            highest = max(highest, *(r for group in spec.ranks for r in group))
-        elif isinstance(spec, RowWise) and (spec.sizes or spec.ranks) is not None:
-            sizes.add(len(spec.sizes or spec.ranks))
+    specs = sharding.tables.values()
+    sizes = {s.named_world_size for s in specs if s.named_world_size is not None}
     if len(sizes) == 1:
         return sizes.pop()
-    if (
-        not sizes
-        and highest >= 0
-        and not any(isinstance(s, RowWise) for s in sharding.tables.values())
-    ):
-        return highest + 1
+    ranks = [r for s in specs for r in s.named_ranks]
+    if not sizes and ranks and not any(s.ROW_BLOCK_ON_EVERY_RANK for s in specs):
+        return max(ranks) + 1
     raise PlanError("cannot tell the world size from the plan: pass --world-size")

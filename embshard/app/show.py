@@ -8,7 +8,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from embshard.plan.specs import ColumnWise, Grid, ShardedTable, TableShard, plural
+from embshard.plan.specs import ShardedTable, TableShard, plural
 from embshard.planner.search import (
     CostModel,
     PlannedTable,
@@ -50,7 +50,7 @@ def draw_table(table: ShardedTable, width: int = 60, sequence: bool = False) -> 
     the rows of each column block), a symbol per rank (0-9, a-z, A-Z, repeating), then
     each shard's exact rows and columns. A data-parallel table: one line. ``sequence``
     marks an EmbeddingCollection's table."""
-    by_columns = isinstance(table.spec, ColumnWise)
+    by_columns, by_rows = table.spec.SPLITS_COLUMNS, table.spec.SPLITS_ROWS
     kind = type(table.spec).__name__
     shards: list[TableShard] = [s for s in table.shards if s.rows and s.cols]
     mark = " (sequence)" if sequence else ""
@@ -59,10 +59,10 @@ def draw_table(table: ShardedTable, width: int = 60, sequence: bool = False) -> 
         ranks = sorted({s.rank for s in shards})
         lines.append(f"  every row and column on each of {plural(len(ranks), 'rank')}")
         return lines
-    if by_columns:
+    if by_columns and not by_rows:
         extents = [(s.rank, s.cols) for s in shards]
         lines.append(f"  cols |{_bar(extents, table.embedding_dim, width)}|")
-    elif isinstance(table.spec, Grid):
+    elif by_columns:  # a grid: each column block split by rows
         blocks = sorted({(s.col_offset, s.cols) for s in table.shards})
         labels = [f"cols {start}:{start + cols}" for start, cols in blocks]
         pad = max(map(len, labels))

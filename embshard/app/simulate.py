@@ -16,7 +16,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -29,7 +29,7 @@ from embshard.app.planning import plan_config, topology_for
 from embshard.app.train import fused_optimizer
 from embshard.errors import EmbshardError
 from embshard.modules.collection import forget_meshes
-from embshard.plan.specs import Grid, RowWise, ShardingPlan, TableSpec, plural
+from embshard.plan.specs import ShardingPlan, plural
 from embshard.planner.search import LOOKUP_PASSES, Topology, format_bytes, plan_loads
 from embshard.runtime.batch import LocalBatch
 from embshard.runtime.input_dist import Counts, InputDistribution, start_input_dist
@@ -384,26 +384,6 @@ def _single_threaded_ops() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _shrunk(spec: TableSpec, rows: int, kept: int) -> TableSpec:
-    """``spec`` for the table cut to ``kept`` rows: hot rows (one at least) and row
-    blocks keep their shares, blocks their ranks."""
-    if isinstance(spec, RowWise):
-        hot = max(1, spec.hot_rows * kept // rows) if spec.hot_rows else 0
-        sizes = spec.sizes and _shrunk_sizes(spec.sizes, rows - spec.hot_rows, kept - hot)
-        return replace(spec, sizes=sizes, hot_rows=hot)
-    if isinstance(spec, Grid) and spec.sizes is not None:
-        return replace(spec, sizes=tuple(_shrunk_sizes(s, rows, kept) for s in spec.sizes))
-    return spec
-
-
-def _shrunk_sizes(sizes: tuple[int, ...], rows: int, kept: int) -> tuple[int, ...]:
-    ends, total = [], 0
-    for size in sizes:
-        total += size
-        ends.append(total * kept // rows)
-    return tuple(b - a for a, b in zip([0, *ends], ends))
-
-
 def _check(config: TrainConfig, plan: ShardingPlan, world_size: int, steps: int) -> Check:
     """The oracle tests' ``run_case`` on the config's tables cut to CHECK_ROWS rows,
     sharded as planned, with the config's fused optimizer."""
@@ -415,9 +395,7 @@ def _check(config: TrainConfig, plan: ShardingPlan, world_size: int, steps: int)
         for t in config.tables
     )  # fmt: skip
     rows = {t.name: t.num_embeddings for t in config.tables}
-    small = ShardingPlan(
-        {t.name: _shrunk(plan.tables[t.name], rows[t.name], t.rows) for t in tables}
-    )
+    small = ShardingPlan({t.name: plan.tables[t.name].shrunk(rows[t.name], t.rows) for t in tables})
     case = Case(
         tables,
         small,

@@ -98,9 +98,9 @@ def to_torchrec_plan(
 
 
 def _sharding_type(table: ShardedTable) -> ShardingType:
-    if isinstance(table.spec, Grid):
-        one_block = len(table.spec.ranks) == 1
-        return ShardingType.TABLE_ROW_WISE if one_block else ShardingType.GRID_SHARD
+    groups = table.spec.row_groups
+    if groups is not None:
+        return ShardingType.TABLE_ROW_WISE if len(groups) == 1 else ShardingType.GRID_SHARD
     return _SHARDING_TYPE[type(table.spec)]
 
 
@@ -110,11 +110,10 @@ def _row_wise_misfit(table: ShardedTable) -> str | None:
     placement says); None when it can (or the table is not row-wise)."""
     if table.hot_rows:
         return "TorchRec has no row-wise sharding with hot rows copied on every rank"
-    ranks = table.spec.ranks if isinstance(table.spec, RowWise) else None
-    if ranks is not None and list(ranks) != sorted(ranks):
+    ranks = [s.rank for s in table.shards if not s.copy]  # row blocks, in row order
+    if table.spec.ROW_BLOCK_ON_EVERY_RANK and ranks != sorted(ranks):
         return (
-            "TorchRec's row-wise sharding puts row block r on rank r; "
-            f"these are on ranks {list(ranks)}"
+            f"TorchRec's row-wise sharding puts row block r on rank r; these are on ranks {ranks}"
         )
     return None
 
@@ -123,7 +122,7 @@ def _grid_misfit(table: ShardedTable, local_size: int) -> str | None:
     """Why TorchRec cannot shard a grid table as its grid (or, one block, table-row-wise)
     sharding, which splits every column block evenly over the ranks of one host, in
     equal widths; None when it can (or the table is no grid)."""
-    if not isinstance(table.spec, Grid):
+    if table.spec.row_groups is None:
         return None
     blocks: dict[tuple[int, int], list[TableShard]] = {}
     for s in table.shards:

@@ -43,7 +43,6 @@ from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, Emb
 from embshard.errors import PlanningError
 from embshard.plan.specs import (
     Kind,
-    RowWise,
     ShardedTable,
     ShardingPlan,
     TableShard,
@@ -1186,13 +1185,14 @@ def _copy_hot_rows(
     copied: dict[str, tuple[int, int]] = {}
     for name, spec in plan.tables.items():
         traffic = measured.get(name)
-        if not isinstance(spec, RowWise) or spec.sizes is None or traffic is None:
+        given = spec.row_block_sizes
+        if given is None or traffic is None:
             continue
-        holders = [r for r, rows in enumerate(spec.sizes) if rows]
+        holders = [r for r, rows in enumerate(given) if rows]
         hot = hot_rows(traffic, len(holders))
         if not 0 < hot < traffic.num_embeddings:  # a whole copy is the search's to weigh
             continue
-        sizes = [0] * len(spec.sizes)
+        sizes = [0] * len(given)
         for rank, rows in zip(holders, balanced_sizes(traffic, len(holders), hot)):
             sizes[rank] = rows
         candidate = ShardingPlan(plan.tables | {name: row_wise(sizes, hot_rows=hot)})
