@@ -171,6 +171,7 @@ class InputDistribution:
 
     @property
     def bags(self) -> InputDistribution:
+        """The packing: a pooled lookup's own."""
         return self
 
     def route(self, batch: LocalBatch) -> Routed:
@@ -225,6 +226,7 @@ class InputDistribution:
         return Routed(empty.view(0, 0), empty, None, zeros, 0)
 
     def to_send(self, routed: Routed) -> Routed:
+        """A pooled lookup sends all it routed."""
         return routed
 
     def extra_counts(self, batch: LocalBatch | None, routed: Routed) -> None:
@@ -283,6 +285,7 @@ class InputDistribution:
         return values, offsets, bag_weights
 
     def slot_major(self, batch_sizes: list[int]) -> torch.Tensor:
+        """The order that takes bags as they arrived to the TBE's (``_slot_major_order``)."""
         return _slot_major_order(self.slots_per_rank[self.rank], batch_sizes, self.device)
 
     def received_bags(

@@ -155,6 +155,7 @@ class SequenceInputDistribution:
         return SequenceRouted(self.bags.nothing(), None)
 
     def to_send(self, routed: SequenceRouted) -> Routed:
+        """The distinct ids travel; the route of every id stays home."""
         return routed.bags
 
     def extra_counts(self, batch: LocalBatch | None, routed: SequenceRouted) -> ExtraCounts:
@@ -174,6 +175,7 @@ class SequenceInputDistribution:
         return ExtraCounts(slot_ids, torch.cat([totals, batch.lengths.sum(1).long()]))
 
     def keep(self, routed: SequenceRouted, counts: Counts) -> SequenceInFlight:
+        """The counts that size the rows' way back, and where every id went."""
         found = SequenceCounts.read(counts)
         return SequenceInFlight(found, self._sent_ids(routed, found))
 
