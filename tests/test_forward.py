@@ -369,6 +369,64 @@ def test_two_forwards_then_one_backward_match_unsharded(world, plan):
         assert worst["forward"] < TOL and worst["weights"] < TOL, worst
 
 
+def forward_without_grad(case: Case) -> dict[str, float]:
+    """Forwards under ``torch.no_grad()`` (evaluation, inference) then one with grad:
+    the largest differences from the oracle, and whether any no-grad output joined
+    an autograd graph."""
+    rank = dist.get_rank()
+    torch.manual_seed(case.seed)
+    oracle = EmbeddingBagCollection(tables=[t.config() for t in case.tables])
+    sharded = embshard.shard(copy.deepcopy(oracle), case.plan, optimizer=case.optimizer)
+    start = sum(case.batch_sizes[:rank])
+    rows = slice(start, start + case.batch_sizes[rank])
+    gaps, graphs = [], []
+    for step in range(3):
+        batches = local_batches(case, step)
+        expected = oracle(global_batch(batches)).values()[rows].detach()
+        if step < 2:
+            with torch.no_grad():
+                out = sharded(batches[rank]).values()
+            graphs.append(out.requires_grad or out.grad_fn is not None)
+        else:
+            out = sharded(batches[rank]).values()
+            graphs.append(not out.requires_grad)  # with grad, the output must need it
+        gaps.append(float((out - expected).abs().max()) if out.numel() else 0.0)
+    return {"forward": max(gaps), "graphs": any(graphs)}
+
+
+@pytest.mark.parametrize("plan", ["mixed", "hot_rows"])
+def test_forward_without_grad_matches_unsharded_and_builds_no_graph(world, plan):
+    case = Case(TABLES, plans(2)[plan], (5, 3))
+    for found in world(2).run(forward_without_grad, case):
+        assert found["forward"] < TOL and not found["graphs"], found
+
+
+def shard_over_meshes_it_cannot_use() -> list[str]:
+    """The error of ``shard()`` over a 2-D mesh and over a mesh smaller than the world."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    module = EmbeddingBagCollection(tables=[t.config() for t in TABLES], device="meta")
+    plan = ShardingPlan({t.name: table_wise(0) for t in TABLES})
+    meshes = [
+        DeviceMesh("cpu", torch.arange(2).view(1, 2), _init_backend=False),
+        DeviceMesh("cpu", torch.arange(1), _init_backend=False),
+    ]
+    errors = []
+    for mesh in meshes:
+        with pytest.raises(ValueError) as raised:
+            embshard.shard(module, plan, mesh=mesh)
+        errors.append(str(raised.value))
+    return errors
+
+
+def test_a_mesh_that_is_not_the_whole_world_in_one_dimension_is_refused(world):
+    for errors in world(2).run(shard_over_meshes_it_cannot_use):
+        assert errors == [
+            "embshard shards over a 1-D mesh, got a 2-D mesh",
+            "the mesh has 1 ranks but the world has 2; embshard needs a mesh over the whole world",
+        ]
+
+
 def bad_batches(case: Case) -> dict[str, KeyedJaggedTensor]:
     good = local_batches(case, 0)[1]
     keys, lengths, values = good.keys(), good.lengths(), good.values()

@@ -28,7 +28,7 @@ from embshard.app.data import Feed, build_data
 from embshard.app.planning import plan_config, topology_for
 from embshard.app.train import fused_optimizer
 from embshard.errors import EmbshardError
-from embshard.modules.collection import forget_meshes
+from embshard.modules.mesh import forget_meshes
 from embshard.plan.specs import ShardingPlan, plural
 from embshard.planner.search import LOOKUP_PASSES, Topology, format_bytes, plan_loads
 from embshard.runtime.batch import LocalBatch

@@ -15,10 +15,9 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import NamedTuple, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -28,15 +27,17 @@ from torchrec.modules.embedding_configs import (
     EmbeddingBagConfig,
     PoolingType,
 )
-from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from embshard.modules.mesh import ShardingMesh
 from embshard.plan.specs import ShardedTable, ShardingPlan
 from embshard.runtime.input_dist import (
+    IdsRouting,
     InputDistribution,
     InputInFlight,
     start_input_dist,
 )
-from embshard.runtime.output_dist import OutputLayout, PooledAllToAll
+from embshard.runtime.output_dist import OutputLayout, PooledAllToAll, send_home
 from embshard.runtime.routes import build_routes
 from embshard.runtime.scratch import Scratch
 from embshard.storage.init import init_shard
@@ -65,33 +66,9 @@ def _silence_fx_tracing_notice() -> None:
 _silence_fx_tracing_notice()
 
 T = TypeVar("T")
-
-
-@functools.cache
-def _submesh(mesh: DeviceMesh, ranks: tuple[int, ...]) -> DeviceMesh:
-    """The mesh of plan ranks ``ranks`` (positions in ``mesh``), built once per process.
-
-    Metadata only: no process group behind it. embshard's collectives and DCP's run
-    on the default group; groups held by meshes cost a collective each to create and,
-    with torch 2.13's gloo, can abort the process at exit ("terminate called without
-    an active exception") after destroy_process_group.
-    """
-    return DeviceMesh(mesh.device_type, mesh.mesh[list(ranks)], _init_backend=False)
-
-
-def forget_meshes() -> None:
-    """Drop the sub-meshes built so far: ``embshard simulate`` runs worlds of many
-    sizes in one process."""
-    _submesh.cache_clear()
-
-
-def world_mesh(device_type: str | None = None) -> DeviceMesh:
-    """A 1-D mesh over the whole world, without process groups of its own (see
-    _submesh). ``device_type`` defaults to CUDA when the default group runs NCCL, else
-    CPU."""
-    if device_type is None:
-        device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
-    return DeviceMesh(device_type, torch.arange(dist.get_world_size()), _init_backend=False)
+KeptT = TypeVar("KeptT")
+LookedUpT = TypeVar("LookedUpT")
+OutputT = TypeVar("OutputT")
 
 
 class Pooled(NamedTuple):
@@ -101,16 +78,6 @@ class Pooled(NamedTuple):
 
     sharded: torch.Tensor
     local: torch.Tensor
-
-
-def _check_mesh(mesh: DeviceMesh) -> None:
-    if mesh.ndim != 1:
-        raise ValueError(f"embshard shards over a 1-D mesh, got a {mesh.ndim}-D mesh")
-    if mesh.size() != dist.get_world_size():
-        raise ValueError(
-            f"the mesh has {mesh.size()} ranks but the world has {dist.get_world_size()}; "
-            "embshard needs a mesh over the whole world"
-        )
 
 
 _WEIGHT_DTYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16}
@@ -144,22 +111,16 @@ def _check_configs(configs: Sequence[BaseEmbeddingConfig], weighted: bool) -> to
     return _WEIGHT_DTYPES[next(iter(by_type), DataType.FP32)]
 
 
-def _mesh_device(mesh: DeviceMesh) -> torch.device:
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(mesh.device_type)
-
-
-class ShardedCollection(nn.Module):
+class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
     """What a sharded EmbeddingBagCollection and EmbeddingCollection share: the plan
     resolved to shards, the routes, the local shards in one FBGEMM TBE exposed as
     DTensors, the input distribution (stage 1) with its prefetching, and state dicts
-    under the unsharded module's keys. The subclass gives its kind, the output
-    layout (``_output_stage``) and stages 2 and 3."""
+    under the unsharded module's keys. The subclass gives its kind of input
+    distribution (``_input_stage``), the output layout (``_output_stage``) and stages
+    2 and 3 (``lookup``, ``output_dist``): together, the ``LookupStages`` contract."""
 
     # The unsharded module's attribute holding the tables: state dict keys start so.
     _PREFIX: str
-    _SEQUENCE: bool  # a row per id (EmbeddingCollection), not per bag
 
     def __init__(
         self,
@@ -173,25 +134,18 @@ class ShardedCollection(nn.Module):
         comm_precision: str | None = None,
     ) -> None:
         super().__init__()
-        _check_mesh(mesh)
+        self._mesh = ShardingMesh.of(mesh)
         dtype = _check_configs(configs, is_weighted)
         self._configs = list(configs)
         self._optimizer = optimizer
-        self._tables = plan.resolve(self._configs, mesh.size())
+        self._tables = plan.resolve(self._configs, self._mesh.size)
         self._plan = plan
-        self._mesh = mesh
-        self._group = None  # the default group: the mesh spans the whole world
-        self._rank = mesh.get_coordinate()[0]
-        self._device = _mesh_device(mesh)
-        self._routes = build_routes(self._configs, self._tables, mesh.size(), is_weighted)
+        self._group = self._mesh.sharding_group
+        self._rank = self._mesh.rank
+        self._device = self._mesh.device
+        self._routes = build_routes(self._configs, self._tables, self._mesh.size, is_weighted)
         scratch = Scratch()
-        self._input_dist = InputDistribution(
-            self._routes,
-            self._rank,
-            scratch,
-            self._device,
-            sequence=self._SEQUENCE,
-        )
+        self._input_dist = self._input_stage(scratch)
         self._output_layout = self._output_stage(scratch, comm_precision)
         replicated = build_replicated(
             self._routes,
@@ -202,7 +156,7 @@ class ShardedCollection(nn.Module):
             self._group,
         )
         self._anchor = torch.zeros(0, device=self._device, requires_grad=True)
-        self._prefetched: list[tuple[KeyedJaggedTensor, InputInFlight]] = []
+        self._prefetched: list[tuple[KeyedJaggedTensor, InputInFlight[KeptT]]] = []
         feature_table_map = [s.tbe_table for s in self._routes.slots[self._rank]]
         self._storage = allocate_storage(
             self._tables,
@@ -214,7 +168,7 @@ class ShardedCollection(nn.Module):
             replicated,
         )
         self._fill(seed, weights)
-        submesh = functools.partial(_submesh, mesh)
+        submesh = self._mesh.submesh
         self._weights = {
             name: table_dtensor(table, self._storage.weights[name], mesh, submesh)
             for name, table in self._tables.items()
@@ -224,6 +178,23 @@ class ShardedCollection(nn.Module):
             for name, (wrapper, shape) in self._storage.optimizer_state.items()
         }
 
+    def _input_stage(self, scratch: Scratch) -> IdsRouting[object, KeptT]:
+        """Stage 1's kind: how this module's batches are routed and what comes back."""
+        raise NotImplementedError
+
+    def _output_stage(self, scratch: Scratch, comm_precision: str | None) -> object:
+        """What stage 3 needs, fixed at sharding (routes and tables known, storage not
+        yet allocated)."""
+        raise NotImplementedError
+
+    def lookup(self, in_flight: InputInFlight[KeptT]) -> LookedUpT:
+        """Stage 2: this rank's shards looked up for what arrived."""
+        raise NotImplementedError
+
+    def output_dist(self, looked_up: LookedUpT, in_flight: InputInFlight[KeptT]) -> OutputT:
+        """Stage 3 (collective): the looked-up rows home, as the unsharded module's output."""
+        raise NotImplementedError
+
     def table_key(self, table: str) -> str:
         """Where ``table``'s entries sit in state dicts: ``embedding_bags.<table>``
         (``embeddings.<table>`` for an EmbeddingCollection), as in TorchRec's."""
@@ -232,7 +203,7 @@ class ShardedCollection(nn.Module):
     def _key(self, table: str) -> str:
         return f"{self.table_key(table)}.weight"
 
-    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor | dict[str, JaggedTensor]:
+    def forward(self, features: KeyedJaggedTensor) -> OutputT:
         """This rank's local batch looked up: only that batch's rows, as the unsharded
         module returns them (a KeyedTensor of pooled bags, or each id's row by feature).
 
@@ -259,7 +230,7 @@ class ShardedCollection(nn.Module):
         batches ran out (collective). Returns every rank that did so."""
         return start_input_dist(None, self._input_dist, self._group).ended
 
-    def input_dist(self, features: KeyedJaggedTensor) -> InputInFlight:
+    def input_dist(self, features: KeyedJaggedTensor) -> InputInFlight[KeptT]:
         """Stage 1 (collective): see ``start_input_dist``."""
         return start_input_dist(features, self._input_dist, self._group)
 
@@ -285,7 +256,7 @@ class ShardedCollection(nn.Module):
         """Whether ``features`` (this object) was prefetched and not yet used."""
         return any(prefetched is features for prefetched, _ in self._prefetched)
 
-    def _take_prefetched(self, features: KeyedJaggedTensor) -> InputInFlight | None:
+    def _take_prefetched(self, features: KeyedJaggedTensor) -> InputInFlight[KeptT] | None:
         """The prefetched input of this very batch object, if any; prefetched batches
         before it were skipped and are dropped."""
         for i, (prefetched, in_flight) in enumerate(self._prefetched):
@@ -393,11 +364,10 @@ class ShardedCollection(nn.Module):
                 shard.copy_(full[row : row + rows, col : col + cols])
 
 
-class ShardedEmbeddingBagCollection(ShardedCollection):
+class ShardedEmbeddingBagCollection(ShardedCollection[None, Pooled, KeyedTensor]):
     """The sharded form of a TorchRec ``EmbeddingBagCollection``; build it with ``shard()``."""
 
     _PREFIX = "embedding_bags"
-    _SEQUENCE = False
 
     @functools.cached_property
     def _mean_feature(self) -> torch.Tensor | None:
@@ -405,11 +375,12 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         mean_feature = self._routes.mean_feature_by_column()
         return None if mean_feature is None else mean_feature.to(self._device)
 
+    def _input_stage(self, scratch: Scratch) -> InputDistribution:
+        return InputDistribution(self._routes, self._rank, scratch, self._device)
+
     def _output_stage(self, scratch: Scratch, comm_precision: str | None) -> OutputLayout:
-        """What the output distribution needs, fixed at sharding (routes and tables
-        known, storage not yet allocated)."""
         return OutputLayout(
-            block_dims=[sum(self._routes.slot_dims(r)) for r in range(self._mesh.size())],
+            block_dims=[sum(self._routes.slot_dims(r)) for r in range(self._mesh.size)],
             moves=self._routes.column_moves(),
             local_moves=self._routes.local_moves(),
             output_dim=self._routes.output_dim,
@@ -419,7 +390,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             comm_precision=comm_precision,
         )
 
-    def lookup(self, in_flight: InputInFlight) -> Pooled:
+    def lookup(self, in_flight: InputInFlight[None]) -> Pooled:
         """Stage 2: wait for the ids, and pool every local shard's rows for the global
         batch in one TBE call; pool the data-parallel tables' rows for the local batch."""
         if in_flight.error is not None:
@@ -436,16 +407,14 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             return Pooled(torch.zeros(batch_size, 0, device=self._device), local)
         return Pooled(self._storage.tbe(indices, offsets, per_sample_weights=weights), local)
 
-    def output_dist(self, pooled: Pooled, in_flight: InputInFlight) -> KeyedTensor:
+    def output_dist(self, looked_up: Pooled, in_flight: InputInFlight[None]) -> KeyedTensor:
         """Stage 3 (collective): the pooled rows home to their requesters, in their
         output columns beside the local lookup's, as the unsharded module's KeyedTensor."""
-        gathered = PooledAllToAll.apply(
-            self._anchor,
-            pooled.sharded,
-            pooled.local,
-            in_flight.counts.batch_sizes,
-            self._output_layout,
-        )
+        args = (looked_up.sharded, looked_up.local, in_flight.counts.batch_sizes)
+        if torch.is_grad_enabled():
+            gathered = PooledAllToAll.apply(self._anchor, *args, self._output_layout)
+        else:
+            gathered = send_home(*args, self._output_layout)
         embeddings = self._routes.embeddings
         return KeyedTensor(
             keys=[e.name for e in embeddings],

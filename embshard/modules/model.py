@@ -13,7 +13,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
-from embshard.modules.collection import ShardedCollection, world_mesh
+from embshard.modules.collection import ShardedCollection
+from embshard.modules.mesh import world_mesh
 from embshard.modules.shard import shard
 from embshard.plan.specs import ShardingPlan
 from embshard.storage.optimizers import SGD, FusedOptimizer

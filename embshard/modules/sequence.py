@@ -22,6 +22,10 @@ from torchrec.sparse.jagged_tensor import JaggedTensor
 from embshard.modules.collection import ShardedCollection
 from embshard.runtime.input_dist import InputInFlight
 from embshard.runtime.scratch import Scratch
+from embshard.runtime.sequence_dist import (
+    SequenceInFlight,
+    SequenceInputDistribution,
+)
 
 
 @dataclass(frozen=True)
@@ -85,7 +89,7 @@ class RowsAllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, anchor, blocks, to_send, source, layout, counts):  # type: ignore[override]
-        world = len(counts.recv_sizes)
+        world = len(counts.slot_ids)
         came = layout.sizes(counts.slot_ids, [layout.rank] * world)
         sent = layout.sizes(counts.sent_slot_ids, list(range(world)))
         send = blocks.index_select(0, to_send)
@@ -152,7 +156,9 @@ def _spread(first: torch.Tensor, span: torch.Tensor, total: int) -> torch.Tensor
     return runs + torch.arange(total, device=first.device)
 
 
-class ShardedEmbeddingCollection(ShardedCollection):
+class ShardedEmbeddingCollection(
+    ShardedCollection[SequenceInFlight, Rows, dict[str, JaggedTensor]]
+):
     """The sharded form of a TorchRec ``EmbeddingCollection``; build it with ``shard()``.
 
     Table-wise, row-wise, column-wise, grid and data-parallel plans of FP32 or FP16
@@ -161,7 +167,9 @@ class ShardedEmbeddingCollection(ShardedCollection):
     """
 
     _PREFIX = "embeddings"
-    _SEQUENCE = True
+
+    def _input_stage(self, scratch: Scratch) -> SequenceInputDistribution:
+        return SequenceInputDistribution(self._routes, self._rank, scratch, self._device)
 
     def _output_stage(self, scratch: Scratch, comm_precision: str | None) -> SequenceLayout:
         """Refuse what it does not support yet, and fix the rows' routes."""
@@ -201,24 +209,25 @@ class ShardedEmbeddingCollection(ShardedCollection):
             scratch=scratch,
         )
 
-    def lookup(self, in_flight: InputInFlight) -> Rows:  # type: ignore[override]
+    def lookup(self, in_flight: InputInFlight[SequenceInFlight]) -> Rows:
         """Stage 2: wait for the ids, and look up a row for each in one TBE call; look
         the local batch's ids of the data-parallel tables up in their copies."""
         if in_flight.error is not None:
             raise in_flight.error
         replicated = self._storage.replicated
         local = (
-            replicated.per_id(in_flight.batch, in_flight.counts.ids_per_feature)
+            replicated.per_id(in_flight.batch, in_flight.kept.counts.ids_per_feature)
             if replicated is not None
             else []
         )
-        ids, arrived = self._arrived(in_flight, self._input_dist.unpack_sequence)
+        ids, arrived = self._arrived(in_flight, self._input_dist.unpack)
         layout, device = self._output_layout, self._device
         if self._storage.tbe is None:
             empty = torch.zeros(0, dtype=torch.long, device=device)
             return Rows(torch.zeros(0, layout.block, device=device), empty, local)
         mine = layout.slot_cols[self._rank]
-        per_slot = [sum(ids[s] for ids in in_flight.counts.slot_ids) for s in range(len(mine))]
+        slot_ids = in_flight.kept.counts.slot_ids
+        per_slot = [sum(ids[s] for ids in slot_ids) for s in range(len(mine))]
         offsets, slot, bag = _one_id_a_bag(per_slot, len(ids), device)
         pooled = self._storage.tbe(ids, offsets)  # [fullest slot's ids, slots' widths]
         # Each id's row: blocks of bag ``bag`` (a row of ``pooled``) at its slot's columns.
@@ -232,12 +241,12 @@ class ShardedEmbeddingCollection(ShardedCollection):
         to_send = torch.empty_like(place).index_copy_(0, place, _spread(first, span, total))
         return Rows(pooled.view(-1, layout.block), to_send, local)
 
-    def output_dist(  # type: ignore[override]
-        self, looked_up: Rows, in_flight: InputInFlight
+    def output_dist(
+        self, looked_up: Rows, in_flight: InputInFlight[SequenceInFlight]
     ) -> dict[str, JaggedTensor]:
         """Stage 3 (collective): the rows home, each in its id's place."""
-        layout, counts, batch = self._output_layout, in_flight.counts, in_flight.batch
-        sent = in_flight.sent
+        layout, batch = self._output_layout, in_flight.batch
+        counts, sent = in_flight.kept
         positions, send_row = sent.positions, sent.send_row
         per_feature = counts.ids_per_feature
         per_embedding = [per_feature[f] for f in layout.embedding_feature]

@@ -8,7 +8,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torchrec import EmbeddingBagCollection, EmbeddingCollection
 
-from embshard.modules.collection import ShardedCollection, ShardedEmbeddingBagCollection, world_mesh
+from embshard.modules.collection import ShardedCollection, ShardedEmbeddingBagCollection
+from embshard.modules.mesh import world_mesh
 from embshard.modules.sequence import ShardedEmbeddingCollection
 from embshard.plan.specs import ShardingPlan
 from embshard.storage.optimizers import SGD, FusedOptimizer

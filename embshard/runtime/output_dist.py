@@ -70,6 +70,38 @@ class OutputLayout:
         return self.scratch.take(name, values.shape, values, dtype).copy_(values)
 
 
+def _splits(
+    pooled: torch.Tensor, batch_sizes: list[int], layout: OutputLayout
+) -> tuple[list[int], list[int], int]:
+    """The all-to-all's send and receive splits, and this rank's batch size."""
+    local_batch = batch_sizes[layout.rank]
+    send_splits = [b * pooled.shape[1] for b in batch_sizes]
+    return send_splits, [local_batch * d for d in layout.block_dims], local_batch
+
+
+def send_home(
+    pooled: torch.Tensor, local: torch.Tensor, batch_sizes: list[int], layout: OutputLayout
+) -> torch.Tensor:
+    """The forward of ``PooledAllToAll`` alone, for lookups that need no gradient
+    (evaluation, inference): [global batch, this rank's slot dims] ->
+    [local batch, output dims]."""
+    send_splits, recv_splits, local_batch = _splits(pooled, batch_sizes, layout)
+    send = layout.to_wire("pooled_send", pooled.contiguous().view(-1))
+    received = layout.scratch.take("pooled", (sum(recv_splits),), pooled, layout.comm_dtype)
+    dist.all_to_all_single(received, send, recv_splits, send_splits, group=layout.group)
+    blocks = _blocks(received, recv_splits, local_batch, layout.block_dims)
+    out = layout.scratch.take("out", (local_batch, layout.output_dim), pooled)
+    moves = [(blocks[m.rank], m) for m in layout.moves]
+    for source, m in moves + [(local, m) for m in layout.local_moves]:
+        piece = _column_runs(source, m.source, m.source_step, m)
+        target = _column_runs(out, m.target, m.target_step, m)
+        if m.add:
+            target.add_(piece)
+        else:
+            target.copy_(piece)
+    return out
+
+
 class PooledAllToAll(torch.autograd.Function):
     """Each rank's pooled rows go back to the ranks whose samples they are, and land
     in their output columns, beside the local lookup's (data-parallel tables).
@@ -91,26 +123,11 @@ class PooledAllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, anchor, pooled, local, batch_sizes, layout):  # type: ignore[override]
-        local_batch = batch_sizes[layout.rank]
-        send_splits = [b * pooled.shape[1] for b in batch_sizes]
-        recv_splits = [local_batch * d for d in layout.block_dims]
-        send = layout.to_wire("pooled_send", pooled.contiguous().view(-1))
-        received = layout.scratch.take("pooled", (sum(recv_splits),), pooled, layout.comm_dtype)
-        dist.all_to_all_single(received, send, recv_splits, send_splits, group=layout.group)
-        blocks = _blocks(received, recv_splits, local_batch, layout.block_dims)
-        out = layout.scratch.take("out", (local_batch, layout.output_dim), pooled)
-        moves = [(blocks[m.rank], m) for m in layout.moves]
-        for source, m in moves + [(local, m) for m in layout.local_moves]:
-            piece = _column_runs(source, m.source, m.source_step, m)
-            target = _column_runs(out, m.target, m.target_step, m)
-            if m.add:
-                target.add_(piece)
-            else:
-                target.copy_(piece)
+        send_splits, recv_splits, local_batch = _splits(pooled, batch_sizes, layout)
         ctx.save_for_backward(anchor)
         ctx.splits = (send_splits, recv_splits, local_batch, pooled.shape, local.shape)
         ctx.layout = layout
-        return out
+        return send_home(pooled, local, batch_sizes, layout)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
