@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,8 +15,10 @@ import torch.distributed as dist
 from torchrec import EmbeddingConfig
 
 import embshard
-from embshard.app import bench
-from embshard.app.bench import Options, run
+from tools import bench
+from tools.bench import Options, run
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_bench_smoke(tmp_path, capfd):
@@ -138,3 +145,39 @@ def test_sequence_cells_time_both_libraries_or_say_why_not(world):
     assert "comm_precision 'fp16' is not supported" in compressed["skipped"]
     assert "outputs_equal" not in compressed
     assert "skipped: embshard refuses it" in bench.summary_line(compressed)
+
+
+def embshard_command(site: Path, *args: str) -> subprocess.CompletedProcess:
+    """``embshard ARGS`` with the embshard package that ``site`` holds, run from another
+    folder, as an installed package runs."""
+    script = "from embshard.app.cli import main; main(prog_name='embshard')"
+    return subprocess.run(
+        [sys.executable, "-c", script, *args],
+        cwd=site.parent,
+        env={**os.environ, "PYTHONPATH": str(site)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_embshard_bench_runs_the_checkouts_tools_from_anywhere(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "embshard").symlink_to(ROOT / "embshard")  # as an editable install finds it
+    result = embshard_command(site, "bench", "--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("Usage: embshard bench [OPTIONS]\n")
+    assert "--world-sizes N..." in result.stdout
+
+
+def test_embshard_bench_without_a_checkout_says_so_in_one_line(tmp_path):
+    site = tmp_path / "site"
+    shutil.copytree(ROOT / "embshard", site / "embshard")  # installed: no tools/ beside it
+    result = embshard_command(site, "bench", "--world-sizes", "2", "--workloads", "a")
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr == (
+        "Error: embshard bench runs tools/bench.py from a source checkout of embshard; "
+        f"{site} is not one (clone the repository, pip install -e it, run it there)\n"
+    )

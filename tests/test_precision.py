@@ -24,7 +24,7 @@ from torchrec.modules.embedding_configs import DataType
 import embshard
 from embshard import ShardingPlan, column_wise, row_wise, table_wise
 from embshard import checkpoint as ckpt
-from embshard.app.bench import CollectiveBytes
+from tools.bench import CollectiveBytes
 
 FP16 = DataType.FP16
 # Unit roundoff: half an ulp, relative, of rounding to nearest.

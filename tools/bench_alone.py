@@ -5,7 +5,7 @@
 The benchmark runs both libraries in the same processes, so their memory peaks mix,
 and it starts every step on all ranks together. Here every (plan, library) pair gets
 W fresh gloo processes (one thread each) that build only that library, as the
-benchmark builds it (embshard/app/bench.py), and train ``--steps`` steps on the
+benchmark builds it (tools/bench/), and train ``--steps`` steps on the
 benchmark's inputs back to back, as a training loop runs them. Each rank reports its
 peak resident memory (ru_maxrss) before the build (imports, process group and
 inputs), after the build, and after the steps; the median over the steps after the
@@ -22,11 +22,11 @@ import tempfile
 import time
 from datetime import timedelta
 
+import bench
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from embshard.app import bench
 from embshard.runtime.teardown import shutdown
 
 WARMUP = 5

@@ -17,7 +17,8 @@ import argparse
 import json
 from pathlib import Path
 
-from embshard.app.bench import WORKLOADS, make_plan, table_configs
+from bench import WORKLOADS, make_plan, table_configs
+
 from embshard.planner.search import CostModel, Topology, plan_loads, planned_tables
 
 

@@ -5,7 +5,7 @@
     .venv/bin/python tools/profile_step.py --library both --workload d --ids power-law ...
 
 Starts W gloo processes (one thread each) on the benchmark's tables and inputs
-(embshard/app/bench.py), trains 5 warm-up steps, then profiles ``--steps`` steps (25) on
+(tools/bench/), trains 5 warm-up steps, then profiles ``--steps`` steps (25) on
 rank 0 and prints the functions with the most time of their own, in ms per step.
 With ``--library torchrec`` it profiles TorchRec's DistributedModelParallel on the
 same plan, as the benchmark builds it; with ``--library both``, both libraries in the
@@ -24,11 +24,11 @@ import pstats
 import tempfile
 from datetime import timedelta
 
+import bench
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from embshard.app import bench
 from embshard.runtime.teardown import shutdown
 
 WARMUP = 5

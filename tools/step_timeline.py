@@ -4,7 +4,7 @@
         --plans table_wise row_wise column_wise mixed
 
 Starts W gloo processes (one thread each), builds embshard as the benchmark does
-(embshard/app/bench.py), and times ``--steps`` training steps after 5 warm-up steps, the
+(tools/bench/), and times ``--steps`` training steps after 5 warm-up steps, the
 ranks starting each step together. The step's four all-to-alls and its TBE call are
 its landmarks: every phase runs from one landmark to the next, so the phases add up
 to the step. Prints, per plan and rank, each phase's median ms as a markdown table;
@@ -23,11 +23,11 @@ import tempfile
 import time
 from datetime import timedelta
 
+import bench
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from embshard.app import bench
 from embshard.runtime.teardown import shutdown
 
 WARMUP = 5

@@ -6,15 +6,15 @@ is quick.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import signal
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import click
-
-from embshard.app.bench import COMM_PRECISIONS, ID_LAWS, PLANS, WORKLOADS
 
 PLOT_SUFFIXES = (".png",)
 
@@ -114,112 +114,36 @@ class _WorkersSaidWhy(logging.Filter):
         return not message.startswith(("failed (exitcode: 1)", "Sending process"))
 
 
-class _ListOptions(click.Command):
-    """A command whose ``multiple`` options take their values after one flag, as
-    argparse's ``nargs="+"`` does (``--world-sizes 2 4``), or a flag each."""
-
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        lists = {name for p in self.params if getattr(p, "multiple", False) for name in p.opts}
-        spread, flag = [], None
-        for arg in args:
-            if arg.startswith("-"):
-                name = arg.split("=", 1)[0]  # --world-sizes=2 4 too
-                flag = name if name in lists else None
-            elif flag is not None and spread[-1] != flag:
-                spread.append(flag)
-            spread.append(arg)
-        return super().parse_args(ctx, spread)
+# The checkout's root when embshard runs from one (installed with pip install -e).
+SOURCE_TREE = Path(__file__).resolve().parents[2]
 
 
-@main.command(cls=_ListOptions)
-@click.option(
-    "--world-sizes",
-    type=click.IntRange(min=1),
-    multiple=True,
-    default=(2, 4),
-    show_default=True,
-    metavar="N...",
-    help="Ranks of each run.",
-)
-@click.option(
-    "--workloads",
-    type=click.Choice(list(WORKLOADS)),
-    multiple=True,
-    default=tuple(WORKLOADS),
-    metavar="W...",
-    help="a: 8 tables of 100k x 64, ~20 ids a bag; b: 64 of 10k x 32, ~5 ids; c: Criteo "
-    "Kaggle's 26 (rows up to 1M) x 64, 1 id; d: Criteo Kaggle's 26 (rows up to 400k) x 16, "
-    "32 or 64, MLPerf DLRMv2's 1 to 100 ids a bag, batch 512; e: EmbeddingCollection, 8 "
-    "tables of 1k to 400k x 64, sequences of ~5 to ~50 ids (~150 a sample), batch 512. "
-    "Default: all.",
-)
-@click.option(
-    "--plans",
-    type=click.Choice(PLANS),
-    multiple=True,
-    default=tuple(PLANS),
-    metavar="P...",
-    help=f"Every table sharded one way ({', '.join(PLANS[:3])}), or mixed: the three in "
-    "turn. Default: all.",
-)
-@click.option(
-    "--steps", type=click.IntRange(min=1), default=20, show_default=True, help="Timed steps."
-)
-@click.option(
-    "--warmup",
-    type=click.IntRange(min=0),
-    default=5,
-    show_default=True,
-    help="Untimed steps before them.",
-)
-@click.option(
-    "--comm-precision",
-    type=click.Choice(COMM_PRECISIONS),
-    default="fp32",
-    show_default=True,
-    help="Precision of the pooled all-to-alls, both ways, in both libraries.",
-)
-@click.option(
-    "--ids",
-    type=click.Choice(ID_LAWS),
-    default="uniform",
-    show_default=True,
-    help="Ids uniform over each table's rows, or a power law as embshard's synthetic data "
-    "draws them (low ids hot).",
-)
-@click.option(
-    "--json",
-    "json_path",
-    type=OutputFile(),
-    default="bench.json",
-    show_default=True,
-    help="The results, every figure of every cell.",
-)
-@click.option("--png", type=OutputFile(*PLOT_SUFFIXES), help="Plot samples/s per plan.")
-def bench(
-    world_sizes: tuple[int, ...],
-    workloads: tuple[str, ...],
-    plans: tuple[str, ...],
-    steps: int,
-    warmup: int,
-    comm_precision: str,
-    ids: str,
-    json_path: str,
-    png: str | None,
-) -> None:
+@main.command(context_settings={"ignore_unknown_options": True}, add_help_option=False)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+def bench(ctx: click.Context, args: tuple[str, ...]) -> None:
     """Benchmark embshard against TorchRec's DistributedModelParallel, side by side.
 
-    For each world size, W gloo processes on this host (one thread each) train both
-    libraries on the same tables, weights, inputs and plan, with the same fused
-    optimizer, after checking that their outputs agree; steps alternate between the
-    two. Each cell's line gives both libraries' step (the slowest rank's median,
-    p10-p90), collectives and bytes a step, their throughput ratio, and embshard's
-    floor: a bare TBE doing the same lookups and update (each rank alone) plus the
-    step's collectives replayed alone. docs/performance.md explains every figure.
+    Runs tools/bench.py of embshard's source checkout, with the same options.
     """
-    from embshard.app.bench import Options, run
+    command = _checkout_bench(ctx)
+    with command.make_context(ctx.info_name, list(args), parent=ctx.parent) as bench_ctx:
+        command.invoke(bench_ctx)
 
-    run(Options(world_sizes, workloads, plans, steps, warmup, comm_precision, ids, json_path, png))
+
+def _checkout_bench(ctx: click.Context) -> click.Command:
+    """The bench's command, from the checkout this package runs from: the benchmark
+    stays out of the installed package."""
+    if not (SOURCE_TREE / "tools" / "bench" / "command.py").is_file():
+        click.echo(
+            "Error: embshard bench runs tools/bench.py from a source checkout of embshard; "
+            f"{SOURCE_TREE} is not one (clone the repository, pip install -e it, run it there)",
+            err=True,
+        )
+        ctx.exit(2)
+    if str(SOURCE_TREE) not in sys.path:
+        sys.path.insert(0, str(SOURCE_TREE))
+    return importlib.import_module("tools.bench.command").bench
 
 
 @main.group()

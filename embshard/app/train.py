@@ -16,11 +16,14 @@ stepping with empty batches until then: the sharded forward is collective.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -301,117 +304,232 @@ def _save(
 
 
 def _train(config: TrainConfig, resuming: str | None) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    """The job's outline: an evaluation before the first step, then training steps
+    until the configured steps, the data or a SIGTERM end them, each step logged,
+    evaluated and saved on schedule. Failures name the phase they happened in."""
+    job, start = _start_job(config, resuming)
+    summary = {"steps": start, "samples": 0}
+    loop = _LoopState(step=start, phase=f"step {start}: evaluation", summary=summary)
+    with _failures_named(job, loop):
+        if config.eval.every and start == 0:
+            _evaluate(job, 0)
+        _open_data(job, loop)
+        while loop.batch is not None:
+            _take_next_batch(job, loop)
+            loss = _forward_backward(job, loop)
+            stats = _all_reduce_step(job, loop, loss)
+            ended = _next_pass_if_due(job, loop, stats.stop)
+            done = loop.step == config.steps or ended
+            loop.batch = None if stats.stop or done else loop.following
+            _log_step(job, loop, stats, done)
+            _evaluate_if_due(job, loop, done)
+            _save_if_due(job, loop, stats.stop or done)
+            if stats.stop:
+                job.say(f"stopping at step {loop.step}: a rank received SIGTERM")
+                loop.summary["stopped"] = True
+                break
+            if ended:
+                job.say(f"the training data ran out at step {loop.step}: every pass is done")
+                loop.summary["data_ended"] = True
+    return loop.summary
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What every step of a run uses on this rank: the config, the sharded model and
+    its dense optimizer, the rank's data (with the empty batch that stands in for a
+    missing one) and where rank 0 reports."""
+
+    config: TrainConfig
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    data: SyntheticData | CriteoData
+    eval_batches: list[Batch]
+    empty: Batch
+    metrics: Metrics
+    progress: tqdm
+
+    def say(self, line: str) -> None:
+        """A line on rank 0's console (tqdm.write prints even where the bar is disabled)."""
+        if dist.get_rank() == 0:
+            self.progress.write(line)
+
+
+@dataclass
+class _LoopState:
+    """Where the training loop is on this rank, from one step to the next."""
+
+    step: int  # steps done
+    phase: str  # what the loop is doing: a failure names it
+    summary: dict  # what the run returns
+    feed: Feed | None = None
+    batch: Batch | None = None  # the next step's, its ids sent
+    problem: str | None = None  # why that batch could not be read, if it could not
+    upcoming: int = 0  # the next step's global batch size
+    following: Batch | None = None  # the batch taken ahead of the next step's
+    began: float = 0.0  # the logged throughput's clock
+    last: float = 0.0
+    samples_since: int = 0
+
+
+@dataclass(frozen=True)
+class _StepStats:
+    """A step's figures summed over the ranks by the per-step all-reduce."""
+
+    loss: float  # the mean BCE over the global batch
+    samples: int
+    stop: bool  # a rank received SIGTERM
+    skipped: int  # malformed lines skipped so far, every rank's
+
+
+def _start_job(config: TrainConfig, resuming: str | None) -> tuple[_Job, int]:
+    """The sharded model, this rank's data, rank 0's metrics log and progress bar; and
+    the step to start from."""
+    rank = dist.get_rank()
     model, optimizer, start = _sharded_model(config, resuming)
     data, eval_batches = _read_data(config)
     empty = data.empty_batch()
-    saves = config.checkpoint
     metrics = Metrics(config.logging.metrics, rank)
     quiet = rank != 0 or not config.logging.progress
     progress = tqdm(total=config.steps, initial=start, disable=quiet, file=sys.stdout)
+    return _Job(config, model, optimizer, data, eval_batches, empty, metrics, progress), start
 
-    def say(line: str) -> None:  # tqdm.write prints even where the bar is disabled
-        if rank == 0:
-            progress.write(line)
 
-    def evaluation(step: int) -> tuple[float, float]:
-        auc, eval_loss = evaluate(model, eval_batches, empty)
-        metrics.write({"step": step, "eval_auc": auc, "eval_loss": eval_loss})
-        say(f"step {step}: eval AUC {auc:.4f}, eval loss {eval_loss:.4f}")
-        return auc, eval_loss
-
-    summary: dict = {"steps": start, "samples": 0}
-    phase, collectives_failed = f"step {start}: evaluation", False
+@contextlib.contextmanager
+def _failures_named(job: _Job, loop: _LoopState) -> Iterator[None]:
+    """Failures in the loop raised as TrainingErrors naming its phase; then the batch
+    taken ahead of the last step (never used) is drained, unless a collective failed,
+    and the reports are closed."""
+    collectives_failed = False
     try:
-        if config.eval.every and start == 0:
-            evaluation(0)
-        phase = f"step {start}: opening the training data"
-        feed, upcoming = _open_feed(data, start)
-        began = last = time.perf_counter()
-        samples_since, step = 0, start
-        batch, problem = (None, None)
-        if step < config.steps and upcoming:
-            batch, problem = _take_ahead(model, feed)
-        while batch is not None:
-            phase = f"step {step + 1}: taking the next batch and distributing its ids"
-            following, found = (None, None)
-            if step + 1 < config.steps:  # pipelined: the next batch's ids travel first
-                following, found = _take_ahead(model, feed)
-            problem = problem or found
-            phase = f"step {step + 1}: forward (ids and pooled all-to-alls)"
-            logits = model(batch.dense, batch.sparse).squeeze(1)
-            loss = local_loss(logits, batch.labels, upcoming)
-            phase = f"step {step + 1}: backward (gradient all-to-all, DDP all-reduce)"
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-
-            phase = f"step {step + 1}: the per-step all-reduce"
-            ahead = following.size if following is not None else 0
-            flags = [float(_stop_requested), ahead, float(problem is not None), data.skipped]
-            stats = torch.tensor([loss.item(), batch.size, *flags])
-            dist.all_reduce(stats)
-            global_loss, samples = float(stats[0]) / world, int(stats[1])
-            stop, upcoming = bool(stats[2]), int(stats[3])
-            step += 1
-            if stats[4]:
-                agree(problem, f"stopped after step {step}")
-            ended = False
-            if not (upcoming or stop or step == config.steps):
-                # Every rank's part of this pass is done: the batch taken ahead is empty
-                # everywhere; the next pass's first batch replaces it.
-                phase = f"step {step}: starting the next pass"
-                upcoming = _next_epoch(feed)
-                ended = not upcoming
-                if upcoming:
-                    following, problem = _take_ahead(model, feed)
-            done = step == config.steps or ended
-            batch = None if stop or done else following
-            samples_since += samples
-            summary.update(steps=step, samples=summary["samples"] + samples, loss=global_loss)
-            if stats[5]:
-                summary["skipped_lines"] = int(stats[5])
-            now = time.perf_counter()
-            if step % config.logging.every == 0 or done:
-                rate = samples_since / (now - last)
-                elapsed = now - began
-                metrics.write(
-                    {"step": step, "loss": global_loss, "samples_per_s": rate, "elapsed_s": elapsed}
-                )
-                progress.set_postfix(loss=f"{global_loss:.4f}", samples_s=f"{rate:,.0f}")
-                last, samples_since = now, 0
-            progress.update(1)
-            if config.eval.every and (step % config.eval.every == 0 or done):
-                phase = f"step {step}: evaluation"
-                auc, eval_loss = evaluation(step)
-                summary.update(eval_auc=auc, eval_loss=eval_loss)
-            if saves.dir and (stop or done or (saves.every and step % saves.every == 0)):
-                phase = f"step {step}: saving a checkpoint"
-                _save(config, model, optimizer, step, phase)
-            if stop:
-                say(f"stopping at step {step}: a rank received SIGTERM")
-                summary["stopped"] = True
-                break
-            if ended:
-                say(f"the training data ran out at step {step}: every pass is done")
-                summary["data_ended"] = True
+        yield
     except InputError as e:  # raised by every rank in the same forward
-        raise TrainingError(f"{phase}: {e}") from None
+        raise TrainingError(f"{loop.phase}: {e}") from None
     except TrainingError:
         raise
     except RuntimeError as e:  # a collective failed: a rank is stuck or gone
         collectives_failed = True
         raise TrainingError(
-            f"rank {rank}, {phase}: {first_line(e)} (a collective failed: another "
-            f"rank may be stuck or gone; timeout_s is {config.timeout_s})",
+            f"rank {dist.get_rank()}, {loop.phase}: {first_line(e)} (a collective failed: "
+            f"another rank may be stuck or gone; timeout_s is {job.config.timeout_s})",
             agreed=False,
         ) from e
     finally:
         if not collectives_failed:
-            drain(model)  # the batch taken ahead of the last step is never used
-        progress.close()
-        metrics.close()
-    return summary
+            drain(job.model)
+        job.progress.close()
+        job.metrics.close()
+
+
+def _evaluate(job: _Job, step: int) -> tuple[float, float]:
+    """AUC and loss on the held-out batches (collective), logged and printed."""
+    auc, eval_loss = evaluate(job.model, job.eval_batches, job.empty)
+    job.metrics.write({"step": step, "eval_auc": auc, "eval_loss": eval_loss})
+    job.say(f"step {step}: eval AUC {auc:.4f}, eval loss {eval_loss:.4f}")
+    return auc, eval_loss
+
+
+def _open_data(job: _Job, loop: _LoopState) -> None:
+    """The training data opened at the loop's step, and its first batch taken."""
+    loop.phase = f"step {loop.step}: opening the training data"
+    loop.feed, loop.upcoming = _open_feed(job.data, loop.step)
+    loop.began = loop.last = time.perf_counter()
+    if loop.step < job.config.steps and loop.upcoming:
+        loop.batch, loop.problem = _take_ahead(job.model, loop.feed)
+
+
+def _take_next_batch(job: _Job, loop: _LoopState) -> None:
+    """Pipelined: the batch after this step's is taken and its ids sent first."""
+    loop.phase = f"step {loop.step + 1}: taking the next batch and distributing its ids"
+    loop.following, found = (None, None)
+    if loop.step + 1 < job.config.steps:
+        loop.following, found = _take_ahead(job.model, loop.feed)
+    loop.problem = loop.problem or found
+
+
+def _forward_backward(job: _Job, loop: _LoopState) -> torch.Tensor:
+    """The step's forward, loss, backward and dense optimizer step (the fused optimizer
+    updates the tables in the backward); its local loss."""
+    batch = loop.batch
+    loop.phase = f"step {loop.step + 1}: forward (ids and pooled all-to-alls)"
+    logits = job.model(batch.dense, batch.sparse).squeeze(1)
+    loss = local_loss(logits, batch.labels, loop.upcoming)
+    loop.phase = f"step {loop.step + 1}: backward (gradient all-to-all, DDP all-reduce)"
+    loss.backward()
+    job.optimizer.step()
+    job.optimizer.zero_grad()
+    return loss
+
+
+def _all_reduce_step(job: _Job, loop: _LoopState, loss: torch.Tensor) -> _StepStats:
+    """The per-step all-reduce (collective) of the loss, the samples and the flags: a
+    SIGTERM, the next batch's samples, an unreadable batch (every rank then stops,
+    naming it) and the lines skipped. The step is done: it is counted in the summary."""
+    loop.phase = f"step {loop.step + 1}: the per-step all-reduce"
+    ahead = loop.following.size if loop.following is not None else 0
+    flags = [float(_stop_requested), ahead, float(loop.problem is not None), job.data.skipped]
+    stats = torch.tensor([loss.item(), loop.batch.size, *flags])
+    dist.all_reduce(stats)
+    step = _StepStats(
+        loss=float(stats[0]) / dist.get_world_size(),
+        samples=int(stats[1]),
+        stop=bool(stats[2]),
+        skipped=int(stats[5]),
+    )
+    loop.step, loop.upcoming = loop.step + 1, int(stats[3])
+    if stats[4]:
+        agree(loop.problem, f"stopped after step {loop.step}")
+    summary = loop.summary
+    summary.update(steps=loop.step, samples=summary["samples"] + step.samples, loss=step.loss)
+    if step.skipped:
+        summary["skipped_lines"] = step.skipped
+    return step
+
+
+def _next_pass_if_due(job: _Job, loop: _LoopState, stop: bool) -> bool:
+    """When every rank's part of this pass is done (the batch taken ahead is empty
+    everywhere), the next pass starts and its first batch replaces it; True when no
+    pass is left."""
+    if loop.upcoming or stop or loop.step == job.config.steps:
+        return False
+    loop.phase = f"step {loop.step}: starting the next pass"
+    loop.upcoming = _next_epoch(loop.feed)
+    if loop.upcoming:
+        loop.following, loop.problem = _take_ahead(job.model, loop.feed)
+    return not loop.upcoming
+
+
+def _log_step(job: _Job, loop: _LoopState, stats: _StepStats, done: bool) -> None:
+    """Every ``logging.every`` steps and at the last: the loss and the samples a second
+    since the last log, to the metrics log and the progress bar."""
+    loop.samples_since += stats.samples
+    now = time.perf_counter()
+    if loop.step % job.config.logging.every == 0 or done:
+        rate = loop.samples_since / (now - loop.last)
+        elapsed = now - loop.began
+        job.metrics.write(
+            {"step": loop.step, "loss": stats.loss, "samples_per_s": rate, "elapsed_s": elapsed}
+        )
+        job.progress.set_postfix(loss=f"{stats.loss:.4f}", samples_s=f"{rate:,.0f}")
+        loop.last, loop.samples_since = now, 0
+    job.progress.update(1)
+
+
+def _evaluate_if_due(job: _Job, loop: _LoopState, done: bool) -> None:
+    """Every ``eval.every`` steps and at the last: an evaluation, kept in the summary."""
+    every = job.config.eval.every
+    if every and (loop.step % every == 0 or done):
+        loop.phase = f"step {loop.step}: evaluation"
+        auc, eval_loss = _evaluate(job, loop.step)
+        loop.summary.update(eval_auc=auc, eval_loss=eval_loss)
+
+
+def _save_if_due(job: _Job, loop: _LoopState, last: bool) -> None:
+    """Every ``checkpoint.every`` steps and at the last step the run makes: a checkpoint."""
+    saves = job.config.checkpoint
+    if saves.dir and (last or (saves.every and loop.step % saves.every == 0)):
+        loop.phase = f"step {loop.step}: saving a checkpoint"
+        _save(job.config, job.model, job.optimizer, loop.step, loop.phase)
 
 
 def init_process_group(timeout: timedelta) -> None:

@@ -1,0 +1,95 @@
+"""The bench's runs: a gloo world of each size in turn, its workers, and the records
+written."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+from .case import bench_case
+from .floor import gather_bandwidth
+from .report import plot, summary_line
+from .workloads import PLANS, WORKLOADS
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the bench runs: the options of ``tools/bench.py`` (and ``embshard bench``),
+    the same names."""
+
+    world_sizes: tuple[int, ...] = (2, 4)
+    workloads: tuple[str, ...] = tuple(WORKLOADS)
+    plans: tuple[str, ...] = tuple(PLANS)
+    steps: int = 20  # timed training steps
+    warmup: int = 5  # untimed steps before them
+    comm_precision: str = "fp32"
+    ids: str = "uniform"
+    json: str = "bench.json"
+    png: str | None = None
+
+
+def quiet_worker() -> None:
+    """Silence what a worker would print that says nothing of the run: TorchRec's
+    calls of the collectives torch 2.13 deprecates (a FutureWarning each), and kineto's
+    USDT lines at every start and stop of the profiler that counts the collectives
+    (``per_step_comm``). Kineto reads its level when a profile starts; 6 is above
+    USDT's 5, its highest (its errors, 4, are below USDT's level already)."""
+    warnings.filterwarnings(
+        "ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning
+    )
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+
+def worker(rank: int, world: int, store: str, args: Options, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from embshard.runtime.teardown import shutdown
+
+    quiet_worker()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=600))  # fmt: skip
+    records = []
+    for workload in args.workloads:
+        for plan_name in args.plans:
+            record = bench_case(workload, plan_name, args.steps, args.warmup,
+                                args.comm_precision, args.ids)  # fmt: skip
+            records.append(record)
+            if rank == 0:
+                print(summary_line(record), flush=True)
+    if rank == 0:
+        results.put(records)
+    shutdown()  # TorchRec's DMP holds gloo groups that can abort a normal exit
+
+
+def run(options: Options) -> list[dict]:
+    """Run the benchmark: a gloo world of each size in turn, its records written to
+    ``options.json`` (and plotted to ``options.png``); returns them."""
+    import torch.multiprocessing as mp
+
+    limit = gather_bandwidth()
+    print(f"machine: random-row gather bandwidth {limit / 1e9:.2f} GB/s (one thread)", flush=True)
+    records = []
+    for world in options.world_sizes:
+        with tempfile.TemporaryDirectory() as tmp:
+            results = mp.get_context("spawn").SimpleQueue()
+            mp.start_processes(worker, args=(world, os.path.join(tmp, "store"), options, results),
+                               nprocs=world, start_method="spawn")  # fmt: skip
+            records += results.get()
+    for r in records:
+        if r.get("outputs_equal"):
+            r["lookup_fraction_of_gather_limit"] = r["lookup_gather_gbps"] * 1e9 / limit
+    Path(options.json).write_text(
+        json.dumps({"gather_gbps": limit / 1e9, "results": records}, indent=2)
+    )
+    if options.png:
+        plot(records, options.png)
+    print(f"wrote {options.json}" + (f" and {options.png}" if options.png else ""), file=sys.stderr)
+    return records
