@@ -1,10 +1,12 @@
-"""The rank's TBE and its fused optimizers against torch's EmbeddingBag and optimizers."""
+"""The rank's TBE and its fused optimizers against torch's EmbeddingBag and optimizers;
+the optimizers' state layouts."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torchrec import EmbeddingBagConfig
 
 import embshard
 from embshard.storage.lookup import build_tbe
@@ -75,3 +77,26 @@ def test_fused_step_matches_torch(optimizer):
 def test_unknown_optimizer():
     with pytest.raises(TypeError, match="SGD, RowWiseAdagrad or Adagrad"):
         build_tbe(SHAPES, torch.optim.SGD, torch.device("cpu"))
+
+
+def test_each_optimizer_lays_out_its_state():
+    configs = [
+        EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=[n])
+        for n, r, d in (("cw", 6, 24), ("rw", 10, 4))
+    ]
+    plan = embshard.ShardingPlan(
+        {"cw": embshard.column_wise([1, 0, 1], [8, 4, 12]), "rw": embshard.row_wise()}
+    )
+    cw, rw = plan.resolve(configs, 2).values()
+    assert embshard.SGD.STATE is None
+    adagrad, rowwise = embshard.Adagrad.STATE, embshard.RowWiseAdagrad.STATE
+    # Per element: shaped like the table, each shard at its own offset.
+    assert adagrad.shape(cw) == (6, 24)
+    assert [adagrad.offset(cw, s) for s in cw.shards] == [(0, 0), (0, 8), (0, 12)]
+    assert adagrad.shape(rw) == (10, 4)
+    assert [adagrad.offset(rw, s) for s in rw.shards] == [(0, 0), (5, 0)]
+    # Per row and column block: a column per block, in column order.
+    assert rowwise.shape(cw) == (6, 3)
+    assert [rowwise.offset(cw, s) for s in cw.shards] == [(0, 0), (0, 1), (0, 2)]
+    assert rowwise.shape(rw) == (10, 1)
+    assert [rowwise.offset(rw, s) for s in rw.shards] == [(0, 0), (5, 0)]

@@ -33,7 +33,7 @@ from embshard.plan.specs import (
     local_shards,
 )
 from embshard.storage.lookup import build_tbe
-from embshard.storage.optimizers import Adagrad, FusedOptimizer, RowWiseAdagrad
+from embshard.storage.optimizers import FusedOptimizer
 from embshard.storage.replicated import ReplicatedTables
 
 aten = torch.ops.aten
@@ -250,12 +250,6 @@ def gather_table(table: DTensor, group: dist.ProcessGroup | None = None) -> torc
     return full
 
 
-def column_blocks(table: ShardedTable) -> list[tuple[int, int]]:
-    """The table's distinct column ranges (offset, width): its blocks for row-wise
-    optimizer state, one per column-wise block, else one for the whole row."""
-    return sorted({(s.col_offset, s.cols) for s in table.shards})
-
-
 @dataclass
 class LocalStorage:
     """A rank's shards of every table: the sharded ones in one TBE (none if the rank
@@ -264,8 +258,7 @@ class LocalStorage:
     TBE table ``i`` holds ``shards[i]``, the replicated TBE's ``copies[i]``.
     ``weights`` views every table's local part;
     ``optimizer_state`` views the fused optimizer's state per table, with its global
-    shape: Adagrad's is shaped like the table, row-wise Adagrad's is one column per
-    column block (``column_blocks``), SGD has none.
+    shape, laid out as the optimizer's ``STATE`` says (none for SGD).
     """
 
     tbe: SplitTableBatchedEmbeddingBagsCodegen | None
@@ -349,22 +342,9 @@ def allocate_storage(
     ]
     storage = LocalStorage(tbe, shards, replicated, copies, {}, {})
     storage.weights = _per_table(tables, storage.weight_views(), _at_offset, device, dtype)
-    if isinstance(optimizer, Adagrad):
+    layout = optimizer.STATE
+    if layout is not None:
         states = _local_views(storage, _momentum)
-        wrappers = _per_table(tables, states, _at_offset, device, torch.float32)
-        storage.optimizer_state = {
-            n: (w, (t.num_embeddings, t.embedding_dim))
-            for (n, w), t in zip(wrappers.items(), tables.values())
-        }
-    elif isinstance(optimizer, RowWiseAdagrad):
-
-        def block(table: ShardedTable, s: TableShard) -> tuple[int, int]:
-            return s.row_offset, column_blocks(table).index((s.col_offset, s.cols))
-
-        states = _local_views(storage, _momentum)
-        wrappers = _per_table(tables, states, block, device, torch.float32)
-        storage.optimizer_state = {
-            n: (w, (t.num_embeddings, len(column_blocks(t))))
-            for (n, w), t in zip(wrappers.items(), tables.values())
-        }
+        wrappers = _per_table(tables, states, layout.offset, device, torch.float32)
+        storage.optimizer_state = {n: (wrappers[n], layout.shape(t)) for n, t in tables.items()}
     return storage
