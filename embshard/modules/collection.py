@@ -40,6 +40,7 @@ from embshard.runtime.output_dist import OutputLayout, PooledAllToAll
 from embshard.runtime.routes import build_routes
 from embshard.runtime.scratch import Scratch
 from embshard.storage.init import init_shard
+from embshard.storage.lookup import LookupBackend, TrainingTBE
 from embshard.storage.optimizers import FusedOptimizer
 from embshard.storage.replicated import build_replicated
 from embshard.storage.shards import allocate_storage, gather_table, table_dtensor
@@ -171,6 +172,7 @@ class ShardedCollection(nn.Module):
         weights: Mapping[str, torch.Tensor] | None = None,
         is_weighted: bool = False,
         comm_precision: str | None = None,
+        lookup: LookupBackend = TrainingTBE(),
     ) -> None:
         super().__init__()
         _check_mesh(mesh)
@@ -212,6 +214,7 @@ class ShardedCollection(nn.Module):
             feature_table_map,
             dtype,
             replicated,
+            lookup,
         )
         self._fill(seed, weights)
         submesh = functools.partial(_submesh, mesh)

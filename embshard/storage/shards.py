@@ -15,9 +15,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-    SplitTableBatchedEmbeddingBagsCodegen,
-)
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
@@ -32,7 +29,7 @@ from embshard.plan.specs import (
     TableShard,
     local_shards,
 )
-from embshard.storage.lookup import build_tbe
+from embshard.storage.lookup import LookupBackend, LookupModule, TrainingTBE
 from embshard.storage.optimizers import FusedOptimizer
 from embshard.storage.replicated import ReplicatedTables
 
@@ -252,16 +249,16 @@ def gather_table(table: DTensor, group: dist.ProcessGroup | None = None) -> torc
 
 @dataclass
 class LocalStorage:
-    """A rank's shards of every table: the sharded ones in one TBE (none if the rank
-    holds none), the data-parallel copies in ``replicated``'s.
+    """A rank's shards of every table: the sharded ones in one lookup module (none if
+    the rank holds none), the data-parallel copies in ``replicated``'s TBE.
 
-    TBE table ``i`` holds ``shards[i]``, the replicated TBE's ``copies[i]``.
+    Lookup table ``i`` holds ``shards[i]``, the replicated TBE's ``copies[i]``.
     ``weights`` views every table's local part;
     ``optimizer_state`` views the fused optimizer's state per table, with its global
     shape, laid out as the optimizer's ``STATE`` says (none for SGD).
     """
 
-    tbe: SplitTableBatchedEmbeddingBagsCodegen | None
+    tbe: LookupModule | None
     shards: list[tuple[str, TableShard]]
     replicated: ReplicatedTables | None
     copies: list[tuple[str, TableShard]]
@@ -296,18 +293,18 @@ def _at_offset(table: ShardedTable, shard: TableShard) -> tuple[int, int]:
     return shard.row_offset, shard.col_offset
 
 
-def _weights(tbe: SplitTableBatchedEmbeddingBagsCodegen) -> list[torch.Tensor]:
+def _weights(tbe: LookupModule) -> list[torch.Tensor]:
     return tbe.split_embedding_weights()
 
 
-def _momentum(tbe: SplitTableBatchedEmbeddingBagsCodegen) -> list[torch.Tensor]:
+def _momentum(tbe: LookupModule) -> list[torch.Tensor]:
     """The per-element or per-row accumulator of every TBE table, 2-D."""
     return [st[0].view(st[0].shape[0], -1) for st in tbe.split_optimizer_states()]
 
 
 def _local_views(
     storage: LocalStorage,
-    per_table: Callable[[SplitTableBatchedEmbeddingBagsCodegen], list[torch.Tensor]],
+    per_table: Callable[[LookupModule], list[torch.Tensor]],
 ) -> list[tuple[str, TableShard, torch.Tensor]]:
     """``per_table``'s tensors of both TBEs, each with its table name and shard."""
     replicated = storage.replicated.tbe if storage.replicated is not None else None
@@ -326,16 +323,21 @@ def allocate_storage(
     feature_table_map: Sequence[int],
     dtype: torch.dtype = torch.float32,
     replicated: ReplicatedTables | None = None,
+    lookup: LookupBackend = TrainingTBE(),
 ) -> LocalStorage:
-    """Allocate only this rank's non-empty shards, in one SUM-pooled TBE, zero-filled,
-    and wrap them with ``replicated``'s copies of the data-parallel tables.
+    """Allocate only this rank's non-empty shards, in one SUM-pooled lookup module that
+    ``lookup`` builds, zero-filled, and wrap them with ``replicated``'s copies of the
+    data-parallel tables.
 
-    ``feature_table_map`` gives, for each TBE feature, the index of its shard in
+    ``feature_table_map`` gives, for each lookup feature, the index of its shard in
     ``local_shards(tables, rank)``. Weights are ``dtype``, optimizer state float32.
+    Every rank first asks ``lookup`` whether it can serve ``optimizer`` on ``device``,
+    so a refusal is raised on every rank, shards or none.
     """
+    lookup.check(optimizer, device)
     shards = local_shards(tables, rank)
     shapes = [(s.rows, s.cols) for _, s in shards]
-    tbe = build_tbe(shapes, optimizer, device, feature_table_map, dtype) if shards else None
+    tbe = lookup.build(shapes, optimizer, device, feature_table_map, dtype) if shards else None
     copies = [
         (n, next(s for s in tables[n].shards_on(rank) if s.copy))
         for n in (replicated.names if replicated else [])
