@@ -1,12 +1,19 @@
-"""The rank's TBE and its fused optimizers against torch's EmbeddingBag and optimizers."""
+"""The rank's TBE and its fused optimizers against torch's EmbeddingBag and optimizers;
+the lookup backend's placement; the optimizers' state layouts."""
 
 from __future__ import annotations
+
+import inspect
 
 import pytest
 import torch
 import torch.nn.functional as F
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import ComputeDevice
+from torchrec import EmbeddingBagConfig
 
 import embshard
+from embshard.modules.collection import ShardedCollection
 from embshard.storage.lookup import build_tbe
 
 SHAPES = [(10, 8), (6, 4)]
@@ -75,3 +82,72 @@ def test_fused_step_matches_torch(optimizer):
 def test_unknown_optimizer():
     with pytest.raises(TypeError, match="SGD, RowWiseAdagrad or Adagrad"):
         build_tbe(SHAPES, torch.optim.SGD, torch.device("cpu"))
+
+
+def test_default_lookup_keeps_the_tables_in_host_memory_on_cpu():
+    for tbe in (
+        build_tbe(SHAPES, embshard.SGD(), torch.device("cpu")),
+        embshard.TrainingTBE().build(SHAPES, embshard.SGD(), torch.device("cpu")),
+        embshard.TrainingTBE(location="host").build(SHAPES, embshard.SGD(), torch.device("cpu")),
+    ):
+        assert [tuple(spec) for spec in tbe.embedding_specs] == [
+            (rows, cols, EmbeddingLocation.HOST, ComputeDevice.CPU) for rows, cols in SHAPES
+        ]
+    for entry in (embshard.shard, embshard.shard_model, ShardedCollection.__init__):
+        assert inspect.signature(entry).parameters["lookup"].default == embshard.TrainingTBE()
+
+
+@pytest.mark.parametrize("location", ["device", "managed", "managed_caching"])
+def test_a_location_cpu_cannot_serve_is_refused(location):
+    backend = embshard.TrainingTBE(location=location)
+    message = (
+        f"TrainingTBE(location='{location}') does not work on device cpu: "
+        "a cpu device takes location 'host' or None"
+    )
+    with pytest.raises(ValueError) as refused:
+        backend.check(embshard.SGD(), torch.device("cpu"))
+    assert str(refused.value) == message
+    with pytest.raises(ValueError) as refused:
+        backend.build(SHAPES, embshard.SGD(), torch.device("cpu"))
+    assert str(refused.value) == message
+
+
+def test_an_unknown_location_is_refused_at_construction():
+    with pytest.raises(ValueError) as refused:
+        embshard.TrainingTBE(location="ssd")
+    assert str(refused.value) == (
+        "TrainingTBE location must be None or one of "
+        "['device', 'managed', 'managed_caching', 'host'], got 'ssd'"
+    )
+
+
+def test_the_backend_refuses_an_unknown_optimizer_with_the_builders_message():
+    with pytest.raises(TypeError) as refused:
+        embshard.TrainingTBE().check(torch.optim.SGD, torch.device("cpu"))
+    assert str(refused.value) == (
+        "optimizer must be embshard.SGD, RowWiseAdagrad or Adagrad, "
+        "got <class 'torch.optim.sgd.SGD'>"
+    )
+
+
+def test_each_optimizer_lays_out_its_state():
+    configs = [
+        EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=[n])
+        for n, r, d in (("cw", 6, 24), ("rw", 10, 4))
+    ]
+    plan = embshard.ShardingPlan(
+        {"cw": embshard.column_wise([1, 0, 1], [8, 4, 12]), "rw": embshard.row_wise()}
+    )
+    cw, rw = plan.resolve(configs, 2).values()
+    assert embshard.SGD.STATE is None
+    adagrad, rowwise = embshard.Adagrad.STATE, embshard.RowWiseAdagrad.STATE
+    # Per element: shaped like the table, each shard at its own offset.
+    assert adagrad.shape(cw) == (6, 24)
+    assert [adagrad.offset(cw, s) for s in cw.shards] == [(0, 0), (0, 8), (0, 12)]
+    assert adagrad.shape(rw) == (10, 4)
+    assert [adagrad.offset(rw, s) for s in rw.shards] == [(0, 0), (5, 0)]
+    # Per row and column block: a column per block, in column order.
+    assert rowwise.shape(cw) == (6, 3)
+    assert [rowwise.offset(cw, s) for s in cw.shards] == [(0, 0), (0, 1), (0, 2)]
+    assert rowwise.shape(rw) == (10, 1)
+    assert [rowwise.offset(rw, s) for s in rw.shards] == [(0, 0), (5, 0)]

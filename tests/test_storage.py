@@ -6,6 +6,9 @@ rank, so every rank holds the same full tables) and TorchRec's own shard metadat
 
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass, field
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,6 +16,18 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracle import (
+    Case,
+    Table,
+    column_blocks,
+    global_batch,
+    local_batches,
+    max_diff,
+    oracle_step,
+    unsharded,
+    upstream,
+    weight_gap,
+)
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.distributed import sharding_plan as tr
 
@@ -208,6 +223,100 @@ def shard_with_bad_plan():
     return None
 
 
+@dataclass
+class RecordedLookup:
+    """A built lookup that records the ids of every call, then makes it."""
+
+    tbe: embshard.LookupModule
+    calls: list[int]
+
+    def __call__(self, indices, offsets, per_sample_weights=None):
+        self.calls.append(len(indices))
+        return self.tbe(indices, offsets, per_sample_weights=per_sample_weights)
+
+    def split_embedding_weights(self):
+        return self.tbe.split_embedding_weights()
+
+    def split_optimizer_states(self):
+        return self.tbe.split_optimizer_states()
+
+
+@dataclass(frozen=True)
+class RecordingBackend:
+    """A lookup backend of the test's own: TrainingTBE, recording each build's shard
+    shapes and calls."""
+
+    inner: embshard.TrainingTBE = field(default_factory=embshard.TrainingTBE)
+    built: list[tuple[list[tuple[int, int]], list[int]]] = field(default_factory=list)
+
+    def check(self, optimizer, device):
+        self.inner.check(optimizer, device)
+
+    def build(self, shard_shapes, optimizer, device, feature_table_map=None, dtype=torch.float32):
+        calls: list[int] = []
+        self.built.append(([tuple(s) for s in shard_shapes], calls))
+        return RecordedLookup(
+            self.inner.build(shard_shapes, optimizer, device, feature_table_map, dtype), calls
+        )
+
+
+def trained_through_a_backend(seed: int):
+    """Two Adagrad steps of a module sharded with the recording backend, against the
+    unsharded TorchRec module on the global batch: the largest differences of the
+    outputs, the weights and the optimizer state; what the backend built and saw."""
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    case = Case(
+        tables=tuple(
+            Table(c.name, c.num_embeddings, c.embedding_dim, tuple(c.feature_names))
+            for c in tables()
+        ),
+        plan=mixed_plan(world_size),
+        batch_sizes=(3, 5, 2, 4)[:world_size],
+        optimizer=embshard.Adagrad(lr=0.1),
+        seed=seed,
+    )
+    oracle = unsharded(case)
+    backend = RecordingBackend()
+    sharded = embshard.shard(
+        copy.deepcopy(oracle), case.plan, optimizer=case.optimizer, lookup=backend
+    )
+    starts = [sum(case.batch_sizes[:r]) for r in range(world_size + 1)]
+    outputs, states = [], {}
+    for step in range(2):
+        batches = local_batches(case, step)
+        expected = oracle(global_batch(batches)).values()
+        out = sharded(batches[rank]).values()
+        assert out.shape == (case.batch_sizes[rank], expected.shape[1])
+        outputs.append(max_diff(out, expected[starts[rank] : starts[rank + 1]]))
+        grads = [upstream(case, step, b, out.shape[1], r) for r, b in enumerate(case.batch_sizes)]
+        (out * grads[rank]).sum().backward()
+        loss = sum((expected[a:b] * g).sum() for a, b, g in zip(starts, starts[1:], grads))
+        (loss / world_size).backward()
+        oracle_step(oracle, case, column_blocks(case), states)
+    state = {
+        key.split(".")[1]: embshard.gather_table(value)
+        for key, value in sharded.optimizer_state().items()
+    }
+    errors = {
+        "outputs": max(outputs),
+        "weights": weight_gap(sharded, oracle),
+        "state": max(max_diff(state[n], states[n]) for n in states),
+    }
+    return errors, [(sorted(shapes), len(calls)) for shapes, calls in backend.built]
+
+
+def shard_refused(location: str | None, optimizer):
+    """The error every rank gets sharding with ``location`` and ``optimizer``, where
+    rank 0 holds every table and the others none."""
+    plan = ShardingPlan({c.name: table_wise(0) for c in tables()})
+    lookup = embshard.TrainingTBE(location=location)
+    try:
+        embshard.shard(meta_ebc(), plan, optimizer=optimizer, lookup=lookup)
+    except (TypeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 # ---- tests -------------------------------------------------------------------------------
 
 
@@ -241,17 +350,24 @@ def torchrec_local_shards(world_size: int, rank: int) -> dict[str, list]:
     return result
 
 
+def mixed_plan_shards(world_size: int, rank: int) -> dict[str, list]:
+    """Each table's shards on ``rank`` under ``mixed_plan``, (offsets, sizes): TorchRec's
+    metadata, the column-wise blocks by hand (TorchRec's column_wise(size_per_rank)
+    numbers blocks by position; ours by ranks)."""
+    last = world_size - 1
+    expected = torchrec_local_shards(world_size, rank)
+    expected["embedding_bags.cw.weight"] = [
+        ((0, o), (6, w)) for r, o, w in zip([last, 0, last], [0, 8, 12], [8, 4, 12]) if r == rank
+    ]
+    return expected
+
+
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_dtensor_layouts(world, world_size):
-    # TorchRec's column_wise(size_per_rank) numbers blocks by position; ours by ranks.
     last = world_size - 1
     cw_ranks = [last, 0, last]
     for rank, report in enumerate(world(world_size).run(layout_on_rank)):
-        expected = torchrec_local_shards(world_size, rank)
-        cw_expected = [
-            ((0, o), (6, w)) for r, o, w in zip(cw_ranks, [0, 8, 12], [8, 4, 12]) if r == rank
-        ]
-        expected["embedding_bags.cw.weight"] = cw_expected
+        expected = mixed_plan_shards(world_size, rank)
         for key, table in report.items():
             assert table["shards"] == expected[key], (key, rank)
             assert table["stride"] == (table["shape"][1], 1)
@@ -384,3 +500,38 @@ def test_gather_random_plans(world, world_size):
         assert all(world(world_size).run(random_plan_gather, configs, plan, seed))
 
     check()
+
+
+def test_a_lookup_backend_passed_to_shard_builds_and_trains_every_ranks_lookup(world):
+    world_size = 2
+    for rank, (errors, built) in enumerate(world(world_size).run(trained_through_a_backend, 9)):
+        assert errors["outputs"] < 1e-6 and errors["weights"] < 1e-6, (rank, errors)
+        assert errors["state"] < 1e-5, (rank, errors)  # float32 sums of squared gradients
+        # One lookup per rank, for its shards of the plan, called once a forward.
+        shards = mixed_plan_shards(world_size, rank).values()
+        shapes = [size for table in shards for _, size in table]
+        assert built == [(sorted(shapes), 2)], rank
+
+
+@pytest.mark.parametrize(
+    ("location", "optimizer", "message"),
+    [
+        (
+            "device",
+            embshard.SGD(),
+            "ValueError: TrainingTBE(location='device') does not work on device cpu: "
+            "a cpu device takes location 'host' or None",
+        ),
+        (
+            None,
+            torch.optim.SGD,
+            "TypeError: optimizer must be embshard.SGD, RowWiseAdagrad or Adagrad, "
+            "got <class 'torch.optim.sgd.SGD'>",
+        ),
+    ],
+)
+def test_a_lookup_the_device_cannot_serve_is_refused_on_every_rank(
+    world, location, optimizer, message
+):
+    # Rank 1 holds no shard and builds nothing: it refuses all the same.
+    assert world(2).run(shard_refused, location, optimizer) == [message, message]

@@ -60,8 +60,8 @@ from embshard.checkpoint.untrusted import SafeLoadPlanner, SafeReader, load_byte
 from embshard.errors import CheckpointError
 from embshard.modules.collection import ShardedCollection
 from embshard.plan.specs import TableShard, plural
-from embshard.storage.optimizers import SGD
-from embshard.storage.shards import LocalShardsWrapper, column_blocks
+from embshard.storage.optimizers import SGD, column_blocks
+from embshard.storage.shards import LocalShardsWrapper
 
 META = "embshard"
 CHECKSUMS = "embshard_checksums.json"

@@ -41,6 +41,7 @@ from embshard.runtime.output_dist import OutputLayout, PooledAllToAll, send_home
 from embshard.runtime.routes import build_routes
 from embshard.runtime.scratch import Scratch
 from embshard.storage.init import init_shard
+from embshard.storage.lookup import LookupBackend, TrainingTBE
 from embshard.storage.optimizers import FusedOptimizer
 from embshard.storage.replicated import build_replicated
 from embshard.storage.shards import allocate_storage, gather_table, table_dtensor
@@ -132,6 +133,7 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
         weights: Mapping[str, torch.Tensor] | None = None,
         is_weighted: bool = False,
         comm_precision: str | None = None,
+        lookup: LookupBackend = TrainingTBE(),
     ) -> None:
         super().__init__()
         self._mesh = ShardingMesh.of(mesh)
@@ -166,6 +168,7 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
             feature_table_map,
             dtype,
             replicated,
+            lookup,
         )
         self._fill(seed, weights)
         submesh = self._mesh.submesh

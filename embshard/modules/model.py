@@ -17,6 +17,7 @@ from embshard.modules.collection import ShardedCollection
 from embshard.modules.mesh import world_mesh
 from embshard.modules.shard import shard
 from embshard.plan.specs import ShardingPlan
+from embshard.storage.lookup import LookupBackend, TrainingTBE
 from embshard.storage.optimizers import SGD, FusedOptimizer
 
 # TorchRec's DistributedModelParallel wraps the dense part in DDP with these settings
@@ -58,6 +59,7 @@ def shard_model(
     ddp_kwargs: Mapping[str, Any] | None = None,
     data_parallel_wrapper: Callable[[nn.Module], nn.Module] | None = None,
     comm_precision: str | None = None,
+    lookup: LookupBackend = TrainingTBE(),
 ) -> nn.Module:
     """Shard every EmbeddingBagCollection and EmbeddingCollection of ``model`` by
     ``plan`` (one plan naming the tables of all of them) and wrap the model in DDP,
@@ -86,6 +88,8 @@ def shard_model(
     ``comm_precision`` (``"fp16"``, ``"bf16"``; default float32) is every sharded
     EmbeddingBagCollection's all-to-all precision for pooled rows and their
     gradients: see ``shard``.
+
+    ``lookup`` builds every sharded collection's per-rank lookup: see ``shard``.
 
     End the script with ``embshard.shutdown()``: DDP keeps a gloo process group and its
     threads alive after ``destroy_process_group``, and with torch 2.13 they can abort
@@ -128,6 +132,7 @@ def shard_model(
             optimizer=optimizer,
             seed=seed,
             comm_precision=comm_precision if pooled else None,
+            lookup=lookup,
         )
         _replace(model, path, sharded)
     _place_dense(model, device)

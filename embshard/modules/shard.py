@@ -12,6 +12,7 @@ from embshard.modules.collection import ShardedCollection, ShardedEmbeddingBagCo
 from embshard.modules.mesh import world_mesh
 from embshard.modules.sequence import ShardedEmbeddingCollection
 from embshard.plan.specs import ShardingPlan
+from embshard.storage.lookup import LookupBackend, TrainingTBE
 from embshard.storage.optimizers import SGD, FusedOptimizer
 
 
@@ -23,6 +24,7 @@ def shard(
     optimizer: FusedOptimizer = SGD(lr=0.01),
     seed: int = 0,
     comm_precision: str | None = None,
+    lookup: LookupBackend = TrainingTBE(),
 ) -> ShardedCollection:
     """Shard ``module`` by ``plan`` over ``mesh`` (default: the whole default process group).
 
@@ -37,6 +39,9 @@ def shard(
     ``comm_precision`` ``"fp16"`` or ``"bf16"`` sends the pooled rows and their
     gradients in that precision, half the bytes of the default ``None`` (``"fp32"``);
     the output stays float32.
+
+    ``lookup`` builds each rank's lookup over its shards: FBGEMM's training TBE in
+    the device's own memory by default, ``TrainingTBE(location="managed")`` for UVM.
     """
     if not isinstance(module, EmbeddingBagCollection | EmbeddingCollection):
         raise TypeError(
@@ -48,7 +53,7 @@ def shard(
     if mesh is None:
         mesh = world_mesh()
     if isinstance(module, EmbeddingCollection):
-        return _shard_sequence(module, plan, mesh, optimizer, seed, comm_precision)
+        return _shard_sequence(module, plan, mesh, optimizer, seed, comm_precision, lookup)
     return ShardedEmbeddingBagCollection(
         module.embedding_bag_configs(),
         plan,
@@ -58,6 +63,7 @@ def shard(
         weights=_given_weights(module.embedding_bags),
         is_weighted=module.is_weighted(),
         comm_precision=comm_precision,
+        lookup=lookup,
     )
 
 
@@ -77,6 +83,7 @@ def _shard_sequence(
     optimizer: FusedOptimizer,
     seed: int,
     comm_precision: str | None,
+    lookup: LookupBackend,
 ) -> ShardedCollection:
     if module.need_indices():
         raise ValueError("need_indices=True is not supported for an EmbeddingCollection yet")
@@ -88,4 +95,5 @@ def _shard_sequence(
         seed,
         weights=_given_weights(module.embeddings),
         comm_precision=comm_precision,
+        lookup=lookup,
     )

@@ -150,7 +150,12 @@ def build_replicated(
     group: dist.ProcessGroup | None,
 ) -> ReplicatedTables | None:
     """The copies ``shapes`` (name: rows copied, dim, in the model's order) in one TBE,
-    zero-filled; None when there are none."""
+    zero-filled; None when there are none.
+
+    The TBE is FBGEMM's training TBE in the device's own memory whatever lookup backend
+    the sharded tables have: every rank reads every copied row each step, which only
+    that memory serves well, and copies are small by design (TorchRec keeps its
+    data-parallel tables on its dense kernel whatever the sharded tables' placement)."""
     if not shapes:
         return None
     names = list(shapes)

@@ -15,9 +15,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-    SplitTableBatchedEmbeddingBagsCodegen,
-)
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
@@ -32,8 +29,8 @@ from embshard.plan.specs import (
     TableShard,
     local_shards,
 )
-from embshard.storage.lookup import build_tbe
-from embshard.storage.optimizers import Adagrad, FusedOptimizer, RowWiseAdagrad
+from embshard.storage.lookup import LookupBackend, LookupModule, TrainingTBE
+from embshard.storage.optimizers import FusedOptimizer
 from embshard.storage.replicated import ReplicatedTables
 
 aten = torch.ops.aten
@@ -250,25 +247,18 @@ def gather_table(table: DTensor, group: dist.ProcessGroup | None = None) -> torc
     return full
 
 
-def column_blocks(table: ShardedTable) -> list[tuple[int, int]]:
-    """The table's distinct column ranges (offset, width): its blocks for row-wise
-    optimizer state, one per column-wise block, else one for the whole row."""
-    return sorted({(s.col_offset, s.cols) for s in table.shards})
-
-
 @dataclass
 class LocalStorage:
-    """A rank's shards of every table: the sharded ones in one TBE (none if the rank
-    holds none), the data-parallel copies in ``replicated``'s.
+    """A rank's shards of every table: the sharded ones in one lookup module (none if
+    the rank holds none), the data-parallel copies in ``replicated``'s TBE.
 
-    TBE table ``i`` holds ``shards[i]``, the replicated TBE's ``copies[i]``.
+    Lookup table ``i`` holds ``shards[i]``, the replicated TBE's ``copies[i]``.
     ``weights`` views every table's local part;
     ``optimizer_state`` views the fused optimizer's state per table, with its global
-    shape: Adagrad's is shaped like the table, row-wise Adagrad's is one column per
-    column block (``column_blocks``), SGD has none.
+    shape, laid out as the optimizer's ``STATE`` says (none for SGD).
     """
 
-    tbe: SplitTableBatchedEmbeddingBagsCodegen | None
+    tbe: LookupModule | None
     shards: list[tuple[str, TableShard]]
     replicated: ReplicatedTables | None
     copies: list[tuple[str, TableShard]]
@@ -303,18 +293,18 @@ def _at_offset(table: ShardedTable, shard: TableShard) -> tuple[int, int]:
     return shard.row_offset, shard.col_offset
 
 
-def _weights(tbe: SplitTableBatchedEmbeddingBagsCodegen) -> list[torch.Tensor]:
+def _weights(tbe: LookupModule) -> list[torch.Tensor]:
     return tbe.split_embedding_weights()
 
 
-def _momentum(tbe: SplitTableBatchedEmbeddingBagsCodegen) -> list[torch.Tensor]:
+def _momentum(tbe: LookupModule) -> list[torch.Tensor]:
     """The per-element or per-row accumulator of every TBE table, 2-D."""
     return [st[0].view(st[0].shape[0], -1) for st in tbe.split_optimizer_states()]
 
 
 def _local_views(
     storage: LocalStorage,
-    per_table: Callable[[SplitTableBatchedEmbeddingBagsCodegen], list[torch.Tensor]],
+    per_table: Callable[[LookupModule], list[torch.Tensor]],
 ) -> list[tuple[str, TableShard, torch.Tensor]]:
     """``per_table``'s tensors of both TBEs, each with its table name and shard."""
     replicated = storage.replicated.tbe if storage.replicated is not None else None
@@ -333,38 +323,30 @@ def allocate_storage(
     feature_table_map: Sequence[int],
     dtype: torch.dtype = torch.float32,
     replicated: ReplicatedTables | None = None,
+    lookup: LookupBackend = TrainingTBE(),
 ) -> LocalStorage:
-    """Allocate only this rank's non-empty shards, in one SUM-pooled TBE, zero-filled,
-    and wrap them with ``replicated``'s copies of the data-parallel tables.
+    """Allocate only this rank's non-empty shards, in one SUM-pooled lookup module that
+    ``lookup`` builds, zero-filled, and wrap them with ``replicated``'s copies of the
+    data-parallel tables.
 
-    ``feature_table_map`` gives, for each TBE feature, the index of its shard in
+    ``feature_table_map`` gives, for each lookup feature, the index of its shard in
     ``local_shards(tables, rank)``. Weights are ``dtype``, optimizer state float32.
+    Every rank first asks ``lookup`` whether it can serve ``optimizer`` on ``device``,
+    so a refusal is raised on every rank, shards or none.
     """
+    lookup.check(optimizer, device)
     shards = local_shards(tables, rank)
     shapes = [(s.rows, s.cols) for _, s in shards]
-    tbe = build_tbe(shapes, optimizer, device, feature_table_map, dtype) if shards else None
+    tbe = lookup.build(shapes, optimizer, device, feature_table_map, dtype) if shards else None
     copies = [
         (n, next(s for s in tables[n].shards_on(rank) if s.copy))
         for n in (replicated.names if replicated else [])
     ]
     storage = LocalStorage(tbe, shards, replicated, copies, {}, {})
     storage.weights = _per_table(tables, storage.weight_views(), _at_offset, device, dtype)
-    if isinstance(optimizer, Adagrad):
+    layout = optimizer.STATE
+    if layout is not None:
         states = _local_views(storage, _momentum)
-        wrappers = _per_table(tables, states, _at_offset, device, torch.float32)
-        storage.optimizer_state = {
-            n: (w, (t.num_embeddings, t.embedding_dim))
-            for (n, w), t in zip(wrappers.items(), tables.values())
-        }
-    elif isinstance(optimizer, RowWiseAdagrad):
-
-        def block(table: ShardedTable, s: TableShard) -> tuple[int, int]:
-            return s.row_offset, column_blocks(table).index((s.col_offset, s.cols))
-
-        states = _local_views(storage, _momentum)
-        wrappers = _per_table(tables, states, block, device, torch.float32)
-        storage.optimizer_state = {
-            n: (w, (t.num_embeddings, len(column_blocks(t))))
-            for (n, w), t in zip(wrappers.items(), tables.values())
-        }
+        wrappers = _per_table(tables, states, layout.offset, device, torch.float32)
+        storage.optimizer_state = {n: (wrappers[n], layout.shape(t)) for n, t in tables.items()}
     return storage
