@@ -228,7 +228,7 @@ def test_show_png_stacks_each_ranks_shards_against_its_memory(
     for table in resolved.values():
         for s in table.shards:
             if s.rows and s.cols:
-                expected[s.rank].append((table.name, 4 * s.rows * s.cols + 4 * s.rows, s.copy))
+                expected[s.rank].append((table.name, 4 * s.rows * s.cols + 4 * s.rows, s.replica))
     mib = 2**20  # every case's axis: its largest size, the capacity or the fullest rank, in MiB
     assert memory_axes.get_ylabel() == "memory (MiB)"
     drawn = {rank: [] for rank in range(world)}

@@ -569,7 +569,7 @@ def test_hot_rows_resolve_to_a_copy_on_every_rank_then_row_blocks():
     table = config("t", 100, 16)
     plan = ShardingPlan({"t": row_wise([0, 30, 50], hot_rows=20)})
     shards = plan.resolve([table], 3)["t"].shards
-    assert [(s.rank, s.row_offset, s.rows, s.copy) for s in shards] == [
+    assert [(s.rank, s.row_offset, s.rows, s.replica) for s in shards] == [
         (0, 0, 20, True),
         (1, 0, 20, True),
         (2, 0, 20, True),
@@ -578,8 +578,8 @@ def test_hot_rows_resolve_to_a_copy_on_every_rank_then_row_blocks():
         (2, 50, 50, False),
     ]
     even = ShardingPlan({"t": row_wise(hot_rows=10)}).resolve([table], 4)["t"]
-    assert [s.rows for s in even.shards if not s.copy] == [23, 23, 23, 21]
-    assert even.copied_rows == 10 and not even.replicated
+    assert [s.rows for s in even.shards if not s.replica] == [23, 23, 23, 21]
+    assert even.replicated_rows == 10 and not even.replicated
     assert ShardingPlan.from_yaml(plan.to_yaml(), [table], 3) == plan
     assert "hot_rows: 20" in plan.to_yaml()
 
@@ -594,7 +594,7 @@ def test_row_blocks_go_to_their_ranks_in_row_order():
         (1, 40, 60),
     ]
     even = ShardingPlan({"t": row_wise(hot_rows=10, ranks=[3, 2, 1, 0])}).resolve([table], 4)["t"]
-    assert [(s.rank, s.row_offset, s.rows) for s in even.shards if not s.copy] == [
+    assert [(s.rank, s.row_offset, s.rows) for s in even.shards if not s.replica] == [
         (3, 10, 23),
         (2, 33, 23),
         (1, 56, 23),
@@ -690,7 +690,7 @@ def test_only_row_wise_has_a_row_block_on_every_rank_of_any_world():
         assert not spec.ROW_BLOCK_ON_EVERY_RANK, spec
     for world_size in (2, 5):
         resolved = ShardingPlan({"a": row_wise(hot_rows=2)}).resolve(TABLES[:1], world_size)
-        blocks = [s.rank for s in resolved["a"].shards if not s.copy]
+        blocks = [s.rank for s in resolved["a"].shards if not s.replica]
         assert blocks == list(range(world_size))
 
 

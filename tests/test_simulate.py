@@ -156,11 +156,11 @@ def lookups_from_batches(config_path: str, world: int, batches: int) -> list[lis
                 if not (shard.rows and shard.cols):
                     continue
                 for feature in t.features:
-                    mine = [sparse[shard.rank]] if shard.copy else sparse
+                    mine = [sparse[shard.rank]] if shard.replica else sparse
                     ids = torch.cat([s[feature].values() for s in mine])
                     inside = (ids >= shard.row_offset) & (ids < shard.row_offset + shard.rows)
                     n = int(inside.sum())
-                    got = (0, 0) if shard.copy else (n, samples)
+                    got = (0, 0) if shard.replica else (n, samples)
                     for i, add in enumerate((*got, n * shard.cols * 4)):
                         counted[shard.rank][i] += add
     return counted

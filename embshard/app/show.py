@@ -70,13 +70,13 @@ def draw_table(table: ShardedTable, width: int = 60, sequence: bool = False) -> 
             extents = [(s.rank, s.rows) for s in shards if s.col_offset == start]
             lines.append(f"  {label:<{pad}} rows |{_bar(extents, table.num_embeddings, width)}|")
     else:
-        hot = table.copied_rows
-        shards = [s for s in shards if not s.copy]
+        hot = table.replicated_rows
+        shards = [s for s in shards if not s.replica]
         extents: list[tuple[int | None, int]] = [(None, hot)] if hot else []
         extents += [(s.rank, s.rows) for s in shards]
         lines.append(f"  rows |{_bar(extents, table.num_embeddings, width)}|")
         if hot:
-            ranks = plural(len({s.rank for s in table.shards if s.copy}), "rank")
+            ranks = plural(len({s.rank for s in table.shards if s.replica}), "rank")
             lines.append(f"    *: hot rows 0:{hot}, copied on each of {ranks}")
     lines += [
         f"    rank {s.rank}: rows {s.row_offset}:{s.row_offset + s.rows}, "
@@ -98,12 +98,12 @@ def draw_plan(
 @dataclass(frozen=True)
 class Box:
     """One shard's rectangle in the picture: its rank, table and bytes (weights and
-    optimizer state); ``copy`` for one of a table's copies on every rank."""
+    optimizer state); ``replica`` for one of a table's copies on every rank."""
 
     rank: int
     table: str
     size: int
-    copy: bool = False
+    replica: bool = False
 
 
 def shard_boxes(
@@ -112,7 +112,7 @@ def shard_boxes(
     """Every non-empty shard, table by table, sized by ``model.memory`` as
     ``plan_loads`` counts it."""
     return [
-        Box(shard.rank, spec.name, model.memory(spec, shard.rows, shard.cols), shard.copy)
+        Box(shard.rank, spec.name, model.memory(spec, shard.rows, shard.cols), shard.replica)
         for spec in specs
         for shard in tables[spec.name].shards
         if shard.rows and shard.cols
@@ -167,7 +167,7 @@ def plot_plan(
         # Some are too small for their name: a legend names every colour, right of
         # the axes, the figure widened for it.
         handles = [Patch(color=c, label=name) for name, c in colours.items()]
-        if any(box.copy for box in boxes):
+        if any(box.replica for box in boxes):
             handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="a copy"))
         legend = figure.legend(
             handles=handles, loc="upper left", fontsize=_FONT, frameon=False,
@@ -200,7 +200,7 @@ def _draw_memory(axes, boxes, colours, loads, topology: Topology) -> list:
             color=colours[box.table],
             edgecolor="white",
             linewidth=0.5,
-            hatch="//" if box.copy else None,
+            hatch="//" if box.replica else None,
         )
         stacked[box.rank] += box.size / scale
         rectangles.append((bar.patches[0], box))

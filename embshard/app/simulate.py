@@ -270,7 +270,9 @@ def _step_report(
     blocks = sum(sum(routes.slot_dims(r)) for r in range(world))
     pooled = Traffic(batch * sum(dims) * _WEIGHT_BYTES, local * blocks * _WEIGHT_BYTES)
     ids = own.values.split(own.lengths.sum(1).tolist())
-    copies = [(int((ids[e.feature] < e.copied_rows).sum()), e.dim) for e in routes.local_embeddings]
+    copies = [
+        (int((ids[e.feature] < e.replicated_rows).sum()), e.dim) for e in routes.local_embeddings
+    ]
     step = RankReport(
         rank,
         samples=local,

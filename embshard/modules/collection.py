@@ -118,7 +118,7 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
     DTensors, the input distribution (stage 1) with its prefetching, and state dicts
     under the unsharded module's keys. The subclass gives its kind of input
     distribution (``_input_stage``), the output layout (``_output_stage``) and stages
-    2 and 3 (``lookup``, ``output_dist``): together, the ``LookupStages`` contract."""
+    2 and 3 (``lookup``, ``output_dist``): together, the stage contract its type parameters name."""
 
     # The unsharded module's attribute holding the tables: state dict keys start so.
     _PREFIX: str
@@ -151,7 +151,11 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
         self._output_layout = self._output_stage(scratch, comm_precision)
         replicated = build_replicated(
             self._routes,
-            {n: (t.copied_rows, t.embedding_dim) for n, t in self._tables.items() if t.copied_rows},
+            {
+                n: (t.replicated_rows, t.embedding_dim)
+                for n, t in self._tables.items()
+                if t.replicated_rows
+            },
             optimizer,
             self._device,
             dtype,

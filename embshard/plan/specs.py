@@ -194,7 +194,7 @@ class RowWise:
         sizes = self.sizes if self.sizes is not None else even_row_sizes(split, world_size)
         ranks = self.ranks if self.ranks is not None else range(world_size)
         offsets = accumulate(sizes, initial=hot)
-        copies = tuple(TableShard(r, 0, hot, 0, dim, copy=True) for r in range(world_size))
+        copies = tuple(TableShard(r, 0, hot, 0, dim, replica=True) for r in range(world_size))
         blocks = tuple(TableShard(r, o, n, 0, dim) for r, o, n in zip(ranks, offsets, sizes))
         return (copies if hot else ()) + blocks
 
@@ -317,7 +317,7 @@ class DataParallel:
         return _fbgemm_dim(dim, "embedding_dim")
 
     def shards(self, rows: int, dim: int, world_size: int) -> tuple[TableShard, ...]:
-        return tuple(TableShard(r, 0, rows, 0, dim, copy=True) for r in range(world_size))
+        return tuple(TableShard(r, 0, rows, 0, dim, replica=True) for r in range(world_size))
 
     def shrunk(self, rows: int, kept: int) -> DataParallel:
         """The spec for its table cut to its first ``kept`` of ``rows`` rows: itself."""
@@ -554,15 +554,15 @@ def grid(
 class TableShard:
     """The rectangle ``[row_offset:row_offset+rows, col_offset:col_offset+cols]`` on ``rank``.
 
-    A ``copy`` is one of identical rectangles on every rank (a data-parallel table, or
-    a row-wise table's hot rows): looked up where the batch is, never sent ids."""
+    A ``replica`` is one of identical rectangles on every rank (a data-parallel table,
+    or a row-wise table's hot rows): looked up where the batch is, never sent ids."""
 
     rank: int
     row_offset: int
     rows: int
     col_offset: int
     cols: int
-    copy: bool = False
+    replica: bool = False
 
 
 @dataclass(frozen=True)
@@ -595,10 +595,10 @@ class ShardedTable:
         return self.spec.hot_rows
 
     @property
-    def copied_rows(self) -> int:
-        """Rows ``[0, copied_rows)`` are copied on every rank: all of a data-parallel
+    def replicated_rows(self) -> int:
+        """Rows ``[0, replicated_rows)`` are copied on every rank: all of a data-parallel
         table's, a row-wise table's hot rows, else none."""
-        return next((s.rows for s in self.shards if s.copy), 0)
+        return next((s.rows for s in self.shards if s.replica), 0)
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -613,7 +613,7 @@ def local_shards(tables: Mapping[str, ShardedTable], rank: int) -> list[tuple[st
         (n, s)
         for n, t in tables.items()
         for s in t.shards_on(rank)
-        if s.rows and s.cols and not s.copy
+        if s.rows and s.cols and not s.replica
     ]
 
 

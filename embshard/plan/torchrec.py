@@ -110,7 +110,7 @@ def _row_wise_misfit(table: ShardedTable) -> str | None:
     placement says); None when it can (or the table is not row-wise)."""
     if table.hot_rows:
         return "TorchRec has no row-wise sharding with hot rows copied on every rank"
-    ranks = [s.rank for s in table.shards if not s.copy]  # row blocks, in row order
+    ranks = [s.rank for s in table.shards if not s.replica]  # row blocks, in row order
     if table.spec.ROW_BLOCK_ON_EVERY_RANK and ranks != sorted(ranks):
         return (
             f"TorchRec's row-wise sharding puts row block r on rank r; these are on ranks {ranks}"

@@ -1246,13 +1246,13 @@ def plan_loads(
             share = shard.rows / table.num_embeddings
             if traffic is not None and sharded.kind in _ROW_SPLIT:
                 share = traffic.share(shard.row_offset, shard.rows)
-            if shard.copy and sharded.hot_rows:
+            if shard.replica and sharded.hot_rows:
                 load.cost += model.copy_cost(table, shard.rows, share)
             else:
                 rows = share * table.num_embeddings
                 load.cost += model.shard_cost(table, sharded.kind, rows, shard.cols)
             load.shards.append(shard_name(table.name, shard))
-    if any(t.copied_rows for t in resolved.values()):  # the copies' gradient all-reduce
+    if any(t.replicated_rows for t in resolved.values()):  # the copies' gradient all-reduce
         for load in loads:
             load.cost += topology.collective_latency()
     return loads
@@ -1285,7 +1285,7 @@ def plan_report(
             TableChoice(
                 t.name,
                 r.kind,
-                sum(bool(s.rows and s.cols) and not s.copy for s in r.shards) or len(r.shards),
+                sum(bool(s.rows and s.cols) and not s.replica for s in r.shards) or len(r.shards),
                 reason,
                 t.sequence,
             )

@@ -26,7 +26,11 @@ from embshard.plan.specs import ShardedTable, TableShard, local_shards
 
 
 @dataclass(frozen=True)
-class Embedding:
+class EmbeddingRoute:
+    """One output embedding of the module (a feature looked up in a table, a key of
+    its output): where its columns go in the output, how its table is laid out, and
+    which of its ids travel."""
+
     name: str
     feature: int
     table: str
@@ -38,11 +42,14 @@ class Embedding:
     data_parallel: bool = False
     # Ids below this are looked up in this rank's copy of those rows (all of a
     # data-parallel table's, a row-wise table's hot rows); the others travel.
-    copied_rows: int = 0
+    replicated_rows: int = 0
 
 
 @dataclass(frozen=True)
 class Slot:
+    """One shard's share of an embedding's lookups: the ids of embedding ``embedding``
+    that go to ``shard``'s rank, looked up in that rank's TBE table ``tbe_table``."""
+
     embedding: int
     shard: TableShard
     tbe_table: int
@@ -71,8 +78,11 @@ class ColumnMove:
 
 @dataclass(frozen=True)
 class Routes:
+    """Who sends what where, fixed at sharding: the module's features and output
+    embeddings, every rank's slots in TBE order, and how ids are bucketized."""
+
     features: tuple[str, ...]
-    embeddings: tuple[Embedding, ...]
+    embeddings: tuple[EmbeddingRoute, ...]
     slots: tuple[tuple[Slot, ...], ...]
     # Ids are bucketized by owner before sending, all features at once, when any table
     # is row-wise or grid: pass k splits each feature by one set of row boundaries
@@ -147,10 +157,10 @@ class Routes:
         return _merged(singles)
 
     @property
-    def local_embeddings(self) -> tuple[Embedding, ...]:
+    def local_embeddings(self) -> tuple[EmbeddingRoute, ...]:
         """The embeddings looked up in copies, in output order: the local lookup's
         columns."""
-        return tuple(e for e in self.embeddings if e.copied_rows)
+        return tuple(e for e in self.embeddings if e.replicated_rows)
 
     def local_moves(self) -> list[ColumnMove]:
         """Where the local lookup's columns go in the output, as strided moves: copied
@@ -248,7 +258,7 @@ def _block_order(table: ShardedTable, col_offset: int, world_size: int) -> tuple
     (ranks that hold none last): bucket k of the pass that splits that column block
     holds the rows of rank ``order[k]``."""
     start = {
-        s.rank: s.row_offset for s in table.shards if s.col_offset == col_offset and not s.copy
+        s.rank: s.row_offset for s in table.shards if s.col_offset == col_offset and not s.replica
     }
     return tuple(sorted(range(world_size), key=lambda r: (start.get(r, table.num_embeddings), r)))
 
@@ -274,13 +284,13 @@ def _row_boundaries(
     rows, which no bucket holds."""
     rows = [0] * len(order)
     for s in table.shards:
-        if s.col_offset == col_offset and not s.copy:
+        if s.col_offset == col_offset and not s.replica:
             rows[s.rank] += s.rows
-    return tuple(accumulate((rows[r] for r in order), initial=table.copied_rows))
+    return tuple(accumulate((rows[r] for r in order), initial=table.replicated_rows))
 
 
 def _bucket_passes(
-    embeddings: Sequence[Embedding],
+    embeddings: Sequence[EmbeddingRoute],
     tables: dict[str, ShardedTable],
     feature_rows: Sequence[int],
     world_size: int,
@@ -332,7 +342,7 @@ def build_routes(
     for config, names in zip(configs, get_embedding_names_by_table(configs)):
         for feature, name in zip(config.feature_names, names):
             embeddings.append(
-                Embedding(
+                EmbeddingRoute(
                     name=name,
                     feature=features.index(feature),
                     table=config.name,
@@ -342,7 +352,7 @@ def build_routes(
                     out_offset=offset,
                     row_wise=tables[config.name].spec.SPLITS_ROWS,
                     data_parallel=tables[config.name].replicated,
-                    copied_rows=tables[config.name].copied_rows,
+                    replicated_rows=tables[config.name].replicated_rows,
                 )
             )
             offset += config.embedding_dim
@@ -393,18 +403,20 @@ def build_routes(
     )
 
 
-def _feature_hot_rows(embeddings: Sequence[Embedding], features: Sequence[str]) -> tuple[int, ...]:
+def _feature_hot_rows(
+    embeddings: Sequence[EmbeddingRoute], features: Sequence[str]
+) -> tuple[int, ...]:
     """Each feature's hot rows (``Routes.feature_hot_rows``); a ValueError when a
     feature of a table with hot rows feeds another table too, whose lookups would
     lose those ids."""
     hot = [0] * len(features)
     for e in embeddings:
-        if e.copied_rows and not e.data_parallel:
+        if e.replicated_rows and not e.data_parallel:
             others = [o.table for o in embeddings if o.feature == e.feature and o is not e]
             if others:
                 raise ValueError(
                     f"table {e.table!r}: hot_rows needs its features to feed no other table, "
                     f"but feature {features[e.feature]!r} also feeds {others}"
                 )
-            hot[e.feature] = e.copied_rows
+            hot[e.feature] = e.replicated_rows
     return tuple(hot)

@@ -252,7 +252,7 @@ class LocalStorage:
     """A rank's shards of every table: the sharded ones in one lookup module (none if
     the rank holds none), the data-parallel copies in ``replicated``'s TBE.
 
-    Lookup table ``i`` holds ``shards[i]``, the replicated TBE's ``copies[i]``.
+    Lookup table ``i`` holds ``shards[i]``, the replicated TBE's ``replicas[i]``.
     ``weights`` views every table's local part;
     ``optimizer_state`` views the fused optimizer's state per table, with its global
     shape, laid out as the optimizer's ``STATE`` says (none for SGD).
@@ -261,7 +261,7 @@ class LocalStorage:
     tbe: LookupModule | None
     shards: list[tuple[str, TableShard]]
     replicated: ReplicatedTables | None
-    copies: list[tuple[str, TableShard]]
+    replicas: list[tuple[str, TableShard]]
     weights: dict[str, LocalShardsWrapper]
     optimizer_state: dict[str, tuple[LocalShardsWrapper, tuple[int, int]]]
 
@@ -309,7 +309,7 @@ def _local_views(
     """``per_table``'s tensors of both TBEs, each with its table name and shard."""
     replicated = storage.replicated.tbe if storage.replicated is not None else None
     views = []
-    for tbe, shards in ((storage.tbe, storage.shards), (replicated, storage.copies)):
+    for tbe, shards in ((storage.tbe, storage.shards), (replicated, storage.replicas)):
         if tbe is not None:
             views += [(n, s, v) for (n, s), v in zip(shards, per_table(tbe))]
     return views
@@ -338,11 +338,11 @@ def allocate_storage(
     shards = local_shards(tables, rank)
     shapes = [(s.rows, s.cols) for _, s in shards]
     tbe = lookup.build(shapes, optimizer, device, feature_table_map, dtype) if shards else None
-    copies = [
-        (n, next(s for s in tables[n].shards_on(rank) if s.copy))
+    replicas = [
+        (n, next(s for s in tables[n].shards_on(rank) if s.replica))
         for n in (replicated.names if replicated else [])
     ]
-    storage = LocalStorage(tbe, shards, replicated, copies, {}, {})
+    storage = LocalStorage(tbe, shards, replicated, replicas, {}, {})
     storage.weights = _per_table(tables, storage.weight_views(), _at_offset, device, dtype)
     layout = optimizer.STATE
     if layout is not None:
