@@ -20,7 +20,7 @@ _MODULES = {
         "PlanningError",
     ],
     "embshard.storage.optimizers": ["SGD", "Adagrad", "FusedOptimizer", "RowWiseAdagrad"],
-    "embshard.modules.model": ["shard_model"],
+    "embshard.modules.shard_model": ["shard_model"],
     "embshard.modules.collection": ["ShardedEmbeddingBagCollection"],
     "embshard.modules.shard": ["shard"],
     "embshard.plan.specs": [
@@ -58,7 +58,7 @@ __all__ = sorted(_HOME)
 
 
 def __getattr__(name: str) -> Any:
-    """A public name, or a submodule (``embshard.modules.model``), imported on first use."""
+    """A public name, or a submodule (``embshard.modules.shard_model``), imported on first use."""
     if name in _HOME:
         value = getattr(importlib.import_module(_HOME[name]), name)
     elif importlib.util.find_spec(f"{__name__}.{name}") is not None:

@@ -17,7 +17,7 @@ from torchrec.models.dlrm import DLRM, DLRM_DCN
 
 import embshard
 from embshard import ShardingPlan, column_wise, row_wise, table_wise
-from embshard.modules.model import sharded_collections
+from embshard.modules.shard_model import sharded_collections
 
 TABLES = (
     Table("a", 40, 8, ("f_a",)),

@@ -280,7 +280,7 @@ def train_uneven_batches(sizes: list[tuple[int, ...]], lr: float) -> list[float]
         oracle_opt.zero_grad()
     oracle_params = dict(oracle.named_parameters())
     gaps = [float((p - oracle_params[n]).abs().max()) for n, p in model.module.named_parameters()]
-    for path, sharded in embshard.modules.model.sharded_collections(model.module).items():
+    for path, sharded in embshard.modules.shard_model.sharded_collections(model.module).items():
         for table, weight in sharded.weights.items():
             expected = oracle.get_submodule(path).embedding_bags[table].weight
             gaps.append(float((embshard.gather_table(weight) - expected).abs().max()))

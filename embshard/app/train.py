@@ -43,8 +43,8 @@ from embshard.app.data import Batch, CriteoData, Feed, SyntheticData, build_data
 from embshard.app.planning import plan_config, topology_for
 from embshard.checkpoint.store import first_line, rank_failures
 from embshard.errors import ConfigError, EmbshardError, InputError
-from embshard.modules.model import shard_model
 from embshard.modules.pipeline import drain, prefetch
+from embshard.modules.shard_model import shard_model
 from embshard.plan.specs import ShardingPlan
 from embshard.planner.search import format_bytes, plan_loads
 from embshard.runtime.teardown import shutdown
