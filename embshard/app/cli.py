@@ -262,7 +262,7 @@ def export(directory: str, out: str, module: str | None) -> None:
     "--balance-lookups",
     is_flag=True,
     help="With --batches: not the planner's plan but every table row-wise by the "
-    "traffic, its hot rows copied on every rank (embshard.planner.search.lookup_balanced_plan), so "
+    "traffic, its hot rows copied on every rank (embshard.app.planning.lookup_balanced_plan), so "
     "each rank makes about as many lookups; slower steps where pooled rows dominate.",
 )
 def plan(
