@@ -72,7 +72,7 @@ def bench_case(
         collectives, sent = per_step_comm(model, batches[0])
         if model is ours:
             alone = sent.replay(max(5, steps // 2))
-        counted = every_rank(count_step(model, batches[0]))
+        counted = every_rank(count_step(model, make_inputs(workload, rank, 1, ids)[0]))
         record[name] = {
             "median_ms": 1e3 * statistics.median(times),
             "p10_ms": 1e3 * percentile(times, 0.1),

@@ -169,7 +169,9 @@ class StepOps:
 
 def count_step(model, batch, sites: bool = False) -> StepOps:
     """Run one training step of ``model`` (either library's) on ``batch`` and count
-    it. Collective when the model is sharded: every rank calls it."""
+    it. Collective when the model is sharded: every rank calls it. ``batch`` must be
+    one no model has seen: a KeyedJaggedTensor keeps what it computed (its lengths per
+    key), and TorchRec's step would skip computing it again."""
     with Tally(sites) as forward:
         outputs = values(output(model, batch))
     gradients = [torch.ones_like(v) for v in outputs]
@@ -201,8 +203,10 @@ def count_case(
     except ValueError as refused:  # raised alike on every rank, before any collective
         record["skipped"] = f"embshard refuses it: {refused}"
         return record
-    batches = make_inputs(workload, dist.get_rank(), 1 + steps, ids)
     for library, model in models.items():
+        # Fresh batches for each library: a KeyedJaggedTensor caches what it computed
+        # (its lengths per key), which a second model would find done.
+        batches = make_inputs(workload, dist.get_rank(), 1 + steps, ids)
         loss(model, batches[0]).backward()  # first-use work is not a step's
         counts = [every_rank(count_step(model, batch, sites)) for batch in batches[1:]]
         record[library] = counts[0]
