@@ -27,22 +27,25 @@ def test_bench_smoke(tmp_path, capfd):
                 steps=2, warmup=1, json=str(out)))  # fmt: skip
     printed = capfd.readouterr()
     # The workers' lines and nothing else: no kineto USDT lines, no FutureWarnings.
-    assert [line.split()[:3] for line in printed.out.splitlines()[1:]] == [
-        ["W=2", "a", "mixed"],
-        ["W=2", "d", "mixed"],
-    ]
+    lines = printed.out.splitlines()[1:]
+    assert [line.split()[:3] for line in lines] == [["W=2", "a", "mixed"], ["W=2", "d", "mixed"]]
     assert printed.err == f"wrote {out}\n"
     data = json.loads(out.read_text())
     assert data["gather_gbps"] > 0
     assert [r["workload"] for r in data["results"]] == ["a", "d"]
-    for record in data["results"]:
+    for record, line in zip(data["results"], lines):
         assert record["outputs_equal"] and record["ids"] == "power-law"
         assert record["embshard"]["collectives_per_step"] == 4
         assert record["torchrec"]["collectives_per_step"] > 4
+        # One more step of each library counted, after the timed ones: ops beside times.
+        assert record["embshard"]["host_syncs_per_step"] == 1
         for library in ("embshard", "torchrec"):
             figures = record[library]
             assert figures["p10_ms"] <= figures["median_ms"] <= figures["p90_ms"]
             assert figures["bytes_sent_per_rank"] > 0 and figures["samples_per_s"] > 0
+            assert figures["ops_per_step"] == max(figures["ops_per_step_per_rank"]) > 0
+            assert len(figures["ops_per_step_per_rank"]) == 2
+            assert f"MiB {figures['ops_per_step']} ops |" in line
         assert record["bare_tbe_ms"] > 0 and record["throughput_ratio"] > 0
         assert 0 < record["collectives_alone_ms"] < record["floor_ms"]
         assert record["floor_ms"] >= record["bare_tbe_ms"] and record["step_over_floor"] > 0

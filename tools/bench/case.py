@@ -1,5 +1,6 @@
 """One cell of the bench on every rank: both libraries built, their outputs compared,
-then timed, with embshard's floor beside them."""
+then timed, with embshard's floor beside them, and one more step of each counted
+(ops.py: its working ops and host syncs)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ def bench_case(
     ids: str = "uniform",
 ) -> dict:
     import torch.distributed as dist
+
+    from .ops import count_step, every_rank  # imports torch
 
     world, rank = dist.get_world_size(), dist.get_rank()
     configs = table_configs(workload)
@@ -69,6 +72,7 @@ def bench_case(
         collectives, sent = per_step_comm(model, batches[0])
         if model is ours:
             alone = sent.replay(max(5, steps // 2))
+        counted = every_rank(count_step(model, make_inputs(workload, rank, 1, ids)[0]))
         record[name] = {
             "median_ms": 1e3 * statistics.median(times),
             "p10_ms": 1e3 * percentile(times, 0.1),
@@ -76,6 +80,9 @@ def bench_case(
             "samples_per_s": samples / statistics.median(times),
             "collectives_per_step": collectives,
             "bytes_sent_per_rank": max(slowest([float(sent.bytes)])),
+            "ops_per_step": max(c.ops for c in counted),
+            "ops_per_step_per_rank": [c.ops for c in counted],
+            "host_syncs_per_step": max(c.syncs for c in counted),
         }
     record["throughput_ratio"] = (
         record["embshard"]["samples_per_s"] / record["torchrec"]["samples_per_s"]

@@ -10,7 +10,7 @@ from embshard.app.cli import PLOT_SUFFIXES, OutputFile
 from .workloads import COMM_PRECISIONS, ID_LAWS, PLANS, WORKLOADS
 
 
-class _ListOptions(click.Command):
+class ListOptions(click.Command):
     """A command whose ``multiple`` options take their values after one flag, as
     argparse's ``nargs="+"`` does (``--world-sizes 2 4``), or a flag each."""
 
@@ -27,7 +27,7 @@ class _ListOptions(click.Command):
         return super().parse_args(ctx, spread)
 
 
-@click.command(cls=_ListOptions)
+@click.command(cls=ListOptions)
 @click.option(
     "--world-sizes",
     type=click.IntRange(min=1),

@@ -1,13 +1,15 @@
-"""The bench's runs: a gloo world of each size in turn, its workers, and the records
-written."""
+"""The bench's runs: a gloo world of each size in turn (``in_world``, which the other
+tools use too), its cells, and the records written."""
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -46,7 +48,7 @@ def quiet_worker() -> None:
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 
-def worker(rank: int, world: int, store: str, args: Options, results) -> None:
+def _rank_main(rank: int, world: int, tmp: str, job: Callable, args: tuple) -> None:
     import torch
     import torch.distributed as dist
 
@@ -54,35 +56,49 @@ def worker(rank: int, world: int, store: str, args: Options, results) -> None:
 
     quiet_worker()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600))  # fmt: skip
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=600))  # fmt: skip
+    result = job(*args)
+    if rank == 0:
+        Path(tmp, "result.pickle").write_bytes(pickle.dumps(result))
+    shutdown()  # TorchRec's DMP holds gloo groups that can abort a normal exit
+
+
+def in_world(world: int, job: Callable, *args):
+    """``job(*args)`` on every rank of a fresh gloo world of ``world`` processes on this
+    host (one thread each), as the bench runs them; returns rank 0's result. ``job``
+    must be a module-level function (the processes are spawned)."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_rank_main, args=(world, tmp, job, args), nprocs=world,
+                           start_method="spawn")  # fmt: skip
+        return pickle.loads(Path(tmp, "result.pickle").read_bytes())
+
+
+def bench_cells(args: Options) -> list[dict]:
+    """Every cell of ``args`` in this rank's world, rank 0 printing a line for each."""
+    import torch.distributed as dist
+
     records = []
     for workload in args.workloads:
         for plan_name in args.plans:
             record = bench_case(workload, plan_name, args.steps, args.warmup,
                                 args.comm_precision, args.ids)  # fmt: skip
             records.append(record)
-            if rank == 0:
+            if dist.get_rank() == 0:
                 print(summary_line(record), flush=True)
-    if rank == 0:
-        results.put(records)
-    shutdown()  # TorchRec's DMP holds gloo groups that can abort a normal exit
+    return records
 
 
 def run(options: Options) -> list[dict]:
     """Run the benchmark: a gloo world of each size in turn, its records written to
     ``options.json`` (and plotted to ``options.png``); returns them."""
-    import torch.multiprocessing as mp
-
     limit = gather_bandwidth()
     print(f"machine: random-row gather bandwidth {limit / 1e9:.2f} GB/s (one thread)", flush=True)
     records = []
     for world in options.world_sizes:
-        with tempfile.TemporaryDirectory() as tmp:
-            results = mp.get_context("spawn").SimpleQueue()
-            mp.start_processes(worker, args=(world, os.path.join(tmp, "store"), options, results),
-                               nprocs=world, start_method="spawn")  # fmt: skip
-            records += results.get()
+        records += in_world(world, bench_cells, options)
     for r in records:
         if r.get("outputs_equal"):
             r["lookup_fraction_of_gather_limit"] = r["lookup_gather_gbps"] * 1e9 / limit

@@ -12,9 +12,11 @@ def summary_line(r: dict) -> str:
     ours, theirs = r["embshard"], r["torchrec"]
     return (
         f"{head} embshard {ours['median_ms']:7.2f} ms [{ours['p10_ms']:.2f}-{ours['p90_ms']:.2f}] "
-        f"{ours['collectives_per_step']} coll {ours['bytes_sent_per_rank'] / 2**20:6.2f} MiB | "
+        f"{ours['collectives_per_step']} coll {ours['bytes_sent_per_rank'] / 2**20:6.2f} MiB "
+        f"{ours['ops_per_step']} ops | "
         f"torchrec {theirs['median_ms']:7.2f} ms [{theirs['p10_ms']:.2f}-{theirs['p90_ms']:.2f}] "
-        f"{theirs['collectives_per_step']} coll {theirs['bytes_sent_per_rank'] / 2**20:6.2f} MiB | "
+        f"{theirs['collectives_per_step']} coll {theirs['bytes_sent_per_rank'] / 2**20:6.2f} MiB "
+        f"{theirs['ops_per_step']} ops | "
         f"ratio {r['throughput_ratio']:.2f}x | bare TBE {r['bare_tbe_ms']:.2f} ms "
         f"(x{r['overhead_vs_bare_tbe']:.2f}) + collectives alone "
         f"{r['collectives_alone_ms']:.2f} ms (x{r['step_over_floor']:.2f}) | "

@@ -64,12 +64,18 @@ PLANS = ["table_wise", "row_wise", "column_wise", "mixed"]
 COMM_PRECISIONS = ["fp32", "fp16", "bf16"]
 
 
-def table_configs(workload: str):
+def spec_of(workload: str | dict) -> dict:
+    """A workload by its name in ``WORKLOADS``, or one given as a dict of the same
+    shape (the tests' small ones)."""
+    return WORKLOADS[workload] if isinstance(workload, str) else workload
+
+
+def table_configs(workload: str | dict):
     """The workload's tables: EmbeddingConfigs for a sequence workload, else
     EmbeddingBagConfigs (the configs' type picks the module in both libraries)."""
     from torchrec import EmbeddingBagConfig, EmbeddingConfig
 
-    spec = WORKLOADS[workload]
+    spec = spec_of(workload)
     config = EmbeddingConfig if spec.get("sequence") else EmbeddingBagConfig
     return [
         config(name=f"t{i}", num_embeddings=rows, embedding_dim=dim, feature_names=[f"f{i}"])
@@ -104,7 +110,7 @@ def make_plan(name: str, configs, world: int):
     )
 
 
-def make_inputs(workload: str, rank: int, steps: int, ids: str = "uniform"):
+def make_inputs(workload: str | dict, rank: int, steps: int, ids: str = "uniform"):
     """The rank's batches: ids uniform over each table's rows, or ``"power-law"`` as
     embshard's synthetic data draws them (low ids hot)."""
     import torch
@@ -114,7 +120,7 @@ def make_inputs(workload: str, rank: int, steps: int, ids: str = "uniform"):
 
     if ids not in ID_LAWS:
         raise ValueError(f"ids must be one of {ID_LAWS}, got {ids!r}")
-    spec = WORKLOADS[workload]
+    spec = spec_of(workload)
     batch = spec["batch"]
     generator = torch.Generator().manual_seed(1000 + rank)
     batches = []
