@@ -382,6 +382,15 @@ def small_with(tmp_path: Path, **keys) -> Path:
             ["--max-restarts", "-1"],
             "Invalid value for '--max-restarts': -1 is not in the range x>=0.",
         ),
+        (
+            ["--nnodes", "2:1"],
+            "Invalid value for '--nnodes': '2:1' is not N or MIN:MAX with 1 <= MIN <= MAX",
+        ),
+        (
+            ["--nnodes", "two"],
+            "Invalid value for '--nnodes': 'two' is not N or MIN:MAX with 1 <= MIN <= MAX",
+        ),
+        (["--nnodes", "2"], "--nnodes above 1 needs --rdzv-endpoint HOST:PORT"),
     ],
 )
 def test_train_refuses_bad_counts_before_launching(options, message):
@@ -401,6 +410,17 @@ def test_train_refuses_a_plan_for_another_world_size_before_launching(tmp_path):
         f"Error: {config}.plan: invalid sharding plan:\n"
         "  table 'user': row_wise gives 2 sizes for a world of 3 ranks\n"
     )
+
+
+def test_a_fixed_host_count_checks_the_plan_for_every_hosts_ranks(tmp_path):
+    names = [t["name"] for t in yaml.safe_load(SMALL.read_text())["tables"]]
+    plan = {n: {"type": "table_wise", "rank": 0} for n in names}
+    plan["user"] = {"type": "row_wise", "sizes": [50_000, 50_000]}
+    config = small_with(tmp_path, plan=plan)
+    options = ["--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", "10.0.0.1:29400"]
+    result = CliRunner().invoke(cli, ["train", str(config), *options])
+    assert result.exit_code == 1, result.output
+    assert "row_wise gives 2 sizes for a world of 4 ranks" in result.output
 
 
 def test_resume_without_a_checkpoint_section_is_refused_before_launching(tmp_path):

@@ -8,6 +8,7 @@ import io
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -184,6 +185,88 @@ def test_resuming_without_a_checkpoint_warns_where_it_looked_and_starts_at_step_
         "embshard: warning: --resume: the config has no checkpoint: section: starting from step 0\n"
     )
     assert summary["steps"] == 2
+
+
+def train_with_torchrun_env(path: str, env: dict[int, dict[str, str]]) -> tuple[dict, str]:
+    """``train`` with torchrun's variables set as ``env`` gives them for this rank."""
+    mine = env.get(dist.get_rank(), {})
+    saved = {k: os.environ.get(k) for k in mine}
+    os.environ.update(mine)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) as said:
+            return train(load_config(path)), said.getvalue()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key)
+            else:
+                os.environ[key] = value
+
+
+def test_every_rank_resumes_from_the_checkpoint_rank_0_finds(world, tmp_path):
+    """Each host's torchrun counts its own restarts: a host started afresh says 0 while
+    the survivors say 1. Every rank must still resume, from the same checkpoint."""
+    root = tmp_path / "ckpt"
+    world(2).run(train_resuming, str(small_config(tmp_path, "a.yaml", 10, root, 10)), False)
+    config = str(small_config(tmp_path, "b.yaml", 20, root, 10))
+    survivor_restarted = {0: {"TORCHELASTIC_RESTART_COUNT": "1"}}
+    found = world(2).run(train_with_torchrun_env, config, survivor_restarted)
+    assert [summary["steps"] for summary, _ in found] == [20, 20]
+    assert f"embshard: resumed from {root / 'step_00000010'} at step 10" in found[0][1]
+    straight = tmp_path / "straight"
+    world(2).run(train_resuming, str(small_config(tmp_path, "c.yaml", 20, straight, 10)), False)
+    expected, resumed = (
+        ckpt.read_tensors(ckpt.latest(straight)),
+        ckpt.read_tensors(ckpt.latest(root)),
+    )
+    assert all(torch.equal(value, resumed[key]) for key, value in expected.items())
+
+
+def test_a_job_continues_from_its_own_checkpoint_and_not_from_another_jobs(world, tmp_path):
+    """torchrun counts no restart when a host joins or replaces one (a new rendezvous
+    round): the job's own checkpoint says it is continuing."""
+    root = tmp_path / "ckpt"
+    job = {r: {"TORCHELASTIC_RUN_ID": "job-a"} for r in range(2)}
+    world(2).run(train_with_torchrun_env, str(small_config(tmp_path, "a.yaml", 10, root, 10)), job)
+    assert ckpt.read_description(ckpt.latest(root))["job"] == "job-a"
+    copied = tmp_path / "copied"
+    shutil.copytree(root, copied)
+    another = {r: {"TORCHELASTIC_RUN_ID": "job-b"} for r in range(2)}
+    config = str(small_config(tmp_path, "b.yaml", 20, copied, 10))
+    (summary, said), _ = world(2).run(train_with_torchrun_env, config, another)
+    assert "resumed" not in said and summary["steps"] == 20  # from step 0: not its checkpoint
+    config = str(small_config(tmp_path, "c.yaml", 20, root, 10))
+    (summary, said), _ = world(2).run(train_with_torchrun_env, config, job)
+    assert f"embshard: resumed from {root / 'step_00000010'} at step 10" in said
+
+
+def train_with_a_checkpoint_dir_per_rank(path: str) -> str:
+    data = yaml.safe_load(Path(path).read_text())
+    data["checkpoint"]["dir"] += f"_rank{dist.get_rank()}"
+    mine = Path(path).with_name(f"rank{dist.get_rank()}.yaml")
+    mine.write_text(yaml.safe_dump(data))
+    try:
+        train(load_config(str(mine)))
+    except Exception as e:
+        return str(e)
+    return "trained"
+
+
+def test_a_checkpoint_dir_that_is_not_shared_stops_every_rank_before_the_first_step(
+    world, tmp_path
+):
+    config = small_config(tmp_path, "a.yaml", 10, tmp_path / "private", 5)
+    said = world(2).run(train_with_a_checkpoint_dir_per_rank, str(config))
+    assert (
+        said[0]
+        == said[1]
+        == (
+            "checking the checkpoint directory: rank 1 does not see the file rank 0 wrote in "
+            f"checkpoint.dir {tmp_path / 'private_rank1'}: checkpoints need a directory on storage "
+            "shared by every host"
+        )
+    )
+    assert not list((tmp_path / "private_rank0").iterdir())  # no step, no marker left
 
 
 def uneven_config(tmp: Path, steps: int, lines: list[str], eval_lines: list[str]) -> Path:

@@ -6,6 +6,7 @@ is quick.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import logging
 import os
@@ -70,26 +71,89 @@ def main() -> None:
     show_default=True,
     help="Restart every rank this many times when one fails; restarts resume.",
 )
-def train(config: str, nproc: int, resume: bool, max_restarts: int) -> None:
+@click.option(
+    "--nnodes",
+    default="1",
+    show_default=True,
+    metavar="N|MIN:MAX",
+    callback=lambda ctx, param, value: _host_counts(value),
+    help="Hosts in the job, each running this command; MIN:MAX lets hosts leave and join.",
+)
+@click.option(
+    "--rdzv-endpoint",
+    metavar="HOST:PORT",
+    help="Where the hosts meet (torchrun's c10d rendezvous, hosted by the agent on HOST); "
+    "needed for more than one host.",
+)
+@click.option(
+    "--rdzv-id",
+    metavar="ID",
+    help="The job's name, the same on every host; a job continues from the checkpoints it "
+    "saved itself. Default: from the endpoint and the config's file name.",
+)
+@click.option(
+    "--node-rank",
+    type=click.IntRange(min=0),
+    help="This host's place in the job (default: the rendezvous gives one).",
+)
+@click.option(
+    "--local-addr",
+    metavar="ADDR",
+    help="This host's address as the others reach it; the host whose address is the "
+    "endpoint's hosts the rendezvous.",
+)
+def train(
+    config: str,
+    nproc: int,
+    resume: bool,
+    max_restarts: int,
+    nnodes: tuple[int, int],
+    rdzv_endpoint: str | None,
+    rdzv_id: str | None,
+    node_rank: int | None,
+    local_addr: str | None,
+) -> None:
     """Train the DLRM that CONFIG (YAML) describes, with NPROC ranks on this host.
 
     The same as: torchrun --standalone --nproc-per-node NPROC --max-restarts K
-    -m embshard.app.train --config CONFIG [--resume]
+    -m embshard.app.train --config CONFIG [--resume]. With --rdzv-endpoint (a job
+    across hosts: run it on every host), torchrun's c10d rendezvous replaces
+    --standalone; docs/multihost.md.
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
     from embshard.app.config import check_launch, load_config
+    from embshard.checkpoint.store import first_line
     from embshard.errors import ConfigError
 
+    fewest, most = nnodes
+    if most > 1 and rdzv_endpoint is None:
+        raise click.UsageError("--nnodes above 1 needs --rdzv-endpoint HOST:PORT")
+    world_size = fewest * nproc if fewest == most else None  # elastic: checked by the ranks
     try:  # fail here, before any process starts
-        check_launch(load_config(config), config, nproc, resume)
+        check_launch(load_config(config), config, world_size, resume)
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
-    launch = ["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts)]
+    counts = ["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts)]
+    hosts = ["--standalone"]
+    if rdzv_endpoint is not None:
+        name = rdzv_id or _job_name(rdzv_endpoint, config)
+        hosts = [
+            *("--nnodes", f"{fewest}:{most}", "--rdzv-backend", "c10d"),
+            *("--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", name),
+            *(["--node-rank", str(node_rank)] if node_rank is not None else []),
+            *(["--local-addr", local_addr] if local_addr is not None else []),
+            # torchrun finds the host of the rendezvous by its hostname's addresses,
+            # which need not include the endpoint's (several interfaces, namespaces).
+            *(["--rdzv-conf", "is_host=true"] if local_addr == _host_of(rdzv_endpoint) else []),
+        ]
     job = ["-m", "embshard.app.train", "--config", config, *(["--resume"] if resume else [])]
-    args = get_args_parser().parse_args([*launch, *job])
+    args = get_args_parser().parse_args([*hosts, *counts, *job])
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
+    # Rank 0 hosts each rendezvous round's store (see embshard.app.train.init_process_group).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     quiet = _WorkersSaidWhy()
     agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     agent_log.addFilter(quiet)
@@ -100,8 +164,34 @@ def train(config: str, nproc: int, resume: bool, max_restarts: int) -> None:
         if 1 in codes and codes <= {1, -signal.SIGTERM}:  # the ranks printed why
             raise click.ClickException("training stopped (exit code 1): see above") from None
         raise click.ClickException(f"training failed:\n{e}") from None
+    except RendezvousError as e:
+        where = rdzv_endpoint or "this host"
+        raise click.ClickException(f"the rendezvous at {where} failed: {first_line(e)}") from None
     finally:
         agent_log.removeFilter(quiet)
+
+
+def _host_counts(value: str) -> tuple[int, int]:
+    """``--nnodes N`` or ``MIN:MAX`` as (fewest, most)."""
+    fewest, _, most = value.partition(":")
+    try:
+        counts = int(fewest), int(most or fewest)
+    except ValueError:
+        counts = (0, 0)
+    if not 1 <= counts[0] <= counts[1]:
+        raise click.BadParameter(f"{value!r} is not N or MIN:MAX with 1 <= MIN <= MAX")
+    return counts
+
+
+def _host_of(endpoint: str) -> str:
+    """``HOST`` of ``HOST:PORT`` (``[v6]:PORT`` too)."""
+    return endpoint.rsplit(":", 1)[0].strip("[]")
+
+
+def _job_name(endpoint: str, config: str) -> str:
+    """A rendezvous id every host derives alike from its own command line."""
+    digest = hashlib.sha1(f"{endpoint}|{Path(config).name}".encode()).hexdigest()
+    return f"embshard-{digest[:12]}"
 
 
 class _WorkersSaidWhy(logging.Filter):

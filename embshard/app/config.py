@@ -303,10 +303,11 @@ def _with_paths_from(folder: Path, config: TrainConfig) -> TrainConfig:
     )
 
 
-def check_launch(config: TrainConfig, where: str, world_size: int, resume: bool) -> None:
+def check_launch(config: TrainConfig, where: str, world_size: int | None, resume: bool) -> None:
     """What a training job of ``world_size`` ranks needs of its config, found before
-    any process starts: its own plan fits that world, and ``resume`` has a checkpoint
-    directory to look in. Problems are ConfigErrors naming the file."""
+    any process starts: its own plan fits that world (any world, for an elastic job:
+    None), and ``resume`` has a checkpoint directory to look in. Problems are
+    ConfigErrors naming the file."""
     _check_plan(config, where, world_size)
     if resume and config.checkpoint.dir is None:
         raise ConfigError(

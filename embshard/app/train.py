@@ -42,7 +42,7 @@ from embshard.app.config import OptimizerConfig, TrainConfig, check_launch, load
 from embshard.app.data import Batch, CriteoData, Feed, SyntheticData, build_data
 from embshard.app.planning import plan_config, topology_for
 from embshard.checkpoint.store import first_line, rank_failures
-from embshard.errors import ConfigError, EmbshardError, InputError
+from embshard.errors import CheckpointError, ConfigError, EmbshardError, InputError
 from embshard.modules.pipeline import drain, prefetch
 from embshard.modules.shard_model import shard_model
 from embshard.plan.specs import ShardingPlan
@@ -215,41 +215,101 @@ class Metrics:
 def train(config: TrainConfig, resume: bool = False) -> dict:
     """Run the training loop on an initialized process group; rank 0 reports.
 
-    With ``resume`` (or when torchrun restarted the job), it continues from the latest
-    checkpoint under ``config.checkpoint.dir``, on any world size. SIGTERM (on any
-    rank) saves a checkpoint, if configured, and stops every rank after the step in
-    flight.
+    With ``resume``, when torchrun restarted the job, or when the latest checkpoint
+    was saved by this very job (a host replaced or added), it continues from the
+    latest checkpoint under ``config.checkpoint.dir``, on any world size: rank 0
+    decides, and every rank loads the same one. SIGTERM (on any rank) saves a
+    checkpoint, if configured, and stops every rank after the step in flight.
     """
     global _stop_requested
     _stop_requested = False
     previous = signal.signal(signal.SIGTERM, _request_stop)
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    resuming = "--resume" if resume else f"restart {restart}" if restart else None
     try:
-        return _train(config, resuming)
+        _check_shared_checkpoint_dir(config)
+        return _train(config, _checkpoint_to_resume(config, resume))
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _resume_from(config: TrainConfig, resuming: str | None) -> Path | None:
-    """The latest checkpoint, when the run resumes (``resuming`` says why: --resume or
-    a restart). Finding none, rank 0 warns, naming where it looked, and the run
-    starts from step 0."""
+def job_id() -> str | None:
+    """The job's identity, the same on every host and kept across restarts and
+    membership changes: torchrun's rendezvous id (None outside torchrun)."""
+    return os.environ.get("TORCHELASTIC_RUN_ID")
+
+
+def _checkpoint_to_resume(config: TrainConfig, resume: bool) -> Path | None:
+    """The checkpoint every rank starts from, decided once, on rank 0 (collective).
+
+    The run continues on ``--resume``, after a restart on any host (each torchrun agent
+    counts its own restarts: a host started afresh counts 0), or when the latest
+    checkpoint is this job's own (a host added or replaced: torchrun counts no
+    restart). Finding none, rank 0 warns, naming where it looked, and the run starts
+    from step 0."""
+    restarts = torch.tensor([int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))])
+    dist.all_reduce(restarts, op=dist.ReduceOp.MAX)
+    decided: list[str | None] = [None]
+    if dist.get_rank() == 0:
+        root = config.checkpoint.dir
+        found = checkpoint.latest(root) if root else None
+        reason = "--resume" if resume else f"restart {int(restarts)}" if restarts else None
+        if reason is None and found is not None and job_id() is not None:
+            reason = "this job's checkpoint" if _saved_by_this_job(found) else None
+        if reason is not None and found is None:
+            looked = f"no checkpoint in {root}" if root else "the config has no checkpoint: section"
+            print(f"embshard: warning: {reason}: {looked}: starting from step 0", file=sys.stderr)
+        decided = [str(found) if reason is not None and found is not None else None]
+    dist.broadcast_object_list(decided, src=0)
+    return None if decided[0] is None else Path(decided[0])
+
+
+def _saved_by_this_job(path: Path) -> bool:
+    """Whether the checkpoint at ``path`` names this job as its saver."""
+    try:
+        return checkpoint.read_description(path).get("job") == job_id()
+    except CheckpointError:
+        return False  # not readable as a description: loading it will say why
+
+
+def _check_shared_checkpoint_dir(config: TrainConfig) -> None:
+    """Every rank must see the checkpoint directory rank 0 writes to: a save writes
+    each rank's files there and reads them all back (collective). Rank 0 leaves a
+    marker; a rank that does not see it stops every rank, before the first step."""
     root = config.checkpoint.dir
-    if resuming is None:
-        return None
-    found = checkpoint.latest(root) if root else None
-    if found is None and dist.get_rank() == 0:
-        looked = f"no checkpoint in {root}" if root else "the config has no checkpoint: section"
-        print(f"embshard: warning: {resuming}: {looked}: starting from step 0", file=sys.stderr)
-    return found
+    if root is None:
+        return
+    marker = Path(root) / ".embshard_shared_storage_check"
+    token: list[str | None] = [None]
+    problem = None
+    if dist.get_rank() == 0:
+        try:
+            Path(root).mkdir(parents=True, exist_ok=True)
+            token = [f"{job_id()}:{os.getpid()}:{time.time_ns()}"]
+            marker.write_text(token[0])
+        except OSError as e:
+            problem = f"rank 0: cannot write to checkpoint.dir {root}: {e}"
+    dist.broadcast_object_list(token, src=0)
+    if problem is None and token[0] is not None:
+        try:
+            seen = marker.read_text()
+        except OSError:
+            seen = None
+        if seen != token[0]:
+            problem = (
+                f"rank {dist.get_rank()} does not see the file rank 0 wrote in checkpoint.dir "
+                f"{root}: checkpoints need a directory on storage shared by every host"
+            )
+    try:
+        agree(problem, "checking the checkpoint directory")
+    finally:
+        if dist.get_rank() == 0:
+            marker.unlink(missing_ok=True)
 
 
 def _sharded_model(
-    config: TrainConfig, resuming: str | None
+    config: TrainConfig, found: Path | None
 ) -> tuple[nn.Module, torch.optim.Optimizer, int]:
     """The config's model sharded by its plan (its own, or the planner's), its dense
-    optimizer, and the step to start from (a checkpoint's, when resuming)."""
+    optimizer, and the step to start from (checkpoint ``found``'s, if any)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     plan = plan_config(config, world)[0]
     torch.manual_seed(config.seed)  # the dense layers' init: runs are reproducible
@@ -265,7 +325,6 @@ def _sharded_model(
         print(f"embshard: {config.model.kind} on {world} ranks, plan:\n{layout}", flush=True)
     optimizer = dense_optimizer(config.dense_optimizer, model.parameters())
     start = 0
-    found = _resume_from(config, resuming)
     if found is not None:
         start = checkpoint.load(found, model, optimizer)
         if rank == 0:
@@ -298,16 +357,16 @@ def _save(
     rank with what failed where."""
     saves = config.checkpoint
     try:
-        checkpoint.save(saves.dir, model, optimizer, step=step, keep=saves.keep)
+        checkpoint.save(saves.dir, model, optimizer, step=step, keep=saves.keep, job=job_id())
     except CheckpointException as e:  # DCP raises it on every rank
         raise TrainingError(f"{phase} failed: {rank_failures(e)}") from None
 
 
-def _train(config: TrainConfig, resuming: str | None) -> dict:
+def _train(config: TrainConfig, found: Path | None) -> dict:
     """The job's outline: an evaluation before the first step, then training steps
     until the configured steps, the data or a SIGTERM end them, each step logged,
     evaluated and saved on schedule. Failures name the phase they happened in."""
-    job, start = _start_job(config, resuming)
+    job, start = _start_job(config, found)
     summary = {"steps": start, "samples": 0}
     loop = _LoopState(step=start, phase=f"step {start}: evaluation", summary=summary)
     with _failures_named(job, loop):
@@ -382,11 +441,11 @@ class _StepStats:
     skipped: int  # malformed lines skipped so far, every rank's
 
 
-def _start_job(config: TrainConfig, resuming: str | None) -> tuple[_Job, int]:
+def _start_job(config: TrainConfig, found: Path | None) -> tuple[_Job, int]:
     """The sharded model, this rank's data, rank 0's metrics log and progress bar; and
     the step to start from."""
     rank = dist.get_rank()
-    model, optimizer, start = _sharded_model(config, resuming)
+    model, optimizer, start = _sharded_model(config, found)
     data, eval_batches = _read_data(config)
     empty = data.empty_batch()
     metrics = Metrics(config.logging.metrics, rank)
@@ -533,12 +592,17 @@ def _save_if_due(job: _Job, loop: _LoopState, last: bool) -> None:
 
 
 def init_process_group(timeout: timedelta) -> None:
-    """gloo over torchrun's store, under a prefix per restart attempt: torchrun keeps
-    its store across restarts, and gloo would otherwise find the dead attempt's peer
-    addresses there and fail to connect."""
+    """gloo over the store torchrun names (MASTER_ADDR, MASTER_PORT).
+
+    When torchrun's agent shares its rendezvous store with the workers (its default),
+    that store outlives a restart, and gloo would find the dead attempt's peer
+    addresses there: each attempt takes keys under its own prefix. That count is each
+    agent's own, so across hosts it can differ: ``embshard train`` sets
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, and rank 0 then hosts a new store every
+    rendezvous round, which needs no prefix of its own."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if agent_store else "0"
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
@@ -561,7 +625,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"embshard: {e}", file=sys.stderr)
         return 2
-    init_process_group(timedelta(seconds=config.timeout_s))
+    try:
+        init_process_group(timedelta(seconds=config.timeout_s))
+    except (RuntimeError, ValueError) as e:  # DistStoreError, DistNetworkError among them
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        failed = f"starting the process group at {where} failed: {first_line(e)}"
+        print(f"embshard: rank {os.environ['RANK']}: {failed}", file=sys.stderr, flush=True)
+        return 1
     try:
         summary = train(config, resume=args.resume)
         if dist.get_rank() == 0:

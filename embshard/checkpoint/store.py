@@ -92,7 +92,7 @@ def _optimizer_kind(module: ShardedCollection) -> str | None:
     return None if kind == SGD.KIND else kind
 
 
-def _describe(model: nn.Module, step: int) -> dict[str, Any]:
+def _describe(model: nn.Module, step: int, job: str | None) -> dict[str, Any]:
     tables = {}
     for prefix, module in _sharded(model).items():
         for name, table in module.tables.items():
@@ -106,7 +106,7 @@ def _describe(model: nn.Module, step: int) -> dict[str, Any]:
                 "optimizer": _optimizer_kind(module),
                 "blocks": [list(b) for b in column_blocks(table)],
             }
-    return {"step": step, "world_size": dist.get_world_size(), "tables": tables}
+    return {"step": step, "world_size": dist.get_world_size(), "job": job, "tables": tables}
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -128,8 +128,12 @@ def save(
     *,
     step: int,
     keep: int = 3,
+    job: str | None = None,
 ) -> Path:
-    """Save ``root/step_<step>`` atomically; collective. Keeps the last ``keep``."""
+    """Save ``root/step_<step>`` atomically; collective. Keeps the last ``keep``.
+
+    ``job`` names the job that saves it (a training job's rendezvous id): a job that
+    finds its own checkpoint knows it is continuing, whatever its local restart count."""
     root = Path(root)
     name = f"{_STEP_PREFIX}{step:08d}"
     final, aside = root / name, root / f".{name}.tmp"
@@ -138,7 +142,7 @@ def save(
         shutil.rmtree(aside, ignore_errors=True)
     dist.barrier()
     state = _state(model, optimizer)
-    state[META] = json.dumps(_describe(model, step))
+    state[META] = json.dumps(_describe(model, step, job))
     dcp.save(state, checkpoint_id=aside)
     _record_checksums(aside)
     dist.barrier()

@@ -1,0 +1,136 @@
+"""Training across hosts, played by network namespaces on this machine (tests/hosts.py):
+equal to the one-host run bit for bit, and a host lost or added mid-training costs
+only the steps since the last checkpoint."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from hosts import Host, hosts
+
+from embshard import checkpoint as ckpt
+
+ROOT = Path(__file__).resolve().parents[1]
+EMBSHARD = str(Path(sys.executable).parent / "embshard")
+PORT = 29471
+
+
+@pytest.fixture(scope="module")
+def two_hosts():
+    with hosts(2) as found:
+        yield found
+
+
+def job_config(tmp: Path, name: str, steps: int, ckpt_dir: Path) -> Path:
+    data = yaml.safe_load((ROOT / "configs" / "small.yaml").read_text())
+    data.update(steps=steps, batch_size=32)
+    data["eval"] = {"every": 0}
+    data["logging"] = {"progress": False}
+    data["checkpoint"] = {"dir": str(ckpt_dir), "every": 10, "keep": 100}
+    path = tmp / name
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def start(host: Host, hosts_: list[Host], config: Path, log: Path, *extra: str):
+    endpoint = f"{hosts_[0].address}:{PORT}"
+    args = [EMBSHARD, "train", str(config), "--rdzv-endpoint", endpoint]
+    return host.start([*args, "--local-addr", host.address, *extra], log)
+
+
+def finish(processes, logs, timeout: float = 300) -> None:
+    for process, log in zip(processes, logs):
+        assert process.wait(timeout=timeout) == 0, log.read_text()[-3000:]
+
+
+def one_host(config: Path, nproc: int, *extra: str) -> None:
+    run = subprocess.run(
+        [EMBSHARD, "train", str(config), "--nproc", str(nproc), *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    expected, found = ckpt.read_tensors(ckpt.latest(a)), ckpt.read_tensors(ckpt.latest(b))
+    assert expected.keys() == found.keys()
+    for key, value in expected.items():
+        assert torch.equal(value, found[key]), key
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_two_hosts_train_as_one_host_does(two_hosts, tmp_path, nproc):
+    config = job_config(tmp_path, "two.yaml", 20, tmp_path / "two")
+    logs = [tmp_path / f"host{i}.log" for i in range(2)]
+    counts = ("--nproc", str(nproc), "--nnodes", "2")
+    finish([start(h, two_hosts, config, log, *counts) for h, log in zip(two_hosts, logs)], logs)
+    one_host(job_config(tmp_path, "one.yaml", 20, tmp_path / "one"), 2 * nproc)
+    assert_same_weights(tmp_path / "one", tmp_path / "two")
+    assert f"on {2 * nproc} ranks" in logs[0].read_text()
+
+
+def resumed_step(log: Path) -> int:
+    found = re.findall(r"embshard: resumed from \S+ at step (\d+)", log.read_text())
+    assert len(found) == 1, log.read_text()[-3000:]
+    return int(found[0])
+
+
+def continued_alone(tmp: Path, config: Path, root: Path, step: int, nproc: int) -> Path:
+    """The run from ``root``'s checkpoint of ``step`` to the end, uninterrupted, on one
+    host with ``nproc`` ranks."""
+    alone = tmp / "alone"
+    shutil.copytree(root / f"step_{step:08d}", alone / f"step_{step:08d}")
+    data = yaml.safe_load(config.read_text())
+    data["checkpoint"]["dir"] = str(alone)
+    (tmp / "alone.yaml").write_text(yaml.safe_dump(data))
+    one_host(tmp / "alone.yaml", nproc, "--resume")
+    return alone
+
+
+def wait_for(path: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.is_dir():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.2)
+
+
+def test_a_host_lost_and_restarted_resumes_every_rank_from_the_last_checkpoint(two_hosts, tmp_path):
+    root = tmp_path / "ckpt"
+    config = job_config(tmp_path, "job.yaml", 200, root)
+    logs = [tmp_path / f"host{i}.log" for i in range(2)]
+    counts = ("--nproc", "1", "--nnodes", "2", "--max-restarts", "1")
+    running = [start(h, two_hosts, config, log, *counts) for h, log in zip(two_hosts, logs)]
+    wait_for(root / "step_00000020")
+    two_hosts[1].kill_everything()  # its agent and its worker
+    running[1].wait(timeout=30)
+    time.sleep(2)  # the survivor's agent sees its worker fail and waits for a new round
+    running[1] = start(two_hosts[1], two_hosts, config, logs[1], *counts)
+    finish(running, logs)
+    step = resumed_step(logs[0])
+    assert 20 <= step < 200 and ckpt.latest(root).name == "step_00000200"
+    assert_same_weights(continued_alone(tmp_path, config, root, step, 2), root)
+
+
+def test_a_host_added_continues_the_job_from_its_last_checkpoint(two_hosts, tmp_path):
+    root = tmp_path / "ckpt"
+    config = job_config(tmp_path, "job.yaml", 400, root)
+    logs = [tmp_path / f"host{i}.log" for i in range(2)]
+    counts = ("--nproc", "1", "--nnodes", "1:2")
+    first = start(two_hosts[0], two_hosts, config, logs[0], *counts)
+    wait_for(root / "step_00000020")
+    second = start(two_hosts[1], two_hosts, config, logs[1], *counts)
+    finish([first, second], logs)
+    step = resumed_step(logs[0])
+    assert "on 1 ranks" in logs[0].read_text() and "on 2 ranks" in logs[0].read_text()
+    assert 20 <= step < 400 and ckpt.latest(root).name == "step_00000400"
+    assert_same_weights(continued_alone(tmp_path, config, root, step, 2), root)
