@@ -35,12 +35,20 @@ class Host:
                 command, env=variables, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
 
+    def signal_ranks(self, sig: int) -> None:
+        """Send ``sig`` to the host's training processes (not its torchrun agent)."""
+        for pid in self._pids():
+            with contextlib.suppress(OSError):
+                if "embshard.app.train" in Path(f"/proc/{pid}/cmdline").read_text():
+                    os.kill(int(pid), sig)
+
+    def _pids(self) -> list[str]:
+        found = subprocess.run(["ip", "netns", "pids", self.namespace], capture_output=True)
+        return found.stdout.decode().split()
+
     def kill_everything(self) -> None:
         """SIGKILL every process in the host: its agent and its workers."""
-        pids = subprocess.run(
-            ["ip", "netns", "pids", self.namespace], capture_output=True, text=True
-        ).stdout.split()
-        for pid in pids:
+        for pid in self._pids():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid), signal.SIGKILL)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -122,15 +123,28 @@ def test_a_host_lost_and_restarted_resumes_every_rank_from_the_last_checkpoint(t
 
 
 def test_a_host_added_continues_the_job_from_its_last_checkpoint(two_hosts, tmp_path):
+    """The first host trains alone until the second joins; the job then continues with
+    two ranks, until a SIGTERM stops it (the steps are many: the first host must not
+    finish before the second has joined)."""
     root = tmp_path / "ckpt"
-    config = job_config(tmp_path, "job.yaml", 400, root)
+    config = job_config(tmp_path, "job.yaml", 100_000, root)
     logs = [tmp_path / f"host{i}.log" for i in range(2)]
     counts = ("--nproc", "1", "--nnodes", "1:2")
     first = start(two_hosts[0], two_hosts, config, logs[0], *counts)
     wait_for(root / "step_00000020")
     second = start(two_hosts[1], two_hosts, config, logs[1], *counts)
-    finish([first, second], logs)
+    deadline = time.monotonic() + 240
+    while "resumed from" not in logs[0].read_text():
+        assert time.monotonic() < deadline and first.poll() is None, logs[0].read_text()[-3000:]
+        time.sleep(0.5)
     step = resumed_step(logs[0])
+    wait_for(root / f"step_{(step // 10 + 2) * 10:08d}")  # two ranks have trained
+    two_hosts[0].signal_ranks(signal.SIGTERM)  # every rank stops after the step in flight
+    finish([first, second], logs)
     assert "on 1 ranks" in logs[0].read_text() and "on 2 ranks" in logs[0].read_text()
-    assert 20 <= step < 400 and ckpt.latest(root).name == "step_00000400"
+    end = ckpt.read_description(ckpt.latest(root))["step"]
+    assert step >= 20 and end > step + 10
+    data = yaml.safe_load(config.read_text())
+    data["steps"] = end
+    config.write_text(yaml.safe_dump(data))
     assert_same_weights(continued_alone(tmp_path, config, root, step, 2), root)
