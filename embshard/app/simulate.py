@@ -32,13 +32,18 @@ from embshard.modules.mesh import forget_meshes
 from embshard.plan.specs import ShardingPlan, plural
 from embshard.planner.search import LOOKUP_PASSES, Topology, format_bytes, plan_loads
 from embshard.runtime.batch import LocalBatch
-from embshard.runtime.input_dist import Counts, InputDistribution, start_input_dist
+from embshard.runtime.input_dist import (
+    COUNT_COLUMNS,
+    Counts,
+    InputDistribution,
+    start_input_dist,
+)
 from embshard.runtime.routes import Routes, build_routes
 from embshard.runtime.scratch import Scratch
 
 T = TypeVar("T")
 
-_COUNTS_BYTES = 3 * 8  # the counts all-to-all, per peer: payload, batch size, status (int64)
+_COUNTS_BYTES = COUNT_COLUMNS * 8  # the counts all-to-all, per peer (int64)
 _WEIGHT_BYTES = 4  # FP32 tables and pooled rows
 CHECK_ROWS = 256  # rows per table at most in --check's small model
 CHECK_BATCH = 4  # samples per rank in --check
@@ -300,10 +305,8 @@ def _simulate_rank(config: TrainConfig, routes: Routes, batches: int) -> RankRep
         in_flight = start_input_dist(feed.take().sparse, input_dist, None)
         if in_flight.error is not None:
             raise in_flight.error
-        in_flight.work.wait()
-        counts = in_flight.counts
-        _, offsets, _ = input_dist.unpack(in_flight.received, counts.recv_sizes, counts.batch_sizes)
-        report.add_step(_step_report(routes, rank, counts, offsets, in_flight.batch))
+        _, offsets, _ = input_dist.arrived(in_flight)
+        report.add_step(_step_report(routes, rank, in_flight.counts, offsets, in_flight.batch))
     return report
 
 
