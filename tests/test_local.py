@@ -27,11 +27,13 @@ from test_pipeline import (
 )
 from test_sequence import TABLES as SEQUENCE_TABLES
 from test_sequence import plans as sequence_plans
+from test_simulate import BATCHES, KINDS, criteo_config
 from torch.profiler import ProfilerActivity, profile
 from torchrec import KeyedJaggedTensor
 
 import embshard
 from embshard import ShardingPlan, column_wise, data_parallel, row_wise, table_wise
+from embshard.app.simulate import Traffic, simulate
 from embshard.modules.pipeline import TrainPipeline
 
 TOL = 1e-5
@@ -234,3 +236,9 @@ def test_a_bad_next_batch_on_one_rank_raises_at_the_step_that_uses_it(world):
     assert report["steps"] == 2 and report["world"] == 1
     assert report["error"].startswith("bad input batch:\n  rank 0: feature 'f_a'")
     assert "id 10000 is outside" in report["error"]
+
+
+def test_simulate_on_one_rank_reports_that_nothing_travels(tmp_path):
+    (rank,) = simulate(criteo_config(tmp_path, 1), 1, batches=BATCHES).ranks
+    assert {kind: getattr(rank, kind) for kind in KINDS} == dict.fromkeys(KINDS, Traffic())
+    assert rank.ids_received > 0 and rank.buffers == 0

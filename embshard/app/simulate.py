@@ -273,7 +273,10 @@ def _step_report(
     slot_ids = offsets[::batch].diff().tolist() if batch else [0] * len(dims)
     id_bytes = routes.id_dtype.itemsize
     blocks = sum(sum(routes.slot_dims(r)) for r in range(world))
-    pooled = Traffic(batch * sum(dims) * _WEIGHT_BYTES, local * blocks * _WEIGHT_BYTES)
+    pooled, exchanged = Traffic(), Traffic()  # on one rank nothing travels
+    if world > 1:
+        pooled = Traffic(batch * sum(dims) * _WEIGHT_BYTES, local * blocks * _WEIGHT_BYTES)
+        exchanged = Traffic(world * _COUNTS_BYTES, world * _COUNTS_BYTES)
     ids = own.values.split(own.lengths.sum(1).tolist())
     copies = [
         (int((ids[e.feature] < e.replicated_rows).sum()), e.dim) for e in routes.local_embeddings
@@ -285,7 +288,7 @@ def _step_report(
         ids_local=sum(n for n, _ in copies),
         bags_received=batch * len(dims),
         lookup_bytes=sum(n * d for n, d in [*zip(slot_ids, dims), *copies]) * _WEIGHT_BYTES,
-        counts=Traffic(world * _COUNTS_BYTES, world * _COUNTS_BYTES),
+        counts=exchanged,
         ids=Traffic(sum(counts.send_sizes) * id_bytes, sum(counts.recv_sizes) * id_bytes),
         pooled=pooled,
         pooled_grad=Traffic(pooled.received, pooled.sent),
