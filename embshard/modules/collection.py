@@ -5,9 +5,9 @@ as a DTensor over views of the TBE's weights. ``forward`` is one training step's
 data path, in three stages read top to bottom: ``input_dist`` (check the local
 batch, route its ids, exchange counts, start the ids all-to-all), ``lookup`` (one
 TBE call) and ``output_dist`` (send the pooled rows home, assemble the KeyedTensor).
-``prefetch`` runs the first stage ahead, for a pipeline. ``state_dict()`` has the
-unsharded module's keys (``embedding_bags.<table>.weight``), so TorchRec state dicts
-load into it.
+On one rank nothing travels: no stage runs a collective. ``prefetch`` runs the first
+stage ahead, for a pipeline. ``state_dict()`` has the unsharded module's keys
+(``embedding_bags.<table>.weight``), so TorchRec state dicts load into it.
 """
 
 from __future__ import annotations
@@ -215,7 +215,8 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
 
         Collective: every rank of the mesh must call it, each with its own batch (batch
         sizes may differ, and may be zero). A bad batch on any rank raises the same
-        InputError on every rank. One host sync: reading back the counts exchange.
+        InputError on every rank. One host sync: reading back the counts exchange (on
+        one rank, which runs no collective, the batch's validity flag).
         A batch given to ``prefetch`` before (the same object) skips its input
         distribution here.
         """
