@@ -4,7 +4,7 @@ A bad batch must not leave the other ranks waiting in an all-to-all, so the chec
 never raises: what can be seen without reading the data (keys, dtypes, sizes) comes
 back as a message; what needs the data (lengths, id ranges) comes back as a validity
 flag computed on the batch's device, which travels in the counts exchange (see
-``input_dist.exchange_counts``) without a host sync of its own, or on one rank is read
+``InputDistribution.exchange_counts``) without a host sync of its own, or on one rank is read
 in its one host read. When any rank's flag is down, every rank raises together, and
 the bad ranks say why (``describe_problem``). A bad batch's ids are never looked up.
 """
