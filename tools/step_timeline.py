@@ -153,6 +153,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--ids", default="uniform", choices=bench.ID_LAWS)
     args = parser.parse_args()
+    if args.world_size < 2:
+        parser.error("--world-size must be 2 or more: on one rank no all-to-all runs")
     with tempfile.TemporaryDirectory() as tmp:
         results = mp.get_context("spawn").SimpleQueue()
         worker_args = (args.world_size, os.path.join(tmp, "store"), args, results)

@@ -32,13 +32,18 @@ from embshard.modules.mesh import forget_meshes
 from embshard.plan.specs import ShardingPlan, plural
 from embshard.planner.search import LOOKUP_PASSES, Topology, format_bytes, plan_loads
 from embshard.runtime.batch import LocalBatch
-from embshard.runtime.input_dist import Counts, InputDistribution, start_input_dist
+from embshard.runtime.input_dist import (
+    COUNT_COLUMNS,
+    Counts,
+    InputDistribution,
+    start_input_dist,
+)
 from embshard.runtime.routes import Routes, build_routes
 from embshard.runtime.scratch import Scratch
 
 T = TypeVar("T")
 
-_COUNTS_BYTES = 3 * 8  # the counts all-to-all, per peer: payload, batch size, status (int64)
+_COUNTS_BYTES = COUNT_COLUMNS * 8  # the counts all-to-all, per peer (int64)
 _WEIGHT_BYTES = 4  # FP32 tables and pooled rows
 CHECK_ROWS = 256  # rows per table at most in --check's small model
 CHECK_BATCH = 4  # samples per rank in --check
@@ -268,7 +273,10 @@ def _step_report(
     slot_ids = offsets[::batch].diff().tolist() if batch else [0] * len(dims)
     id_bytes = routes.id_dtype.itemsize
     blocks = sum(sum(routes.slot_dims(r)) for r in range(world))
-    pooled = Traffic(batch * sum(dims) * _WEIGHT_BYTES, local * blocks * _WEIGHT_BYTES)
+    pooled, exchanged = Traffic(), Traffic()  # on one rank nothing travels
+    if world > 1:
+        pooled = Traffic(batch * sum(dims) * _WEIGHT_BYTES, local * blocks * _WEIGHT_BYTES)
+        exchanged = Traffic(world * _COUNTS_BYTES, world * _COUNTS_BYTES)
     ids = own.values.split(own.lengths.sum(1).tolist())
     copies = [
         (int((ids[e.feature] < e.replicated_rows).sum()), e.dim) for e in routes.local_embeddings
@@ -280,7 +288,7 @@ def _step_report(
         ids_local=sum(n for n, _ in copies),
         bags_received=batch * len(dims),
         lookup_bytes=sum(n * d for n, d in [*zip(slot_ids, dims), *copies]) * _WEIGHT_BYTES,
-        counts=Traffic(world * _COUNTS_BYTES, world * _COUNTS_BYTES),
+        counts=exchanged,
         ids=Traffic(sum(counts.send_sizes) * id_bytes, sum(counts.recv_sizes) * id_bytes),
         pooled=pooled,
         pooled_grad=Traffic(pooled.received, pooled.sent),
@@ -300,10 +308,8 @@ def _simulate_rank(config: TrainConfig, routes: Routes, batches: int) -> RankRep
         in_flight = start_input_dist(feed.take().sparse, input_dist, None)
         if in_flight.error is not None:
             raise in_flight.error
-        in_flight.work.wait()
-        counts = in_flight.counts
-        _, offsets, _ = input_dist.unpack(in_flight.received, counts.recv_sizes, counts.batch_sizes)
-        report.add_step(_step_report(routes, rank, counts, offsets, in_flight.batch))
+        _, offsets, _ = input_dist.arrived(in_flight)
+        report.add_step(_step_report(routes, rank, in_flight.counts, offsets, in_flight.batch))
     return report
 
 

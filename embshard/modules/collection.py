@@ -5,16 +5,16 @@ as a DTensor over views of the TBE's weights. ``forward`` is one training step's
 data path, in three stages read top to bottom: ``input_dist`` (check the local
 batch, route its ids, exchange counts, start the ids all-to-all), ``lookup`` (one
 TBE call) and ``output_dist`` (send the pooled rows home, assemble the KeyedTensor).
-``prefetch`` runs the first stage ahead, for a pipeline. ``state_dict()`` has the
-unsharded module's keys (``embedding_bags.<table>.weight``), so TorchRec state dicts
-load into it.
+On one rank nothing travels: no stage runs a collective. ``prefetch`` runs the first
+stage ahead, for a pipeline. ``state_dict()`` has the unsharded module's keys
+(``embedding_bags.<table>.weight``), so TorchRec state dicts load into it.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Generic, NamedTuple, TypeVar
 
 import torch
@@ -38,7 +38,7 @@ from embshard.runtime.input_dist import (
     start_input_dist,
 )
 from embshard.runtime.output_dist import OutputLayout, PooledAllToAll, send_home
-from embshard.runtime.routes import build_routes
+from embshard.runtime.routes import ColumnMove, build_routes
 from embshard.runtime.scratch import Scratch
 from embshard.storage.init import init_shard
 from embshard.storage.lookup import LookupBackend, TrainingTBE
@@ -66,7 +66,6 @@ def _silence_fx_tracing_notice() -> None:
 
 _silence_fx_tracing_notice()
 
-T = TypeVar("T")
 KeptT = TypeVar("KeptT")
 LookedUpT = TypeVar("LookedUpT")
 OutputT = TypeVar("OutputT")
@@ -216,7 +215,8 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
 
         Collective: every rank of the mesh must call it, each with its own batch (batch
         sizes may differ, and may be zero). A bad batch on any rank raises the same
-        InputError on every rank. One host sync: reading back the counts exchange.
+        InputError on every rank. One host sync: reading back the counts exchange (on
+        one rank, which runs no collective, the batch's validity flag).
         A batch given to ``prefetch`` before (the same object) skips its input
         distribution here.
         """
@@ -240,16 +240,6 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
     def input_dist(self, features: KeyedJaggedTensor) -> InputInFlight[KeptT]:
         """Stage 1 (collective): see ``start_input_dist``."""
         return start_input_dist(features, self._input_dist, self._group)
-
-    @staticmethod
-    def _arrived(in_flight: InputInFlight, unpack: Callable[..., T]) -> T:
-        """Wait for the ids all-to-all and ``unpack`` what arrived for the TBE; its
-        buffer may then serve the next batch."""
-        in_flight.work.wait()
-        counts = in_flight.counts
-        unpacked = unpack(in_flight.received, counts.recv_sizes, counts.batch_sizes)
-        in_flight.received = None
-        return unpacked
 
     def drop_prefetched(self) -> None:
         """Wait for the input distributions started ahead and forget them: nothing may
@@ -382,6 +372,18 @@ class ShardedEmbeddingBagCollection(ShardedCollection[None, Pooled, KeyedTensor]
         mean_feature = self._routes.mean_feature_by_column()
         return None if mean_feature is None else mean_feature.to(self._device)
 
+    @functools.cached_property
+    def _lookup_is_output(self) -> bool:
+        """On one rank, whether the TBE's output is the module's output as it is: every
+        column in output order, none from copies. Then stage 3 has nothing to do."""
+        routes = self._routes
+        whole = ColumnMove(rank=0, source=0, target=0, width=routes.output_dim, add=False)
+        return (
+            routes.world_size == 1
+            and not routes.local_embeddings
+            and routes.column_moves() == [whole]
+        )
+
     def _input_stage(self, scratch: Scratch) -> InputDistribution:
         return InputDistribution(self._routes, self._rank, scratch, self._device)
 
@@ -406,9 +408,9 @@ class ShardedEmbeddingBagCollection(ShardedCollection[None, Pooled, KeyedTensor]
         local = (
             replicated(batch)
             if replicated is not None
-            else torch.zeros(batch.batch_size, 0, device=self._device)
+            else torch.empty(batch.batch_size, 0, device=self._device)
         )
-        indices, offsets, weights = self._arrived(in_flight, self._input_dist.unpack)
+        indices, offsets, weights = self._input_dist.arrived(in_flight)
         if self._storage.tbe is None:
             batch_size = sum(in_flight.counts.batch_sizes)
             return Pooled(torch.zeros(batch_size, 0, device=self._device), local)
@@ -418,7 +420,9 @@ class ShardedEmbeddingBagCollection(ShardedCollection[None, Pooled, KeyedTensor]
         """Stage 3 (collective): the pooled rows home to their requesters, in their
         output columns beside the local lookup's, as the unsharded module's KeyedTensor."""
         args = (looked_up.sharded, looked_up.local, in_flight.counts.batch_sizes)
-        if torch.is_grad_enabled():
+        if self._lookup_is_output:
+            gathered = looked_up.sharded
+        elif torch.is_grad_enabled():
             gathered = PooledAllToAll.apply(self._anchor, *args, self._output_layout)
         else:
             gathered = send_home(*args, self._output_layout)

@@ -93,8 +93,10 @@ class RowsAllToAll(torch.autograd.Function):
         came = layout.sizes(counts.slot_ids, [layout.rank] * world)
         sent = layout.sizes(counts.sent_slot_ids, list(range(world)))
         send = blocks.index_select(0, to_send)
-        received = blocks.new_empty(sum(sent))
-        dist.all_to_all_single(received, send.view(-1), sent, came, group=layout.group)
+        received = send.view(-1)
+        if world > 1:  # on one rank nothing travels
+            received = blocks.new_empty(sum(sent))
+            dist.all_to_all_single(received, send.view(-1), sent, came, group=layout.group)
         out = layout.scratch.take("sequence_out", (len(source), layout.block), blocks)
         torch.index_select(received.view(-1, layout.block), 0, source, out=out)
         ctx.save_for_backward(anchor, to_send, source)
@@ -110,10 +112,15 @@ class RowsAllToAll(torch.autograd.Function):
         # an embedding bag over the output's blocks grouped by source, and the TBE's
         # gradient a gather of what came back (blocks no id asked for read a zero block).
         summed = _sum_by_index(grad.contiguous().view(-1, block), source, sum(sent) // block)
-        summed.div_(dist.get_world_size(layout.group))
         received = grad.new_empty(sum(came) + block)
         received[-block:] = 0
-        dist.all_to_all_single(received[:-block], summed.view(-1), came, sent, group=layout.group)
+        if len(sent) > 1:
+            summed.div_(len(sent))
+            dist.all_to_all_single(
+                received[:-block], summed.view(-1), came, sent, group=layout.group
+            )
+        else:  # on one rank nothing travels, and no division: the loss is its own
+            received[:-block] = summed.view(-1)
         back = torch.full((ctx.shape[0],), sum(came) // block, dtype=torch.long, device=grad.device)
         back.scatter_(0, to_send, torch.arange(len(to_send), device=grad.device))
         grad_blocks = layout.scratch.take("sequence_grad_blocks", tuple(ctx.shape), grad)
@@ -220,7 +227,7 @@ class ShardedEmbeddingCollection(
             if replicated is not None
             else []
         )
-        ids, arrived = self._arrived(in_flight, self._input_dist.unpack)
+        ids, arrived = self._input_dist.arrived(in_flight)
         layout, device = self._output_layout, self._device
         if self._storage.tbe is None:
             empty = torch.zeros(0, dtype=torch.long, device=device)

@@ -4,8 +4,9 @@ A bad batch must not leave the other ranks waiting in an all-to-all, so the chec
 never raises: what can be seen without reading the data (keys, dtypes, sizes) comes
 back as a message; what needs the data (lengths, id ranges) comes back as a validity
 flag computed on the batch's device, which travels in the counts exchange (see
-``dist.exchange_counts``) without a host sync of its own. When any rank's flag is
-down, every rank raises together, and the bad ranks say why (``describe_problem``).
+``InputDistribution.exchange_counts``) without a host sync of its own, or on one rank is read
+in its one host read. When any rank's flag is down, every rank raises together, and
+the bad ranks say why (``describe_problem``). A bad batch's ids are never looked up.
 """
 
 from __future__ import annotations
@@ -22,28 +23,45 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 
 @dataclass(frozen=True)
 class LocalBatch:
-    """A batch in the model's feature order: lengths [features, batch], as id dtype.
+    """A batch in the model's feature order: lengths [features, batch] and ids, in the
+    dtypes they came in, and how many ids each feature has.
 
     ``valid`` is a 0-dim bool tensor on the batch's device. When it is False the
-    lengths and ids are stand-ins that are safe to route, and never looked up.
+    lengths and ids are stand-ins whose lengths add up to the ids, safe to route
+    (bucketizing sorts any id into some bucket), and never looked up.
     """
 
     lengths: torch.Tensor
     values: torch.Tensor
     weights: torch.Tensor | None
     valid: torch.Tensor
+    ids_per_feature: torch.Tensor
 
     @property
     def batch_size(self) -> int:
         return self.lengths.shape[1]
 
 
-def check_batch(features: object, routes: Routes, feature_rows: torch.Tensor) -> LocalBatch | str:
+class IdBounds:
+    """The last valid id of every feature (of the smallest table it feeds), or one for
+    all when every feature has the same, on the batch's device in both id dtypes:
+    comparing ids with bounds of their own dtype converts nothing."""
+
+    def __init__(self, feature_rows: tuple[int, ...], device: torch.device) -> None:
+        distinct = sorted(set(feature_rows))
+        last = [r - 1 for r in (distinct if len(distinct) == 1 else feature_rows)]
+        self.one_for_all = len(distinct) == 1
+        self._by_dtype = {d: torch.tensor(last, dtype=d, device=device) for d in _INDEX_DTYPES}
+
+    def of(self, dtype: torch.dtype) -> torch.Tensor:
+        return self._by_dtype[dtype]
+
+
+def check_batch(features: object, routes: Routes, bounds: IdBounds) -> LocalBatch | str:
     """The batch in model order with its validity flag, or a message saying what is
-    wrong with its structure. ``feature_rows`` holds ``routes.feature_rows`` on the
-    batch's device, or one bound when all are the same. Features the model does not
-    use are left out, as TorchRec's modules ignore them; that costs one host read (of
-    the kept ids' count), the only one here."""
+    wrong with its structure. Features the model does not use are left out, as
+    TorchRec's modules ignore them; that costs one host read (of the kept ids'
+    count), the only one here."""
     problem = _structure_problem(features, routes)
     if problem:
         return problem
@@ -54,11 +72,9 @@ def check_batch(features: object, routes: Routes, feature_rows: torch.Tensor) ->
     lengths_ok = (lengths >= 0).all() & (lengths.sum() == values.numel())
     lengths = _trusted(lengths, lengths_ok, values.numel())
     lengths, values, weights = _in_model_order(features, routes, lengths)
-    valid = lengths_ok & _ids_in_range(lengths, values, feature_rows)
-    # A bad batch travels on as ids 0 (every table has a row 0): nothing downstream
-    # reads out of range before every rank raises.
-    values = values * valid
-    return LocalBatch(lengths.to(routes.id_dtype), values.to(routes.id_dtype), weights, valid)
+    ids_per_feature = lengths.sum(1)
+    valid = lengths_ok & _ids_in_range(ids_per_feature, values, bounds)
+    return LocalBatch(lengths, values, weights, valid, ids_per_feature)
 
 
 def describe_problem(features: KeyedJaggedTensor, routes: Routes) -> str:
@@ -136,16 +152,18 @@ def _in_model_order(
     return torch.ops.fbgemm.permute_2D_sparse_data(perm, lengths, values, weights, kept)
 
 
-def _ids_in_range(lengths: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def _ids_in_range(
+    ids_per_feature: torch.Tensor, values: torch.Tensor, bounds: IdBounds
+) -> torch.Tensor:
     """Whether every id lies in [0, rows of its feature's smallest table), as a 0-dim
     bool tensor: no host read, and one id-sized temporary at most (fresh CPU buffers
-    page-fault)."""
+    page-fault). ``last - id`` and ``id`` are both at least 0 exactly when their
+    bitwise or is: one minimum checks both ends."""
+    last = bounds.of(values.dtype)
     if not values.numel():
         return torch.ones((), dtype=torch.bool, device=values.device)
-    low, high = torch.aminmax(values)
-    if rows.numel() == 1:  # one bound for every feature
-        return (low >= 0) & (high < rows[0])
-    bounds = torch.repeat_interleave(
-        rows.to(values.dtype), lengths.sum(1), output_size=values.numel()
-    )
-    return (low >= 0) & (bounds.sub_(values).min() > 0)
+    if bounds.one_for_all:
+        low, high = torch.aminmax(values)
+        return (low >= 0) & (high <= last[0])
+    per_id = torch.repeat_interleave(last, ids_per_feature, output_size=values.numel())
+    return per_id.sub_(values).bitwise_or_(values).min() >= 0

@@ -1,24 +1,32 @@
 """Stage 1, the input distribution: check a rank's batch, route its ids to the ranks
 that own their rows, exchange counts (the step's one host sync; a status in it lets a
 rank with a bad batch, or none, stop everyone alike) and send the packed ids (lengths,
-ids and weights of every slot, all sharding types together) in one all-to-all."""
+ids and weights of every slot, all sharding types together) in one all-to-all.
+
+On one rank nothing travels and no collective runs: the checked batch's bags go to
+the rank's TBE as they are (or gathered into its order), after the one host read, of
+the batch's validity flag."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, NamedTuple, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embshard.errors import InputError
-from embshard.runtime.batch import LocalBatch, check_batch, describe_problem
+from embshard.runtime.batch import IdBounds, LocalBatch, check_batch, describe_problem
 from embshard.runtime.routes import Routes
 from embshard.runtime.scratch import Scratch
 
-_OK, _BAD, _ENDED = 0, 1, 2  # a rank's status in the counts exchange
+# The counts exchange's int64 columns per peer: the ids sent to it, and the sender's
+# status: (batch size + 1) for a good batch, 0 for a bad one, _ENDED when its batches
+# ran out. A lookup's ExtraCounts columns follow.
+COUNT_COLUMNS = 2
+_ENDED = -1
 
 
 @dataclass(frozen=True)
@@ -48,67 +56,22 @@ class Counts:
     extra_local: list[int] = field(default_factory=list)
 
 
-def exchange_counts(
-    send_sizes: torch.Tensor,
-    sent_ids: torch.Tensor,
-    batch_size: int,
-    valid: torch.Tensor,
-    group: dist.ProcessGroup | None,
-    extra: ExtraCounts | None = None,
-    ended: bool = False,
-) -> Counts:
-    """Tell every rank how much this rank sends it, its batch size, and whether its
-    batch is good or it has none (``ended``: its batches ran out), with the lookup's
-    ``extra`` columns. The step's one host sync: reading back what arrived, together
-    with ``send_sizes`` and ``sent_ids`` (per destination), which size the payload, and
-    the extra columns sent and local values, which size a sequence lookup's outputs."""
-    world = send_sizes.numel()
-    status = torch.full_like(send_sizes, _ENDED) if ended else torch.where(valid, _OK, _BAD)
-    status = status.expand(world)
-    columns = [send_sizes, torch.full_like(send_sizes, batch_size), status]
-    counts = torch.stack(columns, dim=1)
-    local = []
-    if extra is not None:
-        per_rank = extra.per_rank.to(counts.dtype)
-        counts = torch.cat([counts, per_rank], dim=1)
-        local = [per_rank.view(-1), extra.local.to(counts.dtype)]
-    received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts, group=group)
-    host = torch.cat([received.view(-1), send_sizes, sent_ids, *local]).tolist()
-    width = counts.shape[1]
-    rows = [host[width * r : width * (r + 1)] for r in range(world)]
-    rest = host[width * world :]
-    k = width - len(columns)
-    extra_sent = rest[2 * world : 2 * world + world * k]
-    return Counts(
-        recv_sizes=[r[0] for r in rows],
-        batch_sizes=[r[1] for r in rows],
-        failed=any(r[2] == _BAD for r in rows),
-        ended=tuple(rank for rank, r in enumerate(rows) if r[2] == _ENDED),
-        send_sizes=rest[:world],
-        sent_ids=rest[world : 2 * world],
-        extra_received=[r[len(columns) :] for r in rows] if extra is not None else [],
-        extra_sent=[extra_sent[k * d : k * (d + 1)] for d in range(world)]
-        if extra is not None
-        else [],
-        extra_local=rest[2 * world + world * k :],
-    )
-
-
 def gather_input_error(problem: str | None, group: dist.ProcessGroup | None) -> InputError:
     """The same InputError on every rank, naming what each bad rank found. A
     collective: called by every rank once the counts say some batch is bad."""
     problems: list[str | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(problems, problem, group=group)
+    return _input_error(problems)
+
+
+def _input_error(problems: Sequence[str | None]) -> InputError:
+    """The InputError naming what each bad rank (``problems[rank]`` not None) found."""
     found = [f"rank {r}: {p}" for r, p in enumerate(problems) if p is not None]
     return InputError("bad input batch:\n  " + "\n  ".join(found))
 
 
-def _to_bits(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return weights.view(torch.int32).to(dtype)
-
-
 def _from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Weights as they travel among the ids: their float32 bits, as an id dtype."""
     return bits.int().view(torch.float32)
 
 
@@ -116,14 +79,24 @@ def _from_bits(bits: torch.Tensor) -> torch.Tensor:
 class Routed:
     """A batch's bags sorted by who gets them, before the payload is built: the
     lengths table (features, or every bucketizing pass's buckets of every feature),
-    the ids and weights it describes, and how many ids go to each rank (on the
-    device: read back in the counts exchange)."""
+    the ids and weights it describes, and how many ids each send row (a destination's
+    slot: ``InputDistribution.send_rows``) takes, on the device (read back in the
+    counts exchange); None on one rank when its TBE takes the batch's own bags."""
 
     lengths: torch.Tensor
     values: torch.Tensor
     weights: torch.Tensor | None
-    ids_per_rank: torch.Tensor
+    ids_per_slot: torch.Tensor | None
     batch_size: int
+
+
+class Bags(NamedTuple):
+    """Bags in a TBE's order (slot by slot, [slots, batch] lengths or flat), their ids
+    and weights."""
+
+    lengths: torch.Tensor
+    values: torch.Tensor
+    weights: torch.Tensor | None
 
 
 class InputDistribution:
@@ -145,29 +118,28 @@ class InputDistribution:
         self.world = routes.world_size
         self.scratch = scratch
         self.device = device
-        # The id bounds the batch check takes: one when every feature has the same.
-        distinct = sorted(set(routes.feature_rows))
-        self.feature_rows = torch.tensor(
-            distinct if len(distinct) == 1 else routes.feature_rows, device=device
-        )
+        self.id_bounds = IdBounds(routes.feature_rows, device)
         self.slots_per_rank = [len(s) for s in routes.slots]
-        self.slot_counts = torch.tensor(self.slots_per_rank, device=device)
-        self.send_rows = routes.send_rows().to(device, torch.int32)
+        # On one rank without hot rows every bucketizing pass keeps each feature whole
+        # in bucket 0 (its own rows, none rebased): the TBE's bags are rows of the
+        # batch's own lengths, each slot its feature's.
+        whole = self.world == 1 and not routes.home_bucket
+        send_rows = (
+            torch.tensor([routes.embeddings[s.embedding].feature for s in routes.slots[0]])
+            if whole
+            else routes.send_rows()
+        )
+        self.send_rows = send_rows.to(device, torch.int32)
+        # On one rank, whether the TBE takes the batch's bags as they are.
+        self.takes_batch = whole and send_rows.tolist() == list(range(len(routes.features)))
         self.slot_rank = torch.repeat_interleave(
             torch.arange(self.world, device=device),
-            self.slot_counts,
+            torch.tensor(self.slots_per_rank, device=device),
             output_size=len(self.send_rows),
         )
-        dtype = routes.id_dtype
-        self.passes = [
-            (
-                # Only used by FBGEMM when boundaries are absent; the boundaries rule.
-                torch.tensor([max(1, b[1] - b[0]) for b in bounds], dtype=dtype, device=device),
-                [torch.tensor(b, dtype=dtype, device=device) for b in bounds],
-            )
-            for bounds in routes.bucket_passes
-        ]
+        self.passes = [] if whole else [_bucket_pass(b, device) for b in routes.bucket_passes]
         self.ids_per_element = 2 if routes.weighted else 1
+        self._slot_major: tuple[tuple[int, ...], torch.Tensor] | None = None
 
     @property
     def bags(self) -> InputDistribution:
@@ -176,9 +148,13 @@ class InputDistribution:
 
     def route(self, batch: LocalBatch) -> Routed:
         """Bucketize row-wise ids by owner (rebased into its block), and count what
-        each rank gets. Ids of hot rows stay home, in bucket 0."""
+        each slot of each rank gets. Ids of hot rows stay home, in bucket 0."""
         lengths, values, weights, _ = self.bucketize(batch)
-        return Routed(lengths, values, weights, self.ids_per_rank(lengths), batch.batch_size)
+        per_slot = None
+        if not self.takes_batch:  # without passes the lengths table is the batch's
+            per_row = None if self.passes else batch.ids_per_feature
+            per_slot = self.ids_per_slot(lengths, per_row)
+        return Routed(lengths, values, weights, per_slot, batch.batch_size)
 
     def bucketize(
         self, batch: LocalBatch, positions: torch.Tensor | None = None
@@ -195,17 +171,17 @@ class InputDistribution:
                 values,
                 False,
                 positions is not None,
-                block_sizes,
+                bucket_pass.block_sizes[values.dtype],
                 self.routes.buckets,
                 weights,
                 None,
                 -1,
-                boundaries,
+                bucket_pass.boundaries[values.dtype],
             )
-            for block_sizes, boundaries in self.passes
+            for bucket_pass in self.passes
         ]
         table_rows = len(self.passes) * self.routes.buckets * len(self.routes.features)
-        lengths = torch.cat([b[0] for b in buckets]).view(table_rows, batch.batch_size)
+        lengths = _cat([b[0] for b in buckets]).view(table_rows, batch.batch_size)
         values = _cat([b[1] for b in buckets])
         weights = None if weights is None else _cat([b[2] for b in buckets])
         if positions is not None:  # b[4][i]: where id i went in its pass's buckets
@@ -213,15 +189,17 @@ class InputDistribution:
             positions = _cat([torch.empty_like(ids).scatter_(0, b[4].long(), ids) for b in buckets])
         return lengths, values, weights, positions
 
-    def ids_per_rank(self, lengths: torch.Tensor) -> torch.Tensor:
-        """Ids each rank gets from the lengths table ``lengths``."""
-        per_slot = lengths.index_select(0, self.send_rows).sum(1)
-        ids_per_rank = torch.zeros(self.world, dtype=torch.long, device=self.device)
-        return ids_per_rank.index_add_(0, self.slot_rank, per_slot)
+    def ids_per_slot(
+        self, lengths: torch.Tensor, per_row: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Ids each row of ``Routes.send_rows()`` takes from the lengths table
+        ``lengths`` (whose row sums are ``per_row``, when known)."""
+        per_row = lengths.sum(1) if per_row is None else per_row
+        return per_row.index_select(0, self.send_rows)
 
     def nothing(self) -> Routed:
         """The route of a batch that cannot be sent: nothing for anyone."""
-        zeros = torch.zeros(self.world, dtype=torch.long, device=self.device)
+        zeros = torch.zeros(len(self.send_rows), dtype=torch.long, device=self.device)
         empty = torch.zeros(0, dtype=self.routes.id_dtype, device=self.device)
         return Routed(empty.view(0, 0), empty, None, zeros, 0)
 
@@ -238,24 +216,111 @@ class InputDistribution:
         keep."""
         return None
 
-    def send_sizes(self, routed: Routed) -> torch.Tensor:
-        """Payload elements for each rank: its slots' lengths, then ids (and weights)."""
-        return self.slot_counts * routed.batch_size + routed.ids_per_rank * self.ids_per_element
+    def exchange_counts(
+        self,
+        sent: Routed,
+        valid: torch.Tensor | None,
+        group: dist.ProcessGroup | None,
+        extra: ExtraCounts | None = None,
+    ) -> Counts:
+        """Tell every rank how many ids this rank sends it, its batch size and whether
+        its batch is good (``valid``) or it has none (None: its batches ran out), with
+        the lookup's ``extra`` columns. The step's one host sync: one read of one
+        buffer holding what arrived, what this rank sent and the extra local values;
+        the payload's sizes follow on the host."""
+        world, k = self.world, 0 if extra is None else extra.per_rank.shape[1]
+        width = COUNT_COLUMNS + k
+        local = 0 if extra is None else extra.local.numel()
+        buffer = torch.zeros(2 * world * width + local, dtype=torch.long, device=self.device)
+        received = buffer[: world * width].view(world, width)
+        counts = buffer[world * width : 2 * world * width].view(world, width)
+        counts[:, 0].index_add_(0, self.slot_rank, sent.ids_per_slot)
+        if valid is None:
+            counts[:, 1] = _ENDED
+        else:
+            counts[:, 1].add_(valid, alpha=sent.batch_size + 1)
+        if extra is not None:
+            counts[:, COUNT_COLUMNS:] = extra.per_rank
+            buffer[2 * world * width :] = extra.local
+        dist.all_to_all_single(received, counts, group=group)
+        host = buffer.tolist()
+        rows = [host[width * r : width * (r + 1)] for r in range(2 * world)]
+        came, went = rows[:world], rows[world:]
+        batch_sizes = [max(r[1] - 1, 0) for r in came]
+        mine, per_id = self.slots_per_rank[self.rank], self.ids_per_element
+        return Counts(
+            recv_sizes=[mine * b + per_id * r[0] for b, r in zip(batch_sizes, came)],
+            batch_sizes=batch_sizes,
+            failed=any(r[1] == 0 for r in came),
+            ended=tuple(rank for rank, r in enumerate(came) if r[1] == _ENDED),
+            send_sizes=[
+                slots * sent.batch_size + per_id * r[0]
+                for slots, r in zip(self.slots_per_rank, went)
+            ],
+            sent_ids=[r[0] for r in went],
+            extra_received=[r[COUNT_COLUMNS:] for r in came] if extra is not None else [],
+            extra_sent=[r[COUNT_COLUMNS:] for r in went] if extra is not None else [],
+            extra_local=host[2 * world * width :],
+        )
 
-    def pack(self, routed: Routed, ids_per_rank: list[int]) -> torch.Tensor:
-        """One buffer for all destinations: for each, its slots' lengths, ids, weights."""
+    def counts_on_one_rank(
+        self, sent: Routed, valid: torch.Tensor, extra: ExtraCounts | None = None
+    ) -> Counts:
+        """What the counts exchange tells the only rank, with no exchange: whether its
+        batch is good, what it sends itself and the extra columns, in the one host
+        read (of the validity flag alone when its TBE takes the batch's own bags).
+        Nothing travels: no payload."""
+        if sent.ids_per_slot is None:
+            failed, ids, extra_host = not bool(valid), sent.values.numel(), []
+        else:
+            parts = [valid.view(1), sent.ids_per_slot]
+            if extra is not None:
+                parts += [extra.per_rank.view(-1), extra.local]
+            host = torch.cat(parts).tolist()
+            slots = len(self.send_rows)
+            failed, ids, extra_host = not host[0], sum(host[1 : 1 + slots]), host[1 + slots :]
+        k = 0 if extra is None else extra.per_rank.numel()
+        return Counts(
+            recv_sizes=[0],
+            batch_sizes=[sent.batch_size],
+            failed=failed,
+            ended=(),
+            send_sizes=[0],
+            sent_ids=[ids],
+            extra_received=[extra_host[:k]] if extra is not None else [],
+            extra_sent=[extra_host[:k]] if extra is not None else [],
+            extra_local=extra_host[k:],
+        )
+
+    def own_bags(self, sent: Routed, counts: Counts) -> Bags:
+        """On one rank, the TBE's bags: the batch's own, or the rows of its lengths
+        table that the TBE's slots take, gathered in their order."""
+        if sent.ids_per_slot is None:
+            return Bags(sent.lengths, sent.values, sent.weights)
+        return Bags(
+            *torch.ops.fbgemm.permute_2D_sparse_data(
+                self.send_rows, sent.lengths, sent.values, sent.weights, counts.sent_ids[0]
+            )
+        )
+
+    def pack(self, routed: Routed, counts: Counts) -> torch.Tensor:
+        """One buffer for all destinations: for each, its slots' lengths, ids, weights,
+        as ``Routes.id_dtype`` (the copy into the buffer converts them)."""
         lengths, values, weights = torch.ops.fbgemm.permute_2D_sparse_data(
-            self.send_rows, routed.lengths, routed.values, routed.weights, sum(ids_per_rank)
+            self.send_rows, routed.lengths, routed.values, routed.weights, sum(counts.sent_ids)
         )
         rows = lengths.split(self.slots_per_rank)
-        id_chunks = values.split(ids_per_rank)
-        weight_chunks = weights.split(ids_per_rank) if weights is not None else None
+        id_chunks = values.split(counts.sent_ids)
+        weight_chunks = weights.split(counts.sent_ids) if weights is not None else None
         pieces = []
         for dest, dest_lengths in enumerate(rows):
             pieces += [dest_lengths.reshape(-1), id_chunks[dest]]
             if weight_chunks is not None:
-                pieces.append(_to_bits(weight_chunks[dest], values.dtype))
-        return torch.cat(pieces)
+                pieces.append(weight_chunks[dest].view(torch.int32))
+        payload = self.scratch.take(
+            "payload", (sum(counts.send_sizes),), values, self.routes.id_dtype
+        )
+        return torch.cat(pieces, out=payload)
 
     def exchange(
         self,
@@ -271,22 +336,36 @@ class InputDistribution:
         )
         return received, work
 
+    def arrived(
+        self, in_flight: InputInFlight
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The TBE's input (indices, offsets, weights): on one rank its own bags,
+        else what the ids all-to-all brought, once it is done."""
+        if in_flight.own is not None:
+            lengths, values, weights = in_flight.own
+            return values, torch.ops.fbgemm.asynchronous_complete_cumsum(lengths.view(-1)), weights
+        counts = in_flight.counts
+        return self.unpack(in_flight.take_received(), counts.recv_sizes, counts.batch_sizes)
+
     def unpack(
         self, received: torch.Tensor, recv_sizes: list[int], batch_sizes: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """TBE input for the global batch: every slot's bags, sources in rank order."""
         bag_lengths, values, bag_weights = self.received_bags(received, recv_sizes, batch_sizes)
-        if self.world > 1:
-            order = self.slot_major(batch_sizes)
-            bag_lengths, values, bag_weights = torch.ops.fbgemm.permute_1D_sparse_data(
-                order, bag_lengths, values, bag_weights, values.numel()
-            )
+        bag_lengths, values, bag_weights = torch.ops.fbgemm.permute_1D_sparse_data(
+            self.slot_major(batch_sizes), bag_lengths, values, bag_weights, values.numel()
+        )
         offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(bag_lengths)
         return values, offsets, bag_weights
 
     def slot_major(self, batch_sizes: list[int]) -> torch.Tensor:
-        """The order that takes bags as they arrived to the TBE's (``_slot_major_order``)."""
-        return _slot_major_order(self.slots_per_rank[self.rank], batch_sizes, self.device)
+        """The order that takes bags as they arrived to the TBE's
+        (``_slot_major_order``), kept while the batch sizes stay the same."""
+        key = tuple(batch_sizes)
+        if self._slot_major is None or self._slot_major[0] != key:
+            order = _slot_major_order(self.slots_per_rank[self.rank], batch_sizes, self.device)
+            self._slot_major = (key, order)
+        return self._slot_major[1]
 
     def received_bags(
         self, received: torch.Tensor, recv_sizes: list[int], batch_sizes: list[int]
@@ -299,10 +378,28 @@ class InputDistribution:
             count = (size - start) // self.ids_per_element
             lengths.append(chunk[:start])
             ids.append(chunk[start : start + count])
-            if self.routes.weighted:
-                weights.append(_from_bits(chunk[start + count :]))
-        bag_weights = torch.cat(weights) if self.routes.weighted else None
+            weights.append(chunk[start + count :])
+        bag_weights = _from_bits(torch.cat(weights)) if self.routes.weighted else None
         return torch.cat(lengths), torch.cat(ids), bag_weights
+
+
+@dataclass(frozen=True)
+class _BucketPass:
+    """One bucketizing pass's block sizes and each feature's boundaries, in both id
+    dtypes: FBGEMM takes them in the ids' own."""
+
+    block_sizes: dict[torch.dtype, torch.Tensor]
+    boundaries: dict[torch.dtype, list[torch.Tensor]]
+
+
+def _bucket_pass(bounds: tuple[tuple[int, ...], ...], device: torch.device) -> _BucketPass:
+    # Block sizes are only used by FBGEMM when boundaries are absent; the boundaries rule.
+    sizes = [max(1, b[1] - b[0]) for b in bounds]
+    dtypes = (torch.int32, torch.int64)
+    return _BucketPass(
+        {d: torch.tensor(sizes, dtype=d, device=device) for d in dtypes},
+        {d: [torch.tensor(b, dtype=d, device=device) for b in bounds] for d in dtypes},
+    )
 
 
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -330,8 +427,9 @@ RoutedT = TypeVar("RoutedT")
 class InputInFlight(Generic[KeptT]):
     """A batch after its input distribution started: what the counts exchange said, the
     checked local batch (for the data-parallel tables and MEAN pooling), the ids
-    all-to-all on its way, and what the kind of lookup kept to bring its rows back.
-    Or the InputError its batch (or another rank's) raised, to raise when it is used."""
+    all-to-all on its way (or, on one rank, the TBE's bags, which never left), and what
+    the kind of lookup kept to bring its rows back. Or the InputError its batch (or
+    another rank's) raised, to raise when it is used."""
 
     counts: Counts | None = None
     batch: LocalBatch | None = None
@@ -341,6 +439,14 @@ class InputInFlight(Generic[KeptT]):
     kept: KeptT | None = None
     # Ranks whose batches ran out (``signal_end``): nothing travels, the batch is not used.
     ended: tuple[int, ...] = ()
+    own: Bags | None = None
+
+    def take_received(self) -> torch.Tensor:
+        """Wait for the ids all-to-all and take its buffer: once the caller drops it,
+        it may serve the next batch."""
+        self.work.wait()
+        received, self.received = self.received, None
+        return received
 
 
 class IdsRouting(Protocol[RoutedT, KeptT]):
@@ -371,33 +477,56 @@ def start_input_dist(
 ) -> InputInFlight[KeptT]:
     """Stage 1 (collective): check the batch, route its ids to their owners,
     exchange counts (the one host sync), and start the ids all-to-all. Needs only the
-    input distribution, no tables: ``embshard simulate`` runs it too.
+    input distribution, no tables: ``embshard simulate`` runs it too. On one rank,
+    ``_start_on_one_rank``.
 
     ``features`` None says, in the counts exchange, that this rank's batches ran out;
     when any rank says so, no ids travel and every rank learns which ranks ended."""
     bags = stage.bags
-    batch, routed, problem = (None, stage.nothing(), None)
-    if features is not None:
+    if bags.world == 1:
+        return _start_on_one_rank(features, stage)
+    if features is None:
+        batch, routed, valid, problem = None, stage.nothing(), None, None
+    else:
         batch, routed, problem = _route(features, stage)
+        bad = batch is None  # its structure is wrong: a valid flag of False
+        valid = torch.zeros((), dtype=torch.bool, device=bags.device) if bad else batch.valid
     sent = stage.to_send(routed)
-    counts = exchange_counts(
-        bags.send_sizes(sent),
-        sent.ids_per_rank,
-        sent.batch_size,
-        batch.valid if batch is not None else torch.zeros((), dtype=torch.bool, device=bags.device),
-        group,
-        stage.extra_counts(batch, routed),
-        ended=features is None,
-    )
+    counts = bags.exchange_counts(sent, valid, group, stage.extra_counts(batch, routed))
     if counts.ended:
-        error = InputError(f"{_ranks(counts.ended)} ran out of batches: this batch was not used")
-        return InputInFlight(counts, error=error, ended=counts.ended)
+        return _ended(counts)
     if counts.failed:
         problem = _problem(features, bags.routes, batch, problem)
         return InputInFlight(error=gather_input_error(problem, group))
-    payload = bags.pack(sent, counts.sent_ids)
+    payload = bags.pack(sent, counts)
     received, work = bags.exchange(payload, counts.send_sizes, counts.recv_sizes, group)
     return InputInFlight(counts, batch, received, work, kept=stage.keep(routed, counts))
+
+
+def _start_on_one_rank(
+    features: KeyedJaggedTensor | None, stage: IdsRouting[RoutedT, KeptT]
+) -> InputInFlight[KeptT]:
+    """Stage 1 on one rank: no collective. The same check, the same InputError (no
+    other rank to tell), and one host read: the batch's validity flag, with what sizes
+    the TBE's input where that is not the batch's own. The TBE's bags stay here."""
+    bags = stage.bags
+    if features is None:
+        return _ended(Counts([0], [0], failed=False, ended=(0,), send_sizes=[0], sent_ids=[0]))
+    batch, routed, problem = _route(features, stage)
+    if problem is None:
+        sent = stage.to_send(routed)
+        counts = bags.counts_on_one_rank(sent, batch.valid, stage.extra_counts(batch, routed))
+        if not counts.failed:
+            own = bags.own_bags(sent, counts)
+            return InputInFlight(counts, batch, kept=stage.keep(routed, counts), own=own)
+        problem = _problem(features, bags.routes, batch, problem)
+    return InputInFlight(error=_input_error([problem]))
+
+
+def _ended(counts: Counts) -> InputInFlight:
+    """The input of a step that does not run: ``counts.ended`` ran out of batches."""
+    error = InputError(f"{_ranks(counts.ended)} ran out of batches: this batch was not used")
+    return InputInFlight(counts, error=error, ended=counts.ended)
 
 
 def _ranks(ranks: Sequence[int]) -> str:
@@ -412,7 +541,7 @@ def _route(
     empty route). Never raises: a rank that failed here must still tell the others
     in the counts exchange."""
     try:
-        batch = check_batch(features, stage.bags.routes, stage.bags.feature_rows)
+        batch = check_batch(features, stage.bags.routes, stage.bags.id_bounds)
         if isinstance(batch, str):
             return None, stage.nothing(), batch
         return batch, stage.route(batch), None

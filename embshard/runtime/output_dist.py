@@ -55,7 +55,8 @@ class OutputLayout:
 
     @property
     def comm_dtype(self) -> torch.dtype:
-        return COMM_DTYPES[self.comm_precision]
+        """What the pooled rows travel in; on one rank nothing travels, nothing is rounded."""
+        return torch.float32 if len(self.block_dims) == 1 else COMM_DTYPES[self.comm_precision]
 
     def to_wire(self, name: str, values: torch.Tensor) -> torch.Tensor:
         """``values`` in the comm dtype: themselves, or rounded into scratch ``name``."""
@@ -87,8 +88,7 @@ def send_home(
     [local batch, output dims]."""
     send_splits, recv_splits, local_batch = _splits(pooled, batch_sizes, layout)
     send = layout.to_wire("pooled_send", pooled.contiguous().view(-1))
-    received = layout.scratch.take("pooled", (sum(recv_splits),), pooled, layout.comm_dtype)
-    dist.all_to_all_single(received, send, recv_splits, send_splits, group=layout.group)
+    received = pooled_all_to_all("pooled", send, recv_splits, send_splits, layout)
     blocks = _blocks(received, recv_splits, local_batch, layout.block_dims)
     out = layout.scratch.take("out", (local_batch, layout.output_dim), pooled)
     moves = [(blocks[m.rank], m) for m in layout.moves]
@@ -144,13 +144,22 @@ class PooledAllToAll(torch.autograd.Function):
             _column_runs(blocks[m.rank], m.source, m.source_step, m).copy_(
                 _column_runs(grad, m.target, m.target_step, m)
             )
-        received = layout.scratch.take("grad_pooled", pooled_shape, grad, layout.comm_dtype)
-        dist.all_to_all_single(
-            received.view(-1), send, send_splits, recv_splits, group=layout.group
-        )
-        grad_pooled = layout.from_wire("grad_pooled_fp32", received, grad.dtype)
+        received = pooled_all_to_all("grad_pooled", send, send_splits, recv_splits, layout)
+        grad_pooled = layout.from_wire("grad_pooled_fp32", received.view(pooled_shape), grad.dtype)
         grad_pooled.div_(dist.get_world_size(layout.group))
         return None, grad_pooled, grad_local, None, None
+
+
+def pooled_all_to_all(
+    name: str, send: torch.Tensor, out_splits: list[int], in_splits: list[int], layout: OutputLayout
+) -> torch.Tensor:
+    """``send`` through one of stage 3's all-to-alls, into scratch ``name``; on one
+    rank ``send`` itself: nothing travels, so no collective runs."""
+    if len(layout.block_dims) == 1:
+        return send
+    received = layout.scratch.take(name, (sum(out_splits),), send)
+    dist.all_to_all_single(received, send, out_splits, in_splits, group=layout.group)
+    return received
 
 
 def _blocks(

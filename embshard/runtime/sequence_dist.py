@@ -13,7 +13,13 @@ from typing import NamedTuple
 import torch
 
 from embshard.runtime.batch import LocalBatch
-from embshard.runtime.input_dist import Counts, ExtraCounts, InputDistribution, Routed
+from embshard.runtime.input_dist import (
+    Counts,
+    ExtraCounts,
+    InputDistribution,
+    InputInFlight,
+    Routed,
+)
 from embshard.runtime.routes import Routes
 from embshard.runtime.scratch import Scratch
 
@@ -112,9 +118,9 @@ class SequenceInputDistribution:
         positions = torch.arange(batch.values.numel(), device=self.bags.device)
         lengths, values, _, positions = self.bags.bucketize(batch, positions)
         distinct_lengths, distinct_values, ids = self._distinct(lengths, values, positions)
-        per_rank = self.bags.ids_per_rank(distinct_lengths)
+        per_slot = self.bags.ids_per_slot(distinct_lengths)
         return SequenceRouted(
-            Routed(distinct_lengths, distinct_values, None, per_rank, batch.batch_size), ids
+            Routed(distinct_lengths, distinct_values, None, per_slot, batch.batch_size), ids
         )
 
     def _distinct(
@@ -168,11 +174,10 @@ class SequenceInputDistribution:
         if batch is None or routed.ids is None:
             zeros = torch.zeros(2 + len(bags.routes.features), **long)
             return ExtraCounts(slot_ids, zeros)
-        sent = routed.bags.lengths.index_select(0, bags.send_rows).sum(1)
-        slot_ids[bags.slot_rank, self.slot_index] = sent
+        slot_ids[bags.slot_rank, self.slot_index] = routed.bags.ids_per_slot
         rows = routed.ids.lengths.index_select(0, bags.send_rows).sum(1)
         totals = torch.stack([rows.sum(), (rows * self.send_row_blocks).sum()])
-        return ExtraCounts(slot_ids, torch.cat([totals, batch.lengths.sum(1).long()]))
+        return ExtraCounts(slot_ids, torch.cat([totals, batch.ids_per_feature]))
 
     def keep(self, routed: SequenceRouted, counts: Counts) -> SequenceInFlight:
         """The counts that size the rows' way back, and where every id went."""
@@ -195,29 +200,28 @@ class SequenceInputDistribution:
             output_size=total,
         )
         # A send row's distinct rows come back after those of the send rows before it.
-        sent = (
-            routed.bags.lengths.index_select(0, self.bags.send_rows).sum(1) * self.send_row_blocks
-        )
+        sent = routed.bags.ids_per_slot * self.send_row_blocks
         starts = torch.cumsum(sent, 0) - sent
         local = distinct - ids.row_starts[self.bags.send_rows.long()][send_row]
         first_block = starts[send_row] + local * self.send_row_blocks[send_row]
         return SentIds(positions, send_row, first_block)
 
-    def unpack(
-        self, received: torch.Tensor, recv_sizes: list[int], batch_sizes: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ids received in TBE order (slot by slot, sources in rank order), and for
-        each the index it arrived at (ids of all sources in rank order): where its row
-        goes back."""
-        bags = self.bags
-        bag_lengths, values, _ = bags.received_bags(received, recv_sizes, batch_sizes)
+    def arrived(self, in_flight: InputInFlight) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ids in TBE order (slot by slot, sources in rank order), and for each the
+        index it arrived at (ids of all sources in rank order): where its row goes back.
+        On one rank they never left: the TBE's order is theirs."""
+        if in_flight.own is not None:
+            values = in_flight.own.values
+            return values, torch.arange(values.numel(), device=self.bags.device)
+        counts, bags = in_flight.counts, self.bags
+        received = in_flight.take_received()
+        bag_lengths, values, _ = bags.received_bags(received, counts.recv_sizes, counts.batch_sizes)
         arrived = torch.arange(values.numel(), device=bags.device)
-        if bags.world > 1:
-            order = bags.slot_major(batch_sizes)
-            _, arrived, _ = torch.ops.fbgemm.permute_1D_sparse_data(
-                order, bag_lengths, arrived, None, values.numel()
-            )
-            _, values, _ = torch.ops.fbgemm.permute_1D_sparse_data(
-                order, bag_lengths, values, None, values.numel()
-            )
+        order = bags.slot_major(counts.batch_sizes)
+        _, arrived, _ = torch.ops.fbgemm.permute_1D_sparse_data(
+            order, bag_lengths, arrived, None, values.numel()
+        )
+        _, values, _ = torch.ops.fbgemm.permute_1D_sparse_data(
+            order, bag_lengths, values, None, values.numel()
+        )
         return values, arrived

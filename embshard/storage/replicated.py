@@ -7,7 +7,7 @@ every row out of that TBE (one bag a row), looks the local batch up in those row
 and, in the backward, averages the rows' gradient over the ranks with one
 all-reduce for all data-parallel tables before the TBE's fused backward applies it:
 every copy takes the same update, the one the unsharded table takes from the global
-batch.
+batch. On one rank the copies are the tables: no collective runs.
 """
 
 from __future__ import annotations
@@ -117,7 +117,10 @@ class ReplicatedTables:
 
     def broadcast(self, src: int = 0) -> None:
         """Give every rank ``src``'s copies, in one broadcast: copies filled from each
-        rank's own module only agree after it (DDP broadcasts its parameters alike)."""
+        rank's own module only agree after it (DDP broadcasts its parameters alike).
+        On one rank there is nothing to give."""
+        if dist.get_world_size(self.group) == 1:
+            return
         weights = self.tbe.split_embedding_weights()
         flat = torch.cat([w.reshape(-1) for w in weights])
         dist.broadcast(flat, src=src, group=self.group)
@@ -130,7 +133,8 @@ class ReplicatedTables:
         them), one table after another, padded to the widest dim, and one zero row
         last for ids of other tables."""
         out = self.tbe(self.all_rows, self.all_offsets)
-        out = AverageOverRanks.apply(out, self.group)
+        if dist.get_world_size(self.group) > 1:  # on one rank the copy is the table
+            out = AverageOverRanks.apply(out, self.group)
         widest, tables, column = max(self.dims), [], 0
         for rows, dim in zip(self.rows, self.dims):
             chunks = math.ceil(rows / self.chunk)
