@@ -93,15 +93,21 @@ class ColumnPlacement:
         torch.index_select(rows, 0, runs.bags, out=out.view(-1, self.width))
         return out
 
-    def gradients(self, grad: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def gradients(self, grad: torch.Tensor, scratch: Scratch) -> torch.Tensor:
         """Every block's gradient, flat, one block after another, from the output's
-        ``grad``: one ``index_select`` into ``out`` (``grad`` itself when the blocks are
-        the output as it is)."""
+        ``grad``: one ``index_select`` into scratch ``grad_blocks`` (``grad`` itself when
+        the blocks are the output as it is). A ``grad`` that is not contiguous (a sum's
+        is expanded) is copied into scratch first: a gather from strided memory costs
+        ten times one from contiguous memory."""
+        if not grad.is_contiguous():
+            grad = scratch.take("grad_in", grad.shape, grad).copy_(grad)
         if self.identity:
-            return grad.contiguous().view(-1)
-        runs = self.runs(grad.shape[0], grad.device)
-        rows = out.view(-1, self.width)
-        torch.index_select(_runs_of(grad, self.width), 0, runs.targets, out=rows)
+            return grad.view(-1)
+        batch = grad.shape[0]
+        out = scratch.take("grad_blocks", (batch * sum(self.block_dims),), grad)
+        runs = self.runs(batch, grad.device)
+        rows = grad.view(-1, self.width)
+        torch.index_select(rows, 0, runs.targets, out=out.view(-1, self.width))
         return out
 
     def runs(self, batch: int, device: torch.device) -> RunIndices:
@@ -135,13 +141,3 @@ def _own(values: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """``values`` as ``shape``, not a view to autograd, so that the caller may modify
     an output in place."""
     return values.new_empty(0).set_(values.untyped_storage(), values.storage_offset(), shape)
-
-
-def _runs_of(values: torch.Tensor, width: int) -> torch.Tensor:
-    """A 2-D ``values``' runs of ``width`` columns, ``[runs, width]``: a view where its
-    strides allow one (contiguous, or expanded from one value, as the gradient of a
-    sum is), else a contiguous copy's."""
-    rows, columns = values.stride()
-    if rows != values.shape[1] * columns:
-        return values.contiguous().view(-1, width)
-    return values.as_strided((values.numel() // width, width), (width * columns, columns))

@@ -124,8 +124,7 @@ class PooledAllToAll(torch.autograd.Function):
         send_splits, recv_splits, pooled_shape, local_shape = ctx.splits
         layout = ctx.layout
         received_size = sum(recv_splits)
-        gradients = layout.scratch.take("grad_out", (received_size + local_shape.numel(),), grad)
-        gradients = layout.placement.gradients(grad, gradients)
+        gradients = layout.placement.gradients(grad, layout.scratch)
         send = layout.to_wire("grad_out_wire", gradients[:received_size])
         grad_local = gradients[received_size:].view(local_shape)
         received = layout.scratch.take("grad_pooled", pooled_shape, grad, layout.comm_dtype)
