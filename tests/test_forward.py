@@ -20,6 +20,7 @@ from oracle import (
     weight_gap,
 )
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 from torchrec import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
@@ -30,7 +31,8 @@ from torchrec import (
 
 import embshard
 from embshard import ShardingPlan, column_wise, data_parallel, grid, row_wise, table_wise
-from embshard.runtime.routes import ColumnMove, build_routes
+from embshard.runtime.columns import ColumnPlacement
+from embshard.runtime.routes import build_routes
 from embshard.runtime.scratch import Scratch
 
 TOL = 1e-5
@@ -191,43 +193,83 @@ def test_collectives_per_step(world, world_size, plan):
         assert counts == [expected, expected]
 
 
-def strided_moves(plan_of) -> list[tuple[int, ...]]:
+def placement(configs, plan: ShardingPlan, world_size: int = 2) -> ColumnPlacement:
+    routes = build_routes(configs, plan.resolve(configs, world_size), world_size, weighted=False)
+    return ColumnPlacement(routes.column_targets(), routes.output_dim)
+
+
+_METADATA_OPS = frozenset({"aten::new_empty", "aten::set_"})
+
+
+class WorkingOps(TorchDispatchMode):
+    """Every op that does work: views and new tensors' metadata left out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func._schema.name not in _METADATA_OPS:
+            self.ops.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("plan", ALL_PLANS)
+def test_every_block_lands_in_the_output_in_one_kernel_each_way(world_size, plan):
+    """Forward, every rank's pooled block and the local lookup's land in their output
+    columns in one kernel: an index_select, or an embedding_bag where several land in
+    one output column and are summed (row-wise partials, hot rows); backward, every
+    block takes its columns' gradient in one index_select; none when the blocks are
+    the output as they are. Both against a plain loop over the columns."""
+    configs = [t.config() for t in tables_for(plan)]
+    place = placement(configs, plans(world_size)[plan], world_size)
+    batch, dims = 5, place.block_dims
+    blocks = [torch.randn(batch, d) for d in dims]
+    sources = torch.cat([b.flatten() for b in blocks])
+    grad = torch.randn(batch, place.output_dim)
+    expected, expected_grad = torch.zeros_like(grad), []
+    for block, columns in zip(blocks, place.targets):
+        for column, target in enumerate(columns):
+            expected[:, target] += block[:, column]
+        expected_grad.append(grad[:, list(columns)].flatten())
+    scratch = Scratch()
+    place.place(sources, batch, scratch)  # the first use of a batch size builds its indices
+    with WorkingOps() as forward:
+        out = place.place(sources, batch, scratch)
+    with WorkingOps() as backward:
+        gradients = place.gradients(grad, scratch)
+    if plan == "data_parallel":  # the local lookup's block is the output as it is
+        assert forward.ops == backward.ops == []
+    else:
+        summed = plan not in ("table_wise", "column_wise")
+        gather = "aten::_embedding_bag_forward_only" if summed else "aten::index_select"
+        assert forward.ops == [gather]
+        assert backward.ops == ["aten::index_select"]
+    torch.testing.assert_close(out, expected)
+    assert torch.equal(gradients, torch.cat(expected_grad))
+
+
+def test_tables_dealt_round_robin_land_in_runs_a_table_wide():
+    """The indices name runs of columns, not single values: equal tables dealt round
+    robin move a table at a time."""
     configs = [Table(f"t{i}", 10, 8, (f"f{i}",)).config() for i in range(6)]
-    plan = ShardingPlan({c.name: plan_of(i) for i, c in enumerate(configs)})
-    routes = build_routes(configs, plan.resolve(configs, 2), 2, weighted=False)
-    return [(m.rank, m.source, m.target, m.count, m.source_step, m.target_step)
-            for m in routes.column_moves()]  # fmt: skip
+    plan = ShardingPlan({c.name: table_wise(i % 2) for i, c in enumerate(configs)})
+    assert placement(configs, plan).width == 8
 
 
-def test_tables_dealt_round_robin_place_their_columns_in_one_move_per_rank():
-    """Equal tables dealt round robin land in strided runs: one copy per rank, not
-    one per table (the output's correctness is the oracle tests' job)."""
-    moves = strided_moves(lambda i: table_wise(i % 2))
-    assert moves == [(0, 0, 0, 3, 8, 16), (1, 0, 8, 3, 8, 16)]
+def test_column_blocks_rotated_over_ranks_land_in_runs_a_block_wide():
+    configs = [Table(f"t{i}", 10, 8, (f"f{i}",)).config() for i in range(6)]
+    plan = ShardingPlan({c.name: column_wise([i % 2, (i + 1) % 2]) for i, c in enumerate(configs)})
+    assert placement(configs, plan).width == 4
 
 
-def test_column_blocks_rotated_over_ranks_place_their_columns_in_two_moves_at_most():
-    # Rank 0 holds block 0 of tables 0, 2, 4 and block 1 of tables 1, 3, 5: block 1 of
-    # table 1 and block 0 of table 2 are neighbours in its pooled block and in the
-    # output, and fuse, as do block 1 of table 3 and block 0 of table 4. Rank 1's
-    # blocks all fuse in pairs, equally spaced: one run.
-    moves = strided_moves(lambda i: column_wise([i % 2, (i + 1) % 2]))
-    assert moves == [(0, 0, 0, 2, 20, 44), (0, 4, 12, 2, 8, 16),
-                     (1, 0, 4, 3, 8, 16)]  # fmt: skip
-
-
-def test_row_wise_tables_of_mixed_widths_place_their_columns_in_one_move_per_rank():
-    """A rank's blocks of consecutive row-wise tables continue each other in its pooled
-    block and in the output, whatever their widths: one copy from the first rank, one
-    add from the other, each the whole output wide."""
+def test_row_wise_tables_of_mixed_widths_land_in_one_run_a_sample():
+    """Every rank's block of consecutive row-wise tables is the output's columns in
+    order, whatever the tables' widths: each sample's row moves as one run."""
     configs = [Table(f"t{i}", 10, 8 * (1 + i % 3), (f"f{i}",)).config() for i in range(6)]
     plan = ShardingPlan({c.name: row_wise() for c in configs})
-    routes = build_routes(configs, plan.resolve(configs, 2), 2, weighted=False)
-    width = sum(c.embedding_dim for c in configs)
-    assert routes.column_moves() == [
-        ColumnMove(rank=0, source=0, target=0, width=width, add=False),
-        ColumnMove(rank=1, source=0, target=0, width=width, add=True),
-    ]
+    assert placement(configs, plan).width == sum(c.embedding_dim for c in configs)
 
 
 def _copies_of_per_rank_modules(sequence: bool) -> dict[str, bool]:

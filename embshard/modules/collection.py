@@ -31,6 +31,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from embshard.modules.mesh import ShardingMesh
 from embshard.plan.specs import ShardedTable, ShardingPlan
+from embshard.runtime.columns import ColumnPlacement
 from embshard.runtime.input_dist import (
     IdsRouting,
     InputDistribution,
@@ -389,10 +390,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection[None, Pooled, KeyedTensor]
 
     def _output_stage(self, scratch: Scratch, comm_precision: str | None) -> OutputLayout:
         return OutputLayout(
-            block_dims=[sum(self._routes.slot_dims(r)) for r in range(self._mesh.size)],
-            moves=self._routes.column_moves(),
-            local_moves=self._routes.local_moves(),
-            output_dim=self._routes.output_dim,
+            placement=ColumnPlacement(self._routes.column_targets(), self._routes.output_dim),
             rank=self._rank,
             group=self._group,
             scratch=scratch,

@@ -1,27 +1,17 @@
 """Stage 3, the output distribution: one all-to-all sends each requester the pooled
 rows a rank owns for its samples (forward) and their gradients back (backward), and
-the requester places column blocks, sums row-wise partials and divides MEAN bags."""
+the requester places their columns and sums row-wise partials in one kernel
+(``ColumnPlacement``); MEAN bags are divided by the module."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from embshard.runtime.routes import ColumnMove
+from embshard.runtime.columns import ColumnPlacement
 from embshard.runtime.scratch import Scratch
-
-
-def _column_runs(t: torch.Tensor, start: int, step: int, move: ColumnMove) -> torch.Tensor:
-    """The [rows, count, width] view of ``move``'s column runs in 2-D ``t``."""
-    rows, columns = t.stride()
-    return t.as_strided(
-        (t.shape[0], move.count, move.width),
-        (rows, step * columns, columns),
-        t.storage_offset() + start * columns,
-    )
-
 
 COMM_DTYPES = {
     None: torch.float32,
@@ -34,24 +24,26 @@ COMM_DTYPES = {
 @dataclass(frozen=True)
 class OutputLayout:
     """What the pooled all-to-all needs besides the batch sizes, fixed at sharding:
-    every rank's pooled block width, the column moves into the output (those of the
-    received blocks, and those of the local lookup's block), where this rank stands,
-    and the precision the pooled rows and their gradients travel in."""
+    where every rank's pooled block and the local lookup's land in the output, where
+    this rank stands, and the precision the pooled rows and their gradients travel in."""
 
-    block_dims: list[int]
-    moves: list[ColumnMove]
-    output_dim: int
+    placement: ColumnPlacement
     rank: int
     group: dist.ProcessGroup | None
     scratch: Scratch
     comm_precision: str | None = None
-    local_moves: list[ColumnMove] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.comm_precision not in COMM_DTYPES:
             raise ValueError(
                 f"comm_precision must be one of {list(COMM_DTYPES)}, got {self.comm_precision!r}"
             )
+
+    @property
+    def block_dims(self) -> tuple[int, ...]:
+        """Every rank's pooled block width (the placement's last block is the local
+        lookup's)."""
+        return self.placement.block_dims[:-1]
 
     @property
     def comm_dtype(self) -> torch.dtype:
@@ -88,31 +80,30 @@ def send_home(
     [local batch, output dims]."""
     send_splits, recv_splits, local_batch = _splits(pooled, batch_sizes, layout)
     send = layout.to_wire("pooled_send", pooled.contiguous().view(-1))
-    received = pooled_all_to_all("pooled", send, recv_splits, send_splits, layout)
-    blocks = _blocks(received, recv_splits, local_batch, layout.block_dims)
-    out = layout.scratch.take("out", (local_batch, layout.output_dim), pooled)
-    moves = [(blocks[m.rank], m) for m in layout.moves]
-    for source, m in moves + [(local, m) for m in layout.local_moves]:
-        piece = _column_runs(source, m.source, m.source_step, m)
-        target = _column_runs(out, m.target, m.target_step, m)
-        if m.add:
-            target.add_(piece)
-        else:
-            target.copy_(piece)
-    return out
+    # The placement's sources: the received blocks, then the local lookup's, flat.
+    received_size = sum(recv_splits)
+    sources = layout.scratch.take("pooled", (received_size + local.numel(),), pooled)
+    received = sources[:received_size]
+    if layout.comm_dtype != pooled.dtype:
+        received = layout.scratch.take("pooled_wire", (received_size,), pooled, layout.comm_dtype)
+    pooled_all_to_all(received, send, recv_splits, send_splits, layout)
+    if received.dtype != pooled.dtype:
+        sources[:received_size].copy_(received)
+    if local.numel():
+        sources[received_size:].view_as(local).copy_(local)
+    return layout.placement.place(sources, local_batch, layout.scratch)
 
 
 class PooledAllToAll(torch.autograd.Function):
     """Each rank's pooled rows go back to the ranks whose samples they are, and land
-    in their output columns, beside the local lookup's (data-parallel tables).
+    in their output columns, beside the local lookup's (data-parallel tables, hot rows).
 
     Forward: [global batch, this rank's slot dims] -> [local batch, output dims]: the
-    all-to-all, then every slot's columns copied to (or, for row-wise partials, added
-    into) their output columns, and ``local``'s copied to theirs (added, for hot rows'
-    partial sums). Backward:
-    each slot takes its output columns' gradient, the all-to-all runs in reverse, and
-    the result is divided by the world size, so the sparse gradients are averaged over
-    ranks as DDP averages the dense ones.
+    all-to-all, then one kernel places every block's columns and sums those that land
+    in the same output column (row-wise partials, hot rows' local partial sums).
+    Backward: one kernel gives every block its output columns' gradient, the
+    all-to-all runs in reverse, and the result is divided by the world size, so the
+    sparse gradients are averaged over ranks as DDP averages the dense ones.
     ``anchor`` requires grad on every rank, so every rank joins the backward
     all-to-all even when it holds no shards.
 
@@ -123,47 +114,37 @@ class PooledAllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, anchor, pooled, local, batch_sizes, layout):  # type: ignore[override]
-        send_splits, recv_splits, local_batch = _splits(pooled, batch_sizes, layout)
+        send_splits, recv_splits, _ = _splits(pooled, batch_sizes, layout)
         ctx.save_for_backward(anchor)
-        ctx.splits = (send_splits, recv_splits, local_batch, pooled.shape, local.shape)
+        ctx.splits = (send_splits, recv_splits, pooled.shape, local.shape)
         ctx.layout = layout
         return send_home(pooled, local, batch_sizes, layout)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        (send_splits, recv_splits, local_batch, pooled_shape, local_shape) = ctx.splits
+        send_splits, recv_splits, pooled_shape, local_shape = ctx.splits
         layout = ctx.layout
-        grad_local = grad.new_empty(local_shape)
-        for m in layout.local_moves:
-            _column_runs(grad_local, m.source, m.source_step, m).copy_(
-                _column_runs(grad, m.target, m.target_step, m)
-            )
-        send = layout.scratch.take("grad_out", (sum(recv_splits),), grad, layout.comm_dtype)
-        blocks = _blocks(send, recv_splits, local_batch, layout.block_dims)
-        for m in layout.moves:
-            _column_runs(blocks[m.rank], m.source, m.source_step, m).copy_(
-                _column_runs(grad, m.target, m.target_step, m)
-            )
-        received = pooled_all_to_all("grad_pooled", send, send_splits, recv_splits, layout)
-        grad_pooled = layout.from_wire("grad_pooled_fp32", received.view(pooled_shape), grad.dtype)
+        received_size = sum(recv_splits)
+        gradients = layout.placement.gradients(grad, layout.scratch)
+        send = layout.to_wire("grad_out_wire", gradients[:received_size])
+        grad_local = gradients[received_size:].view(local_shape)
+        received = layout.scratch.take("grad_pooled", pooled_shape, grad, layout.comm_dtype)
+        pooled_all_to_all(received.view(-1), send, send_splits, recv_splits, layout)
+        grad_pooled = layout.from_wire("grad_pooled_fp32", received, grad.dtype)
         grad_pooled.div_(dist.get_world_size(layout.group))
         return None, grad_pooled, grad_local, None, None
 
 
 def pooled_all_to_all(
-    name: str, send: torch.Tensor, out_splits: list[int], in_splits: list[int], layout: OutputLayout
-) -> torch.Tensor:
-    """``send`` through one of stage 3's all-to-alls, into scratch ``name``; on one
-    rank ``send`` itself: nothing travels, so no collective runs."""
+    received: torch.Tensor,
+    send: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    layout: OutputLayout,
+) -> None:
+    """``send`` into ``received`` through one of stage 3's all-to-alls; on one rank
+    nothing travels, so no collective runs: a copy."""
     if len(layout.block_dims) == 1:
-        return send
-    received = layout.scratch.take(name, (sum(out_splits),), send)
-    dist.all_to_all_single(received, send, out_splits, in_splits, group=layout.group)
-    return received
-
-
-def _blocks(
-    flat: torch.Tensor, splits: list[int], rows: int, dims: list[int]
-) -> list[torch.Tensor]:
-    """Every rank's [rows, dim] block of an all-to-all buffer."""
-    return [c.view(rows, d) for c, d in zip(flat.split(splits), dims)]
+        received.copy_(send)
+    else:
+        dist.all_to_all_single(received, send, out_splits, in_splits, group=layout.group)

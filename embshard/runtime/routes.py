@@ -11,8 +11,8 @@ shards, the rebased ids of that rank's row block for row-wise and grid shards.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from itertools import accumulate, groupby
+from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 from torchrec.modules.embedding_configs import (
@@ -57,23 +57,6 @@ class Slot:
     # The bucket of that pass its ids are in: its row block's place in row order for a
     # row-wise or grid shard, 0 (the whole feature) for the others.
     bucket: int = 0
-
-
-@dataclass(frozen=True)
-class ColumnMove:
-    """``count`` runs of ``width`` columns of ``rank``'s pooled block, starting at
-    ``source`` and ``source_step`` apart, go to the output columns starting at
-    ``target``, ``target_step`` apart; added to what is there when ``add``. One
-    strided copy moves them all (tables placed round robin make one move a rank)."""
-
-    rank: int
-    source: int
-    target: int
-    width: int
-    add: bool
-    count: int = 1
-    source_step: int = 0
-    target_step: int = 0
 
 
 @dataclass(frozen=True)
@@ -139,37 +122,29 @@ class Routes:
     def slot_dims(self, rank: int) -> list[int]:
         return [s.shard.cols for s in self.slots[rank]]
 
-    def column_moves(self) -> list[ColumnMove]:
-        """Where each slot's pooled columns go in the output, as few strided moves as
-        found. The slots of a row-wise table, or of one grid column block, on several
-        ranks share output columns: the first copies, the others add, so every copy
-        comes before any add."""
-        singles: list[ColumnMove] = []
-        written = set()
-        for rank, slots in enumerate(self.slots):
-            source = 0
-            for slot in slots:
-                target = self.embeddings[slot.embedding].out_offset + slot.shard.col_offset
-                key = (target, slot.shard.cols)
-                singles.append(ColumnMove(rank, source, target, slot.shard.cols, key in written))
-                written.add(key)
-                source += slot.shard.cols
-        return _merged(singles)
-
     @property
     def local_embeddings(self) -> tuple[EmbeddingRoute, ...]:
         """The embeddings looked up in copies, in output order: the local lookup's
         columns."""
         return tuple(e for e in self.embeddings if e.replicated_rows)
 
-    def local_moves(self) -> list[ColumnMove]:
-        """Where the local lookup's columns go in the output, as strided moves: copied
-        to a data-parallel table's, added to a hot row-wise table's partial sums."""
-        singles, source = [], 0
-        for e in self.local_embeddings:
-            singles.append(ColumnMove(0, source, e.out_offset, e.dim, add=not e.data_parallel))
-            source += e.dim
-        return _merged(singles)
+    def column_targets(self) -> tuple[tuple[int, ...], ...]:
+        """The output column of every column of every pooled block: each rank's block
+        (its slots in order), then the local lookup's (its embeddings in output order).
+        Columns that land in the same output column are summed there, in this order:
+        the row blocks of a row-wise table (or of one grid column block) on several
+        ranks, and a table's hot rows looked up locally."""
+        blocks = []
+        for slots in self.slots:
+            columns: list[int] = []
+            for slot in slots:
+                start = self.embeddings[slot.embedding].out_offset + slot.shard.col_offset
+                columns += range(start, start + slot.shard.cols)
+            blocks.append(tuple(columns))
+        local = [
+            c for e in self.local_embeddings for c in range(e.out_offset, e.out_offset + e.dim)
+        ]
+        return (*blocks, tuple(local))
 
     def mean_feature_by_column(self) -> torch.Tensor | None:
         """Per output column: 1 + the feature whose bag lengths divide it (MEAN), or 0
@@ -179,78 +154,6 @@ class Routes:
         return torch.tensor(
             [e.feature + 1 if e.mean else 0 for e in self.embeddings for _ in range(e.dim)]
         )
-
-
-_PARTNERS_TRIED = 64
-
-
-def _merged(singles: list[ColumnMove]) -> list[ColumnMove]:
-    """``singles`` (one slot each, in rank and source order) as few moves as found,
-    every copy before any add. For each rank, equally spaced moves merge into strided
-    runs, either as they are or after fusing the moves that continue each other
-    (``_fused``), whichever makes fewer: fusing widens moves but can break a spacing."""
-    runs: dict[bool, list[ColumnMove]] = {False: [], True: []}
-    for _, of_rank in groupby(singles, key=lambda m: m.rank):
-        moves = list(of_rank)
-        fused = _fused(moves)
-        for add, found in runs.items():
-            found += min(_strided_runs(fused, add), _strided_runs(moves, add), key=len)
-    return runs[False] + runs[True]
-
-
-def _fused(singles: list[ColumnMove]) -> list[ColumnMove]:
-    """``singles`` with each move that takes the columns right after the one before it
-    in both source and target (same rank, both copies or both adds) folded into it.
-    A rank's blocks of consecutive row-wise tables, or its whole tables in output
-    order, are then one wide move whatever their widths: strided runs need one width."""
-    fused: list[ColumnMove] = []
-    for m in singles:
-        last = fused[-1] if fused else None
-        if (
-            last is not None
-            and (last.rank, last.add) == (m.rank, m.add)
-            and (last.source + last.width, last.target + last.width) == (m.source, m.target)
-        ):
-            fused[-1] = replace(last, width=last.width + m.width)
-        else:
-            fused.append(m)
-    return fused
-
-
-def _strided_runs(singles: list[ColumnMove], add: bool) -> list[ColumnMove]:
-    """The ``add`` moves among ``singles`` (one slot each, in rank and source order)
-    merged into runs whose sources and targets are both equally spaced, greedily: a
-    run starts at the first move left and takes the partner that makes it longest.
-    Tables dealt round robin, or column blocks rotated over ranks, make one or two
-    runs a rank."""
-    left = {(m.rank, m.width, m.source, m.target): m for m in singles if m.add == add}
-    runs = []
-    while left:
-        first, *rest = left.values()
-        partners = [m for m in rest if (m.rank, m.width) == (first.rank, first.width)]
-        tried = (_run(first, p, left) for p in partners[:_PARTNERS_TRIED])
-        best = max(tried, key=lambda run: run.count, default=first)
-        runs.append(best)
-        for i in range(best.count):
-            source = first.source + i * best.source_step
-            del left[(first.rank, first.width, source, first.target + i * best.target_step)]
-    return runs
-
-
-def _run(first: ColumnMove, partner: ColumnMove, at: dict) -> ColumnMove:
-    """``first``, ``partner`` and the moves in ``at`` that keep their spacing."""
-    source_step, target_step = partner.source - first.source, partner.target - first.target
-    if target_step < first.width:  # targets must not overlap, nor run backwards
-        return first
-    count = 2
-    while (
-        first.rank,
-        first.width,
-        first.source + count * source_step,
-        first.target + count * target_step,
-    ) in at:
-        count += 1
-    return replace(first, count=count, source_step=source_step, target_step=target_step)
 
 
 def _block_order(table: ShardedTable, col_offset: int, world_size: int) -> tuple[int, ...]:
