@@ -39,7 +39,7 @@ from embshard.runtime.input_dist import (
     start_input_dist,
 )
 from embshard.runtime.output_dist import OutputLayout, PooledAllToAll, send_home
-from embshard.runtime.routes import ColumnMove, build_routes
+from embshard.runtime.routes import build_routes
 from embshard.runtime.scratch import Scratch
 from embshard.storage.init import init_shard
 from embshard.storage.lookup import LookupBackend, TrainingTBE
@@ -378,11 +378,10 @@ class ShardedEmbeddingBagCollection(ShardedCollection[None, Pooled, KeyedTensor]
         """On one rank, whether the TBE's output is the module's output as it is: every
         column in output order, none from copies. Then stage 3 has nothing to do."""
         routes = self._routes
-        whole = ColumnMove(rank=0, source=0, target=0, width=routes.output_dim, add=False)
         return (
             routes.world_size == 1
             and not routes.local_embeddings
-            and routes.column_moves() == [whole]
+            and self._output_layout.placement.identity
         )
 
     def _input_stage(self, scratch: Scratch) -> InputDistribution:
