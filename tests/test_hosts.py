@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 import torch
 import yaml
 from hosts import Host, hosts
+from test_train import run_cli
 
 from embshard import checkpoint as ckpt
 
@@ -53,12 +53,7 @@ def finish(processes, logs, timeout: float = 300) -> None:
 
 
 def one_host(config: Path, nproc: int, *extra: str) -> None:
-    run = subprocess.run(
-        [EMBSHARD, "train", str(config), "--nproc", str(nproc), *extra],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = run_cli("train", str(config), "--nproc", str(nproc), *extra, cwd=config.parent)
     assert run.returncode == 0, run.stderr[-3000:]
 
 
