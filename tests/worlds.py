@@ -20,13 +20,15 @@ from typing import Any
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 
 
-def _serve(rank: int, size: int, store_path: str, conn: Any) -> None:
+def _serve(rank: int, size: int, store_path: str, conn: Any, backend: str, cuda: bool) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if cuda:
+        torch.cuda.set_device(0)  # one GPU: every rank shares it
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"file://{store_path}",
         rank=rank,
         world_size=size,
@@ -42,9 +44,10 @@ def _serve(rank: int, size: int, store_path: str, conn: Any) -> None:
 
 
 class World:
-    """``size`` ranks in their own processes, one gloo process group."""
+    """``size`` ranks in their own processes, one process group of ``backend``;
+    ``cuda``: each rank's current device is GPU 0."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, backend: str = "gloo", cuda: bool = False) -> None:
         self.size = size
         self._dir = tempfile.TemporaryDirectory(prefix=f"embshard-world{size}-")
         store = os.path.join(self._dir.name, "store")
@@ -52,7 +55,9 @@ class World:
         self._conns, self._procs = [], []
         for rank in range(size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(rank, size, store, child), daemon=True)
+            proc = ctx.Process(
+                target=_serve, args=(rank, size, store, child, backend, cuda), daemon=True
+            )
             proc.start()
             self._conns.append(parent)
             self._procs.append(proc)

@@ -26,6 +26,7 @@ from torchrec import (
 )
 from torchrec.modules.embedding_configs import DataType, PoolingType
 
+from embshard.modules.mesh import ShardingMesh, world_mesh
 from embshard.modules.shard import shard
 from embshard.plan.specs import ShardingPlan
 from embshard.storage.optimizers import SGD, Adagrad
@@ -73,6 +74,7 @@ class Case:
     max_pooling: int = 4
     comm_precision: str | None = None
     sequence: bool = False  # an EmbeddingCollection: one row per id, no pooling
+    device: str | None = None  # the shards' device type; None: the default group's
 
 
 def features_of(tables) -> list[str]:
@@ -229,9 +231,11 @@ def run_case(case: Case) -> dict[str, float]:
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == len(case.batch_sizes)
     module = unsharded(case)
+    mesh = ShardingMesh.of(world_mesh(case.device))
     sharded = shard(
         copy.deepcopy(module),
         case.plan,
+        mesh=mesh.mesh,
         optimizer=case.optimizer,
         comm_precision=case.comm_precision,
     )
@@ -242,7 +246,7 @@ def run_case(case: Case) -> dict[str, float]:
     worst = {"forward": 0.0, "weights": 0.0, "output": 0.0}
     for step in range(case.steps):
         batches = local_batches(case, step)
-        out = sharded(batches[rank])
+        out = sharded(batches[rank].to(mesh.device))
         if not sum(case.batch_sizes):
             # TorchRec's own module cannot take an empty global batch; nothing to learn.
             assert out.values().shape == (0, sum(out.length_per_key()))
@@ -256,7 +260,8 @@ def run_case(case: Case) -> dict[str, float]:
         worst["forward"] = max(worst["forward"], max_diff(out.values(), mine))
         worst["output"] = max(worst["output"], max_abs(mine))
         cols = mine.shape[1]
-        (out.values() * upstream(case, step, len(mine), cols, rank)).sum().backward()
+        grad = upstream(case, step, len(mine), cols, rank).to(mesh.device)
+        (out.values() * grad).sum().backward()
         loss = sum(
             (
                 expected.values()[offsets[r] : offsets[r + 1]] * upstream(case, step, b, cols, r)
@@ -279,17 +284,18 @@ def run_sequence_case(case: Case) -> dict[str, float]:
     rank, world = dist.get_rank(), dist.get_world_size()
     assert case.sequence and world == len(case.batch_sizes)
     module = unsharded(case)
-    sharded = shard(copy.deepcopy(module), case.plan, optimizer=case.optimizer)
+    mesh = ShardingMesh.of(world_mesh(case.device))
+    sharded = shard(copy.deepcopy(module), case.plan, mesh=mesh.mesh, optimizer=case.optimizer)
     oracle = float32_twin(module)
     initial = {n: t.weight.detach().clone() for n, t in tables_of(oracle).items()}
     blocks, states = column_blocks(case), {}
     worst = {"forward": 0.0, "weights": 0.0, "output": 0.0}
     for step in range(case.steps):
         batches = local_batches(case, step)
-        out = sharded(batches[rank])
+        out = sharded(batches[rank].to(mesh.device))
         expected = oracle(global_batch(batches))
         assert list(out) == list(expected)
-        loss, mine = [], torch.zeros(())
+        loss, mine = [], torch.zeros((), device=mesh.device)
         for f, (name, jt) in enumerate(expected.items()):
             # Rank r's ids of a feature follow those of the ranks before it.
             ids = [int(n.sum()) for n in jt.lengths().split(list(case.batch_sizes))]
@@ -298,10 +304,11 @@ def run_sequence_case(case: Case) -> dict[str, float]:
                 loss.append((part * grad).sum())
                 if r == rank:
                     assert out[name].values().shape == part.shape
-                    assert torch.equal(out[name].lengths(), jt.lengths().split(case.batch_sizes)[r])
+                    lengths = out[name].lengths().cpu()
+                    assert torch.equal(lengths, jt.lengths().split(case.batch_sizes)[r])
                     worst["forward"] = max(worst["forward"], max_diff(out[name].values(), part))
                     worst["output"] = max(worst["output"], max_abs(part))
-                    mine = mine + (out[name].values() * grad).sum()
+                    mine = mine + (out[name].values() * grad.to(mesh.device)).sum()
         mine.backward()  # collective: every rank's sum holds its (maybe empty) outputs
         (sum(loss) / world).backward()
         oracle_step(oracle, case, blocks, states)
@@ -322,7 +329,8 @@ def weight_gap(sharded, oracle) -> float:
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.detach() - b.detach()).abs().max()) if a.numel() else 0.0
+    """The largest elementwise difference, compared on the CPU (either may be on CUDA)."""
+    return float((a.detach().cpu() - b.detach().cpu()).abs().max()) if a.numel() else 0.0
 
 
 def max_abs(t: torch.Tensor) -> float:
