@@ -13,7 +13,8 @@ if TYPE_CHECKING:
 LIBRARIES = ["embshard", "torchrec"]
 
 
-def build_torchrec(configs, plan, world: int, comm_precision: str = "fp32"):
+def build_torchrec(configs, plan, world: int, comm_precision: str = "fp32", device=None):
+    """TorchRec's DMP of ``configs`` by ``plan`` (converted), on ``device`` (default CPU)."""
     import torch
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
@@ -29,6 +30,8 @@ def build_torchrec(configs, plan, world: int, comm_precision: str = "fp32"):
     from torchrec.distributed.types import ShardingPlan
 
     import embshard
+
+    device = torch.device("cpu") if device is None else torch.device(device)
 
     class Holder(torch.nn.Module):
         def __init__(self) -> None:
@@ -50,24 +53,25 @@ def build_torchrec(configs, plan, world: int, comm_precision: str = "fp32"):
         },
         qcomm_codecs_registry=get_qcomm_codecs_registry(
             QCommsConfig(CommType(comm_precision), CommType(comm_precision)),
-            device=torch.device("cpu"),
+            device=device,
         ),
     )
     module_plan = embshard.to_torchrec_plan(plan, configs, world)
     return DistributedModelParallel(
         holder,
-        device=torch.device("cpu"),
+        device=device,
         plan=ShardingPlan({"tables": module_plan}),
         sharders=[sharder],
     )
 
 
-def build(library: str, configs, plan, world: int, comm_precision: str = "fp32"):
-    """One library's sharded module on this rank, as the bench builds it."""
+def build(library: str, configs, plan, world: int, comm_precision: str = "fp32", device=None):
+    """One library's sharded module on this rank, as the bench builds it: TorchRec's on
+    ``device`` (default CPU); embshard's where its mesh puts it (CUDA under NCCL)."""
     import embshard
 
     if library == "torchrec":
-        return build_torchrec(configs, plan, world, comm_precision)
+        return build_torchrec(configs, plan, world, comm_precision, device)
     if library != "embshard":
         raise ValueError(f"library must be one of {LIBRARIES}, got {library!r}")
     return embshard.shard(collection(configs, "meta"), plan, comm_precision=comm_precision)

@@ -1,0 +1,228 @@
+"""embshard's CUDA path, checked and measured in one command on a GPU machine.
+
+    python tools/gpu_check.py --out gpu_report            # on a CUDA machine
+    python tools/gpu_check.py --device cpu --quick --out /tmp/dry   # a dry run anywhere
+
+It runs, each part on its own so that one failure leaves the others' results:
+the stack's versions; the tests marked ``cuda`` (pytest, their pass/fail by name);
+then, in a one-rank world (NCCL on CUDA, gloo on CPU) on bench workload (d), power-law
+ids: a training step of embshard against a bare FBGEMM TBE doing the same lookups and
+update, and against TorchRec's DMP on the same plan, tables and inputs, with kernels
+and host time a step; the forward lookup's bandwidth on tables bigger than the caches
+against the device's copy bandwidth. Writes ``gpu_check.json`` and ``summary.txt``
+to ``--out``, rewriting them after each part.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+import traceback
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from pathlib import Path
+
+import click
+
+ROOT = Path(__file__).resolve().parent.parent
+CUDA_TESTS = ("tests/test_cuda.py", "tests/test_cuda_optimizers.py", "tests/test_train_cuda.py")
+PLANS = ("table_wise", "row_wise", "column_wise", "mixed")
+
+# Sizes of the measurements: full on a GPU, tiny for a dry run.
+SIZES = {
+    "full": {
+        "workload": "d",
+        "batches": (512, 8192),  # workload (d)'s own per-rank batch, and a GPU-sized one
+        "steps": 30,
+        "warmup": 10,
+        "copy_bytes": 2 << 30,
+        "lookup": {"tables": 4, "rows": 1 << 22, "dim": 128, "batch": 16384, "pooling": 32},
+    },
+    "quick": {
+        "workload": {"tables": [(1000, 16, 2), (500, 32, 3), (200, 16, 1)], "bags": "fixed"},
+        "batches": (64,),
+        "steps": 3,
+        "warmup": 1,
+        "copy_bytes": 16 << 20,
+        "lookup": {"tables": 2, "rows": 1 << 14, "dim": 32, "batch": 256, "pooling": 4},
+    },
+}
+
+
+def stack(device: str) -> dict:
+    import fbgemm_gpu
+    import torch
+    import torchrec
+
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_git": torch.version.git_version[:12],
+        "fbgemm_gpu": getattr(fbgemm_gpu, "__version__", "?"),
+        "torchrec": getattr(torchrec, "__version__", "?"),
+        "device": device,
+    }
+    if device == "cuda":
+        info |= {
+            "gpu": torch.cuda.get_device_name(0),
+            "cuda": torch.version.cuda,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+            "memory_gib": torch.cuda.get_device_properties(0).total_memory / 2**30,
+        }
+    return info
+
+
+def cuda_tests(device: str, out: Path) -> dict:
+    """The tests marked ``cuda``, by name; on CPU only collected (they need a GPU)."""
+    paths = [p for p in CUDA_TESTS if (ROOT / p).exists()]
+    junit = out / "cuda_tests.xml"
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda"]
+    command += [f"--junitxml={junit}", *paths] + (["--collect-only"] if device == "cpu" else [])
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    (out / "cuda_tests.log").write_text(done.stdout + done.stderr)
+    cases = {}
+    if junit.exists():
+        for case in ET.parse(junit).getroot().iter("testcase"):
+            problem = case.find("failure") or case.find("error")
+            cases[case.get("name")] = {
+                "seconds": float(case.get("time", 0)),
+                "outcome": "failed" if problem is not None else "passed",
+                **({"message": problem.get("message", "")[:500]} if problem is not None else {}),
+            }
+    collected = done.stdout.count("::") if device == "cpu" else len(cases)
+    return {"returncode": done.returncode, "collected": collected, "cases": cases}
+
+
+def _init_world(device: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group(
+        "nccl" if device == "cuda" else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=0,
+        world_size=1,
+    )
+
+
+def steps_vs_bare_tbe_and_torchrec(device: str, sizes: dict) -> list[dict]:
+    import torch
+    from bench.device import step_cells
+    from bench.workloads import WORKLOADS
+
+    records = []
+    for plan in PLANS:
+        workload = sizes["workload"]
+        spec = WORKLOADS[workload] if isinstance(workload, str) else workload
+        cells = step_cells(spec, sizes["batches"], plan, "power-law", sizes["steps"],
+                           sizes["warmup"], torch.device(device))  # fmt: skip
+        records += [{"workload": str(workload), **cell} for cell in cells]
+    return records
+
+
+def bandwidth(device: str, sizes: dict) -> dict:
+    import torch
+    from bench.device import copy_bandwidth, lookup_bandwidth
+
+    copy = copy_bandwidth(sizes["copy_bytes"], torch.device(device))
+    figures = lookup_bandwidth(**sizes["lookup"], device=torch.device(device))
+    figures["copy_bytes_per_s"] = copy
+    for name in ("embshard", "bare_tbe"):
+        figures[name]["fraction_of_copy"] = figures[name]["bytes_per_s"] / copy
+    return figures
+
+
+def summary(report: dict) -> str:
+    lines = [f"stack: {report.get('stack', {}).get('result')}"]
+    tests = report.get("cuda_tests", {}).get("result") or {}
+    cases = tests.get("cases", {})
+    failed = [n for n, c in cases.items() if c["outcome"] != "passed"]
+    lines.append(
+        f"cuda tests: {len(cases) - len(failed)} passed, {len(failed)} failed"
+        + (f" ({', '.join(failed)})" if failed else "")
+        + f"; collected {tests.get('collected')}"
+    )
+    for cell in report.get("steps", {}).get("result") or []:
+        ours, theirs, bare = cell["embshard"], cell["torchrec"], cell["bare_tbe"]
+        kernels = [(r.get("kernels") or {}).get("kernels") for r in (ours, theirs, bare)]
+        lines.append(
+            f"({cell['workload']}) batch {cell['batch']:>5} {cell['plan']:<12} ms/step embshard "
+            f"{ours['median_ms']:.3f} torchrec {theirs['median_ms']:.3f} bare TBE "
+            f"{bare['median_ms']:.3f} | x bare {cell['over_bare_tbe']:.2f} "
+            f"throughput vs torchrec {cell['throughput_ratio']:.2f} | host ms "
+            f"{ours['host_ms']:.3f}/{theirs['host_ms']:.3f} | kernels {kernels[0]}/{kernels[1]}"
+            f"/{kernels[2]} | ops {ours['ops']}/{theirs['ops']}"
+        )
+    lookup = report.get("bandwidth", {}).get("result")
+    if lookup:
+        lines.append(
+            f"lookup bandwidth ({lookup['table_bytes'] / 2**30:.1f} GiB of tables): embshard "
+            f"{lookup['embshard']['bytes_per_s'] / 1e9:.0f} GB/s "
+            f"({lookup['embshard']['fraction_of_copy']:.0%} of copy), bare TBE "
+            f"{lookup['bare_tbe']['bytes_per_s'] / 1e9:.0f} GB/s "
+            f"({lookup['bare_tbe']['fraction_of_copy']:.0%}); copy "
+            f"{lookup['copy_bytes_per_s'] / 1e9:.0f} GB/s"
+        )
+    for name, part in report.items():
+        if part.get("error"):
+            lines.append(f"{name} FAILED: {part['error'].strip().splitlines()[-1]}")
+    return "\n".join(lines) + "\n"
+
+
+def run_part(report: dict, name: str, out: Path, work: Callable[[], object]) -> None:
+    start = time.perf_counter()
+    try:
+        report[name] = {"result": work()}
+    except Exception:
+        report[name] = {"error": traceback.format_exc()}
+    report[name]["seconds"] = time.perf_counter() - start
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
+    (out / "summary.txt").write_text(summary(report))
+    print(
+        f"[{name}] {report[name]['seconds']:.1f} s"
+        + (" FAILED" if "error" in report[name] else ""),
+        flush=True,
+    )
+
+
+@click.command()
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True)
+@click.option("--quick", is_flag=True, help="Tiny sizes: a dry run of every part.")
+@click.option("--tests/--no-tests", "with_tests", default=True, help="Run the cuda tests.")
+@click.option("--out", type=click.Path(file_okay=False), default="gpu_report", show_default=True)
+def main(device: str, quick: bool, with_tests: bool, out: str) -> None:
+    """Check and measure embshard's CUDA path; writes OUT/gpu_check.json and summary.txt."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise click.UsageError("no CUDA device here: use --device cpu for a dry run")
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    sizes = SIZES["quick" if quick else "full"]
+    report: dict = {}
+    run_part(report, "stack", path, lambda: stack(device))
+    if with_tests:
+        run_part(report, "cuda_tests", path, lambda: cuda_tests(device, path))
+    _init_world(device)
+    run_part(report, "steps", path, lambda: steps_vs_bare_tbe_and_torchrec(device, sizes))
+    run_part(report, "bandwidth", path, lambda: bandwidth(device, sizes))
+    print(summary(report), end="")
+    from embshard.runtime.teardown import shutdown
+
+    shutdown()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT / "tools"))
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    main()
