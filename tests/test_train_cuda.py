@@ -21,6 +21,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 300
 DONE = "embshard: done "
+PATH = os.environ.get("PYTHONPATH")  # the checkout goes first; carried packages stay
 
 
 def short_small_config(tmp: Path) -> Path:
@@ -41,7 +42,7 @@ def start_training(config: Path, device: str) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
         cwd=config.parent,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), PATH]))},
     )
 
 
