@@ -8,16 +8,18 @@ import re
 import string
 import subprocess
 import sys
+import typing
 from itertools import groupby
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from click.testing import CliRunner
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from embshard.app.cli import main as cli
-from embshard.app.config import load_config
+from embshard.app.config import Device, load_config
 from embshard.app.planning import topology_for
 from embshard.app.show import draw_table, summary
 from embshard.plan.specs import ShardingPlan, row_wise
@@ -430,6 +432,32 @@ def test_resume_without_a_checkpoint_section_is_refused_before_launching(tmp_pat
     assert result.output == (
         f"Error: {config}: --resume continues from the latest checkpoint under "
         "checkpoint.dir, and the config has no checkpoint: section\n"
+    )
+
+
+@pytest.mark.parametrize("from_config", [False, True])
+def test_cuda_without_a_gpu_per_rank_is_refused_in_one_line_before_launching(
+    tmp_path, monkeypatch, from_config
+):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    config = small_with(tmp_path, device="cuda" if from_config else None)
+    option = [] if from_config else ["--device", "cuda"]
+    result = CliRunner().invoke(cli, ["train", str(config), "--nproc", "2", *option])
+    assert result.exit_code == 1, result.output
+    where = f"{config}.device" if from_config else "--device"
+    assert result.output == (
+        f"Error: {where}: cuda needs 2 CUDA devices for this host's 2 ranks (one each: NCCL "
+        "refuses two ranks on one device); torch sees no CUDA device\n"
+    )
+
+
+def test_train_takes_the_configs_devices():
+    result = CliRunner().invoke(cli, ["train", str(SMALL), "--device", "gpu"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    known = ", ".join(repr(d) for d in typing.get_args(Device))  # the config's
+    assert result.output.splitlines()[-1] == (
+        f"Error: Invalid value for '--device': 'gpu' is not one of {known}."
     )
 
 

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from click.testing import CliRunner
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, EmbeddingConfig
 
 from embshard.app.cli import main as cli
-from embshard.app.config import load_config
+from embshard.app.config import launch_device, load_config
 from embshard.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,11 +90,61 @@ def broken(change) -> dict:
             r"tables: Criteo features are cat_0..cat_25, got \['category'",
         ),
         (lambda d: d.update(steps=0), "config.yaml.steps: must be at least 1"),
+        (
+            lambda d: d.update(device="gpu"),
+            r"config.yaml.device: expected one of \['auto', 'cpu', 'cuda'\], got 'gpu'",
+        ),
     ],
 )
 def test_config_errors(tmp_path, change, message):
     with pytest.raises(ConfigError, match=message):
         load_config(write(tmp_path, broken(change)))
+
+
+def seen_gpus(monkeypatch, count: int) -> None:
+    """torch sees ``count`` CUDA devices (none: CUDA is not available)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+@pytest.mark.parametrize(
+    ("gpus", "ranks", "choice", "chosen"),
+    [
+        (0, 1, "auto", "cpu"),
+        (1, 2, "auto", "cpu"),  # NCCL takes one rank per device
+        (1, 1, "auto", "cuda"),
+        (4, 2, "auto", "cuda"),
+        (2, 2, "cpu", "cpu"),
+        (2, 2, "cuda", "cuda"),
+    ],
+)
+def test_the_device_is_cuda_where_each_rank_has_a_gpu(monkeypatch, gpus, ranks, choice, chosen):
+    seen_gpus(monkeypatch, gpus)
+    config = replace(load_config(ROOT / "configs" / "small.yaml"), device=choice)
+    assert launch_device(config, "small.yaml", ranks) == chosen
+    assert launch_device(config, "small.yaml", ranks, override="cpu") == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("gpus", "ranks", "need", "seen"),
+    [
+        (0, 1, "1 CUDA device for this host's 1 rank", "no CUDA device"),
+        (1, 2, "2 CUDA devices for this host's 2 ranks", "1 CUDA device"),
+        (2, 3, "3 CUDA devices for this host's 3 ranks", "2 CUDA devices"),
+    ],
+)
+def test_cuda_without_a_gpu_per_rank_is_refused_naming_what_torch_sees(
+    monkeypatch, gpus, ranks, need, seen
+):
+    seen_gpus(monkeypatch, gpus)
+    config = load_config(ROOT / "configs" / "small.yaml")
+    why = f"cuda needs {need} (one each: NCCL refuses two ranks on one device); torch sees {seen}"
+    with pytest.raises(ConfigError) as refused:
+        launch_device(config, "small.yaml", ranks, override="cuda")
+    assert str(refused.value) == f"--device: {why}"
+    with pytest.raises(ConfigError) as refused:
+        launch_device(replace(config, device="cuda"), "small.yaml", ranks)
+    assert str(refused.value) == f"small.yaml.device: {why}"
 
 
 def test_unreadable_criteo_file(tmp_path):

@@ -136,7 +136,7 @@ def test_a_host_added_continues_the_job_from_its_last_checkpoint(two_hosts, tmp_
     wait_for(root / f"step_{(step // 10 + 2) * 10:08d}")  # two ranks have trained
     two_hosts[0].signal_ranks(signal.SIGTERM)  # every rank stops after the step in flight
     finish([first, second], logs)
-    assert "on 1 ranks" in logs[0].read_text() and "on 2 ranks" in logs[0].read_text()
+    assert "on 1 rank, cpu" in logs[0].read_text() and "on 2 ranks, cpu" in logs[0].read_text()
     end = ckpt.read_description(ckpt.latest(root))["step"]
     assert step >= 20 and end > step + 10
     data = yaml.safe_load(config.read_text())

@@ -29,7 +29,7 @@ import embshard
 from embshard import checkpoint as ckpt
 from embshard.app.config import load_config
 from embshard.app.planning import plan_config
-from embshard.app.train import describe_plan, local_loss, train
+from embshard.app.train import describe_plan, local_loss, main, train
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -104,11 +104,30 @@ def test_cli_trains_and_reports(tmp_path):
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(data))
     run = run_cli("train", "tiny.yaml", "--nproc", "2", cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "embshard: dlrm on 2 ranks, plan:" in run.stdout
+    assert "embshard: dlrm on 2 ranks, cpu (gloo), plan:" in run.stdout  # auto: no GPU each
     assert "per rank (table weights + rowwise_adagrad state):" in run.stdout
     assert "step 0: eval AUC" in run.stdout and "step 30: eval AUC" in run.stdout
     assert '"steps": 30' in run.stdout
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3 + 3
+
+
+def test_cuda_without_a_gpu_per_rank_is_refused_by_every_rank(monkeypatch, capsys):
+    """Launched by torchrun itself (``embshard train`` refuses it before launching): each
+    rank refuses alike, before any process group, in one line."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    config = str(ROOT / "configs" / "small.yaml")
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        assert main(["--config", config, "--device", "cuda"]) == 2
+        assert not dist.is_initialized()
+        assert capsys.readouterr().err == (
+            "embshard: --device: cuda needs 2 CUDA devices for this host's 2 ranks (one "
+            "each: NCCL refuses two ranks on one device); torch sees no CUDA device\n"
+        )
 
 
 def test_malformed_criteo_line_ends_the_job_with_its_location(tmp_path):

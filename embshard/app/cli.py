@@ -102,6 +102,12 @@ def main() -> None:
     help="This host's address as the others reach it; the host whose address is the "
     "endpoint's hosts the rendezvous.",
 )
+@click.option(
+    "--device",
+    type=click.Choice(["auto", "cpu", "cuda"]),
+    help="Where the ranks train, in place of the config's device (default auto: cuda when "
+    "this host has a CUDA device for each rank, else cpu); cuda runs NCCL, cpu gloo.",
+)
 def train(
     config: str,
     nproc: int,
@@ -112,11 +118,12 @@ def train(
     rdzv_id: str | None,
     node_rank: int | None,
     local_addr: str | None,
+    device: str | None,
 ) -> None:
     """Train the DLRM that CONFIG (YAML) describes, with NPROC ranks on this host.
 
     The same as: torchrun --standalone --nproc-per-node NPROC --max-restarts K
-    -m embshard.app.train --config CONFIG [--resume]. With --rdzv-endpoint (a job
+    -m embshard.app.train --config CONFIG [--resume] [--device D]. With --rdzv-endpoint (a job
     across hosts: run it on every host), torchrun's c10d rendezvous replaces
     --standalone; docs/multihost.md.
     """
@@ -124,7 +131,7 @@ def train(
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
-    from embshard.app.config import check_launch, load_config
+    from embshard.app.config import check_launch, launch_device, load_config
     from embshard.checkpoint.store import first_line
     from embshard.errors import ConfigError
 
@@ -133,7 +140,9 @@ def train(
         raise click.UsageError("--nnodes above 1 needs --rdzv-endpoint HOST:PORT")
     world_size = fewest * nproc if fewest == most else None  # elastic: checked by the ranks
     try:  # fail here, before any process starts
-        check_launch(load_config(config), config, world_size, resume)
+        model = load_config(config)
+        check_launch(model, config, world_size, resume)
+        launch_device(model, config, nproc, device)
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
     counts = ["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts)]
@@ -150,6 +159,7 @@ def train(
             *(["--rdzv-conf", "is_host=true"] if local_addr == _host_of(rdzv_endpoint) else []),
         ]
     job = ["-m", "embshard.app.train", "--config", config, *(["--resume"] if resume else [])]
+    job += ["--device", device] if device else []
     args = get_args_parser().parse_args([*hosts, *counts, *job])
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
     # Rank 0 hosts each rendezvous round's store (see embshard.app.train.init_process_group).

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 import yaml
 from torchrec.modules.embedding_configs import (
     DataType,
@@ -25,7 +26,7 @@ from torchrec.modules.embedding_configs import (
 )
 
 from embshard.errors import ConfigError, PlanError
-from embshard.plan.specs import Kind, ShardingPlan, yaml_problem
+from embshard.plan.specs import Kind, ShardingPlan, plural, yaml_problem
 from embshard.storage.optimizers import FUSED_OPTIMIZERS
 
 SPARSE_OPTIMIZERS = list(FUSED_OPTIMIZERS)
@@ -41,6 +42,9 @@ Use = Literal["train", "simulate", "plan"]
 # What a table's ``shardings`` may allow the planner: every kind but the grid, which it
 # never plans.
 PLANNED_KINDS = tuple(k.value for k in Kind if k is not Kind.GRID)
+# Where training runs: auto picks CUDA when this host has a CUDA device for each of its
+# ranks, else the CPU.
+Device = Literal["auto", "cpu", "cuda"]
 
 
 @dataclass(frozen=True)
@@ -172,6 +176,7 @@ class TrainConfig:
     seed: int = 0
     timeout_s: int = 120  # process group timeout
     comm_precision: Literal["fp32", "fp16", "bf16"] = "fp32"  # of the pooled all-to-alls
+    device: Device = "auto"  # cuda: NCCL, one GPU per rank; cpu: gloo
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -314,6 +319,28 @@ def check_launch(config: TrainConfig, where: str, world_size: int | None, resume
             f"{where}: --resume continues from the latest checkpoint under checkpoint.dir, "
             "and the config has no checkpoint: section"
         )
+
+
+def launch_device(
+    config: TrainConfig, where: str, local_ranks: int, override: Device | None = None
+) -> Literal["cpu", "cuda"]:
+    """The device a job's ``local_ranks`` ranks on this host train on, by ``override``
+    (``--device``) or else the config's ``device``: for ``auto``, CUDA when torch sees
+    a CUDA device for each rank, else the CPU. ``cuda`` without them is a ConfigError
+    naming the option or the file's key (NCCL refuses two ranks on one device), found
+    before any process group exists."""
+    choice, where = (override, "--device") if override else (config.device, f"{where}.device")
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if choice == "auto":
+        return "cuda" if devices >= local_ranks else "cpu"
+    if choice == "cuda" and devices < local_ranks:
+        seen = plural(devices, "CUDA device") if devices else "no CUDA device"
+        raise ConfigError(
+            f"{where}: cuda needs {plural(local_ranks, 'CUDA device')} for this host's "
+            f"{plural(local_ranks, 'rank')} (one each: NCCL refuses two ranks on one "
+            f"device); torch sees {seen}"
+        )
+    return choice
 
 
 def _check_plan(config: TrainConfig, where: str, world_size: int | None = None) -> None:

@@ -32,6 +32,12 @@ class Batch:
     def size(self) -> int:
         return len(self.labels)
 
+    def to(self, device: torch.device) -> Batch:
+        """The batch on ``device``, where the model is: itself when it is there."""
+        if self.labels.device == device:
+            return self
+        return Batch(self.dense.to(device), self.sparse.to(device), self.labels.to(device))
+
 
 def empty_batch(features: Sequence[str], dense_in: int) -> Batch:
     """A batch of no samples, every feature present: what a rank whose data is used

@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import time
+import typing
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -38,14 +39,22 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from tqdm import tqdm
 
 from embshard import checkpoint
-from embshard.app.config import OptimizerConfig, TrainConfig, check_launch, load_config
+from embshard.app.config import (
+    Device,
+    OptimizerConfig,
+    TrainConfig,
+    check_launch,
+    launch_device,
+    load_config,
+)
 from embshard.app.data import Batch, CriteoData, Feed, SyntheticData, build_data
 from embshard.app.planning import plan_config, topology_for
 from embshard.checkpoint.store import first_line, rank_failures
 from embshard.errors import CheckpointError, ConfigError, EmbshardError, InputError
+from embshard.modules.mesh import default_device
 from embshard.modules.pipeline import drain, prefetch
 from embshard.modules.shard_model import shard_model
-from embshard.plan.specs import ShardingPlan
+from embshard.plan.specs import ShardingPlan, plural
 from embshard.planner.search import format_bytes, plan_loads
 from embshard.runtime.teardown import shutdown
 from embshard.storage.optimizers import FUSED_OPTIMIZERS, SGD, FusedOptimizer
@@ -59,7 +68,9 @@ def _request_stop(signum: int, frame: object) -> None:
 
 
 def build_model(config: TrainConfig) -> nn.Module:
-    """The unsharded model: tables on ``meta`` (each rank allocates only its shards)."""
+    """The unsharded model: tables on ``meta`` (each rank allocates only its shards),
+    dense layers on the CPU, so that they start alike on every device (``shard_model``
+    moves them to the rank's)."""
     ebc = EmbeddingBagCollection(tables=config.embedding_bag_configs(), device="meta")
     m = config.model
     dense = (m.dense_in_features, m.dense_arch_layer_sizes, m.over_arch_layer_sizes)
@@ -97,16 +108,15 @@ def describe_plan(plan: ShardingPlan, config: TrainConfig, world: int) -> str:
 def evaluate(model: nn.Module, batches: list[Batch], empty: Batch) -> tuple[float, float]:
     """AUC and mean loss over every rank's held-out batches (collective). Ranks may
     hold different numbers: those done step with ``empty`` until every rank is."""
-    count = torch.tensor([len(batches)])
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)  # forward is collective: same count
+    count = all_reduced([len(batches)], dist.ReduceOp.MAX)  # forward is collective: same count
     preds, labels = [], []
     with torch.no_grad():
         for i in range(int(count)):
             batch = batches[i] if i < len(batches) else empty
             preds.append(model(batch.dense, batch.sparse).squeeze(1))
             labels.append(batch.labels)
-    mine = (torch.cat(preds), torch.cat(labels)) if preds else (torch.zeros(0), torch.zeros(0))
-    everyone: list = [None] * dist.get_world_size()
+    mine = (torch.cat(preds).cpu(), torch.cat(labels).cpu()) if preds else (torch.zeros(0),) * 2
+    everyone: list = [None] * dist.get_world_size()  # CPU tensors: unpickled on any rank
     dist.all_gather_object(everyone, mine)
     logits = torch.cat([p for p, _ in everyone])
     targets = torch.cat([t for _, t in everyone])
@@ -114,6 +124,14 @@ def evaluate(model: nn.Module, batches: list[Batch], empty: Batch) -> tuple[floa
         return float("nan"), float("nan")
     loss = F.binary_cross_entropy_with_logits(logits, targets)
     return float(binary_auroc(torch.sigmoid(logits), targets.long())), float(loss)
+
+
+def all_reduced(values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    """``values`` reduced over the ranks by ``op`` (collective), returned on the CPU;
+    they travel on the rank's device, the only one NCCL takes."""
+    reduced = torch.tensor(values, device=default_device())
+    dist.all_reduce(reduced, op=op)
+    return reduced.cpu()
 
 
 def local_loss(logits: torch.Tensor, labels: torch.Tensor, global_samples: int) -> torch.Tensor:
@@ -139,8 +157,7 @@ def _open_feed(data: SyntheticData | CriteoData, start: int) -> tuple[Feed, int]
     epoch, skip = 0, start
     per_epoch = data.batches_per_epoch() if start else None
     if per_epoch is not None:
-        longest = torch.tensor([per_epoch])
-        dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+        longest = all_reduced([per_epoch], dist.ReduceOp.MAX)
         epoch, skip = divmod(start, max(int(longest), 1))
     feed = Feed(data, epoch, skip)
     return feed, _next_epoch(feed)
@@ -167,14 +184,15 @@ def agree(problem: str | None, where: str) -> None:
 
 
 def _take_ahead(model: nn.Module, feed: Feed) -> tuple[Batch, str | None]:
-    """The feed's next batch, its input distribution started (collective). A batch
-    that cannot be read (a malformed line) is replaced by an empty one and its problem
-    returned: the rank must still join the collectives, and the loop's all-reduce
-    tells every rank to stop at the same step."""
+    """The feed's next batch, on the rank's device, its input distribution started
+    (collective). A batch that cannot be read (a malformed line) is replaced by an
+    empty one and its problem returned: the rank must still join the collectives, and
+    the loop's all-reduce tells every rank to stop at the same step."""
     try:
         batch, problem = feed.take(), None
     except Exception as e:
         batch, problem = feed.source.empty_batch(), f"rank {dist.get_rank()}: {e}"
+    batch = batch.to(default_device())  # the very object the forward gets: prefetch's
     prefetch(model, batch)
     return batch, problem
 
@@ -184,8 +202,7 @@ def _next_epoch(feed: Feed) -> int:
     size, 0 when no pass is left."""
     if not feed.next_epoch():
         return 0
-    samples = torch.tensor([feed.pending])
-    dist.all_reduce(samples)
+    samples = all_reduced([feed.pending])
     if not int(samples):
         raise ValueError(
             "no rank has a training sample: every line was skipped or the data is empty"
@@ -245,8 +262,9 @@ def _checkpoint_to_resume(config: TrainConfig, resume: bool) -> Path | None:
     checkpoint is this job's own (a host added or replaced: torchrun counts no
     restart). Finding none, rank 0 warns, naming where it looked, and the run starts
     from step 0."""
-    restarts = torch.tensor([int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))])
-    dist.all_reduce(restarts, op=dist.ReduceOp.MAX)
+    restarts = all_reduced(
+        [int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))], dist.ReduceOp.MAX
+    )
     decided: list[str | None] = [None]
     if dist.get_rank() == 0:
         root = config.checkpoint.dir
@@ -308,8 +326,9 @@ def _check_shared_checkpoint_dir(config: TrainConfig) -> None:
 def _sharded_model(
     config: TrainConfig, found: Path | None
 ) -> tuple[nn.Module, torch.optim.Optimizer, int]:
-    """The config's model sharded by its plan (its own, or the planner's), its dense
-    optimizer, and the step to start from (checkpoint ``found``'s, if any)."""
+    """The config's model sharded by its plan (its own, or the planner's) on the rank's
+    device, its dense optimizer, and the step to start from (checkpoint ``found``'s, if
+    any)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     plan = plan_config(config, world)[0]
     torch.manual_seed(config.seed)  # the dense layers' init: runs are reproducible
@@ -322,7 +341,8 @@ def _sharded_model(
     )
     if rank == 0:
         layout = describe_plan(plan, config, world)
-        print(f"embshard: {config.model.kind} on {world} ranks, plan:\n{layout}", flush=True)
+        ranks = f"{plural(world, 'rank')}, {default_device().type} ({dist.get_backend()})"
+        print(f"embshard: {config.model.kind} on {ranks}, plan:\n{layout}", flush=True)
     optimizer = dense_optimizer(config.dense_optimizer, model.parameters())
     start = 0
     if found is not None:
@@ -333,13 +353,15 @@ def _sharded_model(
 
 
 def _read_data(config: TrainConfig) -> tuple[SyntheticData | CriteoData, list[Batch]]:
-    """This rank's data and held-out batches; a rank that cannot read its data stops
-    every rank, naming it (collective), rather than leave the others waiting."""
+    """This rank's data and held-out batches (on the rank's device); a rank that cannot
+    read its data stops every rank, naming it (collective), rather than leave the
+    others waiting."""
     rank, world = dist.get_rank(), dist.get_world_size()
     problem, data, eval_batches = None, None, []
     try:
         data = build_data(config, rank, world)
-        eval_batches = data.eval_batches(config.eval.batches) if config.eval.every else []
+        held_out = data.eval_batches(config.eval.batches) if config.eval.every else []
+        eval_batches = [batch.to(default_device()) for batch in held_out]
     except Exception as e:
         problem = f"rank {rank}: {e}"
     agree(problem, "reading the data")
@@ -447,7 +469,7 @@ def _start_job(config: TrainConfig, found: Path | None) -> tuple[_Job, int]:
     rank = dist.get_rank()
     model, optimizer, start = _sharded_model(config, found)
     data, eval_batches = _read_data(config)
-    empty = data.empty_batch()
+    empty = data.empty_batch().to(default_device())
     metrics = Metrics(config.logging.metrics, rank)
     quiet = rank != 0 or not config.logging.progress
     progress = tqdm(total=config.steps, initial=start, disable=quiet, file=sys.stdout)
@@ -527,8 +549,7 @@ def _all_reduce_step(job: _Job, loop: _LoopState, loss: torch.Tensor) -> _StepSt
     loop.phase = f"step {loop.step + 1}: the per-step all-reduce"
     ahead = loop.following.size if loop.following is not None else 0
     flags = [float(_stop_requested), ahead, float(loop.problem is not None), job.data.skipped]
-    stats = torch.tensor([loss.item(), loop.batch.size, *flags])
-    dist.all_reduce(stats)
+    stats = all_reduced([loss.item(), loop.batch.size, *flags])
     step = _StepStats(
         loss=float(stats[0]) / dist.get_world_size(),
         samples=int(stats[1]),
@@ -591,8 +612,10 @@ def _save_if_due(job: _Job, loop: _LoopState, last: bool) -> None:
         _save(job.config, job.model, job.optimizer, loop.step, loop.phase)
 
 
-def init_process_group(timeout: timedelta) -> None:
-    """gloo over the store torchrun names (MASTER_ADDR, MASTER_PORT).
+def init_process_group(timeout: timedelta, device: str = "cpu") -> None:
+    """gloo on ``cpu``, NCCL on ``cuda`` (on the GPU LOCAL_RANK names, made current
+    first: NCCL's collectives, object ones included, run on the current device), over
+    the store torchrun names (MASTER_ADDR, MASTER_PORT).
 
     When torchrun's agent shares its rendezvous store with the workers (its default),
     that store outlives a restart, and gloo would find the dead attempt's peer
@@ -611,22 +634,34 @@ def init_process_group(timeout: timedelta) -> None:
         timeout=timeout,
     )
     prefixed = dist.PrefixStore(f"embshard/attempt_{attempt}", store)
-    dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=world, timeout=timeout)
+    backend, bound = "gloo", {}
+    if device == "cuda":
+        gpu = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(gpu)
+        backend, bound = "nccl", {"device_id": gpu}
+    dist.init_process_group(
+        backend, store=prefixed, rank=rank, world_size=world, timeout=timeout, **bound
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m embshard.app.train", description=__doc__)
     parser.add_argument("--config", required=True, help="training config (YAML)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    parser.add_argument(
+        "--device", choices=typing.get_args(Device), help="in place of the config's device"
+    )
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config)
         check_launch(config, args.config, int(os.environ["WORLD_SIZE"]), args.resume)
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        device = launch_device(config, args.config, local_ranks, args.device)
     except ConfigError as e:
         print(f"embshard: {e}", file=sys.stderr)
         return 2
     try:
-        init_process_group(timedelta(seconds=config.timeout_s))
+        init_process_group(timedelta(seconds=config.timeout_s), device)
     except (RuntimeError, ValueError) as e:  # DistStoreError, DistNetworkError among them
         where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
         failed = f"starting the process group at {where} failed: {first_line(e)}"

@@ -29,12 +29,20 @@ def forget_meshes() -> None:
     _submesh.cache_clear()
 
 
+def default_device() -> torch.device:
+    """This rank's device under the default process group: the current CUDA device
+    (``torch.cuda.set_device``) when the group runs NCCL, which takes only CUDA
+    tensors, else the CPU."""
+    if "nccl" in str(dist.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def world_mesh(device_type: str | None = None) -> DeviceMesh:
     """A 1-D mesh over the whole world, without process groups of its own (see
-    _submesh). ``device_type`` defaults to CUDA when the default group runs NCCL, else
-    CPU."""
+    _submesh). ``device_type`` defaults to ``default_device``'s."""
     if device_type is None:
-        device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+        device_type = default_device().type
     return DeviceMesh(device_type, torch.arange(dist.get_world_size()), _init_backend=False)
 
 
