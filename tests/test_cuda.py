@@ -108,18 +108,19 @@ CHECKPOINT_TABLES = (
     Table("b", 30, 16, ("f_b",)),
     Table("c", 24, 16, ("f_c",)),
 )
+ADAGRAD = embshard.Adagrad(lr=0.1)
 CHECKPOINT_PLANS = {
     1: ShardingPlan({"a": table_wise(0), "b": row_wise(), "c": column_wise([0, 0])}),
     2: ShardingPlan({"a": row_wise(), "b": column_wise([1, 0]), "c": table_wise(1)}),
 }
 
 
-def _sharded(seed: int):
+def _sharded(seed: int, plan: ShardingPlan | None = None, optimizer=ADAGRAD):
     torch.manual_seed(seed)
     configs = [t.config() for t in CHECKPOINT_TABLES]
     ebc = EmbeddingBagCollection(tables=configs, device="meta")
-    plan = CHECKPOINT_PLANS[dist.get_world_size()]
-    return embshard.shard(ebc, plan, optimizer=embshard.Adagrad(lr=0.1), seed=seed)
+    plan = plan or CHECKPOINT_PLANS[dist.get_world_size()]
+    return embshard.shard(ebc, plan, optimizer=optimizer, seed=seed)
 
 
 def _everything(sharded) -> dict[str, torch.Tensor]:
@@ -128,8 +129,8 @@ def _everything(sharded) -> dict[str, torch.Tensor]:
     return {k: embshard.gather_table(v).cpu() for k, v in tables.items()}
 
 
-def save_after_training(root: str) -> dict[str, torch.Tensor]:
-    sharded = _sharded(seed=0)
+def save_after_training(root: str, plan=None, optimizer=ADAGRAD) -> dict:
+    sharded = _sharded(0, plan, optimizer)
     case = Case(CHECKPOINT_TABLES, sharded.plan, (6,) * dist.get_world_size())
     device = embshard.gather_table(sharded.weights["a"]).device
     for step in range(2):
@@ -139,8 +140,10 @@ def save_after_training(root: str) -> dict[str, torch.Tensor]:
     return _everything(sharded)
 
 
-def load_and_save(source: str, target: str | None) -> dict[str, torch.Tensor]:
-    sharded = _sharded(seed=9)
+def load_and_save(
+    source: str, target: str | None, plan=None, optimizer=ADAGRAD
+) -> dict[str, torch.Tensor]:
+    sharded = _sharded(9, plan, optimizer)
     ckpt.load(source, sharded)
     if target is not None:
         ckpt.save(target, sharded, step=2)
@@ -159,3 +162,18 @@ def test_checkpoint_saved_on_gpu_loads_on_cpu_and_back_bit_exact(cuda_world, wor
     for key in saved:
         assert torch.equal(saved[key], back[key]), key
     assert any("momentum1" in k for k in saved)  # the optimizer's state travelled too
+
+
+def test_rowwise_adagrad_state_merges_column_blocks_on_the_gpu(cuda_world, tmp_path):
+    # Saved with c in two column blocks, loaded with c whole: c's state per row is the
+    # mean of its two blocks' (equal widths), converted on the device that holds it.
+    optimizer = embshard.RowWiseAdagrad(lr=0.1)
+    whole = ShardingPlan({"a": table_wise(0), "b": row_wise(), "c": table_wise(0)})
+    root = str(tmp_path / "ckpt")
+    [saved] = cuda_world(1).run(save_after_training, root, None, optimizer)
+    [loaded] = cuda_world(1).run(load_and_save, root, None, whole, optimizer)
+    state = "embedding_bags.c.momentum1"
+    assert saved[state].shape == (24, 2) and loaded[state].shape == (24, 1)
+    assert saved[state].abs().sum() > 0  # trained: there is state to convert
+    torch.testing.assert_close(loaded[state][:, 0], saved[state].mean(1), rtol=1e-6, atol=0)
+    assert torch.equal(loaded["c"], saved["c"])
