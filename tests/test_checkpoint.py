@@ -87,7 +87,7 @@ def train_steps(sharded, steps: int, seed: int = 0) -> None:
 def full(sharded) -> dict[str, torch.Tensor]:
     tables = {f"weight.{n}": embshard.gather_table(w) for n, w in sharded.weights.items()}
     state = {
-        f"state.{k.split('.')[1]}": embshard.gather_table(v)
+        f"state.{k.split('.', 1)[1]}": embshard.gather_table(v)
         for k, v in sharded.optimizer_state().items()
     }
     return tables | state
@@ -135,12 +135,14 @@ def test_reshard_from_4_ranks(world, world_size, tmp_path):
         for t in TABLES:
             assert torch.equal(loaded[f"weight.{t.name}"], saved[f"weight.{t.name}"]), t.name
             expected = expected_rowwise(
-                saved[f"state.{t.name}"],
+                saved[f"state.{t.name}.momentum1"],
                 blocks_of(PLANS[4][t.name]),
                 blocks_of(PLANS[world_size][t.name]),
             )
-            torch.testing.assert_close(loaded[f"state.{t.name}"], expected, rtol=1e-6, atol=0)
-            assert loaded[f"state.{t.name}"].abs().sum() > 0
+            torch.testing.assert_close(
+                loaded[f"state.{t.name}.momentum1"], expected, rtol=1e-6, atol=0
+            )
+            assert loaded[f"state.{t.name}.momentum1"].abs().sum() > 0
 
 
 ALL_DATA_PARALLEL = {t.name: data_parallel() for t in TABLES}
@@ -158,16 +160,20 @@ def test_data_parallel_tables_reshard_to_and_from_every_layout(world, optimizer,
         for step, tables in loaded:
             assert step == 2
             assert torch.equal(tables[f"weight.{t.name}"], saved[f"weight.{t.name}"]), t.name
-            state = saved[f"state.{t.name}"]
+            state = saved[f"state.{t.name}.momentum1"]
             if isinstance(optimizer, embshard.RowWiseAdagrad):
                 state = expected_rowwise(state, blocks_of(PLANS[4][t.name]), [(0, 16)])
-            torch.testing.assert_close(tables[f"state.{t.name}"], state, rtol=1e-6, atol=0)
+            torch.testing.assert_close(
+                tables[f"state.{t.name}.momentum1"], state, rtol=1e-6, atol=0
+            )
         for _, tables in back:
             assert torch.equal(tables[f"weight.{t.name}"], again[f"weight.{t.name}"]), t.name
-            state = again[f"state.{t.name}"]
+            state = again[f"state.{t.name}.momentum1"]
             if isinstance(optimizer, embshard.RowWiseAdagrad):
                 state = expected_rowwise(state, [(0, 16)], blocks_of(PLANS[3][t.name]))
-            torch.testing.assert_close(tables[f"state.{t.name}"], state, rtol=1e-6, atol=0)
+            torch.testing.assert_close(
+                tables[f"state.{t.name}.momentum1"], state, rtol=1e-6, atol=0
+            )
 
 
 def assert_loaded_as_saved(loaded: dict, saved: dict, saved_plan: dict, loaded_plan: dict) -> None:
@@ -176,12 +182,12 @@ def assert_loaded_as_saved(loaded: dict, saved: dict, saved_plan: dict, loaded_p
     for t in TABLES:
         assert torch.equal(loaded[f"weight.{t.name}"], saved[f"weight.{t.name}"]), t.name
         expected = expected_rowwise(
-            saved[f"state.{t.name}"],
+            saved[f"state.{t.name}.momentum1"],
             blocks_of(saved_plan[t.name]),
             blocks_of(loaded_plan[t.name]),
         )
-        torch.testing.assert_close(loaded[f"state.{t.name}"], expected, rtol=1e-6, atol=0)
-        assert loaded[f"state.{t.name}"].abs().sum() > 0
+        torch.testing.assert_close(loaded[f"state.{t.name}.momentum1"], expected, rtol=1e-6, atol=0)
+        assert loaded[f"state.{t.name}.momentum1"].abs().sum() > 0
 
 
 HOT_PLANS = {
@@ -748,7 +754,7 @@ def test_ckpt_inspect(world, tmp_path):
     assert (
         c["shape"] == [24, 16] and c["dtype"] == "float32" and c["optimizer"] == "rowwise_adagrad"
     )
-    assert c["optimizer_state_shape"] == [24, 4]
+    assert c["optimizer_state"] == {"momentum1": [24, 4]} and c["optimizer_step"] is None
     assert [(s["rank"], s["col_offset"], s["cols"]) for s in c["shards"]] == [
         (3, 0, 4),
         (0, 4, 4),
@@ -756,7 +762,9 @@ def test_ckpt_inspect(world, tmp_path):
         (1, 12, 4),
     ]
     text = CliRunner().invoke(cli, ["ckpt", "inspect", str(tmp_path)])
-    assert "embedding_bags.b: (30, 16) float32, rowwise_adagrad state (30, 1)" in text.output
+    assert (
+        "embedding_bags.b: (30, 16) float32, rowwise_adagrad state momentum1 (30, 1)" in text.output
+    )
     assert "    rank 3: rows 20:30, cols 0:16" in text.output
     assert ", saved by 4 ranks, " in text.output
     bad = CliRunner().invoke(cli, ["ckpt", "inspect", str(tmp_path / "step_00000002" / "..")])

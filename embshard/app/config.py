@@ -26,9 +26,10 @@ from torchrec.modules.embedding_configs import (
 
 from embshard.errors import ConfigError, PlanError
 from embshard.plan.specs import Kind, ShardingPlan, yaml_problem
-from embshard.storage.optimizers import FUSED_OPTIMIZERS
+from embshard.storage.optimizers import FUSED_OPTIMIZERS, device_problem
 
 SPARSE_OPTIMIZERS = list(FUSED_OPTIMIZERS)
+DENSE_OPTIMIZERS = ["sgd", "adagrad", "adam"]  # torch.optim's, for the dense layers
 CRITEO_DENSE = 13
 CRITEO_CATEGORICAL = 26
 # What training needs beyond the tables; planning, drawing and simulating take defaults.
@@ -104,7 +105,7 @@ class TableConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    type: Literal["sgd", "adagrad", "rowwise_adagrad", "adam"]
+    type: Literal["sgd", "adagrad", "rowwise_adagrad", "adam", "lamb"]
     lr: float
     eps: float = 1e-8
 
@@ -309,11 +310,20 @@ def check_launch(config: TrainConfig, where: str, world_size: int | None, resume
     None), and ``resume`` has a checkpoint directory to look in. Problems are
     ConfigErrors naming the file."""
     _check_plan(config, where, world_size)
+    check_sparse_optimizer(config, where, "cpu")  # where training runs
     if resume and config.checkpoint.dir is None:
         raise ConfigError(
             f"{where}: --resume continues from the latest checkpoint under checkpoint.dir, "
             "and the config has no checkpoint: section"
         )
+
+
+def check_sparse_optimizer(config: TrainConfig, where: str, device_type: str) -> None:
+    """The config's fused optimizer runs on ``device_type`` (Adam and LAMB need CUDA): a
+    ConfigError naming the key, found before any process starts."""
+    problem = device_problem(FUSED_OPTIMIZERS[config.sparse_optimizer.type], device_type)
+    if problem:
+        raise ConfigError(f"{where}.sparse_optimizer.type: {problem}")
 
 
 def _check_plan(config: TrainConfig, where: str, world_size: int | None = None) -> None:
@@ -365,9 +375,10 @@ def _check(config: TrainConfig, where: str, use: Use, check_files: bool) -> None
     if config.data.epochs is not None and config.data.epochs < 1:
         raise ConfigError(f"{where}.data.epochs: must be at least 1")
     if config.sparse_optimizer.type not in SPARSE_OPTIMIZERS:
-        raise ConfigError(
-            f"{where}.sparse_optimizer.type: FBGEMM's CPU kernels run {SPARSE_OPTIMIZERS}"
-        )
+        raise ConfigError(f"{where}.sparse_optimizer.type: FBGEMM fuses {SPARSE_OPTIMIZERS}")
+    dense = config.dense_optimizer
+    if dense is not None and dense.type not in DENSE_OPTIMIZERS:
+        raise ConfigError(f"{where}.dense_optimizer.type: the dense layers take {DENSE_OPTIMIZERS}")
     data = config.data
     if data.type == "criteo":
         if config.dense_in_features != CRITEO_DENSE:
