@@ -30,13 +30,13 @@ OPTIMIZERS = {
 }
 
 # test_cuda's every layout on one rank but the copies (data-parallel, hot rows), which
-# Adam and LAMB refuse: table-wise, row-wise even and uneven, four column blocks, a grid.
+# Adam and LAMB refuse: table-wise, row-wise (SUM and MEAN), four column blocks, a grid.
 SPARSE_TABLES = tuple(t for t in EVERY_LAYOUT_TABLES if t.name != "dp")
 SPARSE_LAYOUTS = ShardingPlan(
     {
         "tw": table_wise(0),
         "rw": row_wise(),
-        "uneven": row_wise([15]),
+        "uneven": row_wise([25]),  # MEAN pooled
         "cw": column_wise([0, 0, 0, 0]),
         "grid": grid(2, [[0], [0]]),
     }
@@ -78,8 +78,8 @@ def test_two_ranks_sharing_the_gpu_train_like_unsharded(cuda_world, optimizer, p
 
 def shard_copies(optimizer) -> str | None:
     """The error sharding a data-parallel table and a hot-rows one with ``optimizer``."""
-    configs = [t.config() for t in SPARSE_TABLES[:2]]
-    plan = ShardingPlan({"tw": data_parallel(), "rw": row_wise(hot_rows=5)})
+    configs = [Table("dp", 12, 8, ("f_a",)).config(), Table("hot", 30, 12, ("f_b",)).config()]
+    plan = ShardingPlan({"dp": data_parallel(), "hot": row_wise(hot_rows=5)})
     ebc = EmbeddingBagCollection(tables=configs, device="meta")
     try:
         embshard.shard(ebc, plan, mesh=world_mesh("cuda"), optimizer=optimizer)
@@ -92,7 +92,7 @@ def shard_copies(optimizer) -> str | None:
 def test_copies_are_refused_on_every_rank(cuda_world, optimizer):
     kind = OPTIMIZERS[optimizer].KIND
     refusal = (
-        f"tables ['tw', 'rw']: data-parallel tables and hot rows cannot use the fused "
+        f"tables ['dp', 'hot']: data-parallel tables and hot rows cannot use the fused "
         f"optimizer {kind}: their copies take a gradient in every row each step, zero in "
         "rows no rank looked up, and it would move those rows (the unsharded table keeps "
         "them); shard them table-wise, column-wise or row-wise without hot rows"
