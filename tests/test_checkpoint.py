@@ -636,7 +636,7 @@ def test_strict_load_refuses_what_the_model_lacks_and_non_strict_ignores_it(worl
         assert unchanged
     for step, loaded in world(2).run(load_without_c, str(tmp_path), False):
         assert step == 3
-        assert sorted(loaded) == sorted(k for k in saved if not k.endswith(".c"))
+        assert sorted(loaded) == sorted(k for k in saved if k.split(".")[1] != "c")
         for key, value in loaded.items():
             assert torch.equal(value, saved[key]), key
 

@@ -145,10 +145,9 @@ def tables_of(module: nn.Module) -> nn.ModuleDict:
 
 def oracle_step(ebc, case: Case, table_blocks, states) -> None:
     """The fused optimizers' update on the unsharded module's gradients. ``states`` holds
-    their state from step to step, and the steps taken (Adam's and LAMB's bias
-    correction counts this one as ``states["steps"]``)."""
+    their state by table from step to step (Adam's and LAMB's: the two moments and the
+    steps taken, this one included, which their bias correction reads)."""
     opt = case.optimizer
-    steps = states["steps"] = states.get("steps", 0) + 1
     with torch.no_grad():
         for name, bag in tables_of(ebc).items():
             weight, grad = bag.weight, bag.weight.grad
@@ -159,10 +158,12 @@ def oracle_step(ebc, case: Case, table_blocks, states) -> None:
             touched = grad.abs().sum(1) > 0
             if isinstance(opt, Adam | Lamb):
                 # Moments of the touched rows only: the others neither decay nor move.
-                m1, m2 = states.get((name, "moments"), (torch.zeros_like(weight),) * 2)
+                zeros = torch.zeros_like(weight)
+                m1, m2, steps = states.get(name, (zeros, zeros, 0))
                 m1 = torch.where(touched[:, None], opt.beta1 * m1 + (1 - opt.beta1) * grad, m1)
                 m2 = torch.where(touched[:, None], opt.beta2 * m2 + (1 - opt.beta2) * grad**2, m2)
-                states[name, "moments"] = m1, m2
+                steps += 1
+                states[name] = m1, m2, steps
                 m1_hat, m2_hat = m1 / (1 - opt.beta1**steps), m2 / (1 - opt.beta2**steps)
                 step = m1_hat / (m2_hat.sqrt() + opt.eps) + opt.weight_decay * weight
                 if isinstance(opt, Lamb):  # the trust ratio, per row of each column block
