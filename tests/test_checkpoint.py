@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 import warnings
+from dataclasses import dataclass
+from typing import ClassVar
 
 import pytest
 import torch
@@ -744,6 +746,35 @@ def test_export_of_a_module_loads_into_its_plain_torchrec_collection(world, tmp_
         result.output == f"Error: {path}: no tensors under 'sparse'; its tables are under 'ebc'\n"
     )
     assert not missing.exists()
+
+
+@dataclass(frozen=True)
+class CountingAdagrad(embshard.Adagrad):
+    """Adagrad whose step count checkpoints keep, as Adam's and LAMB's (which FBGEMM's
+    CPU kernels lack): the count's way through save and load, on CPU."""
+
+    COUNTS_STEPS: ClassVar[bool] = True
+
+
+def steps_through_a_checkpoint(root: str) -> tuple[int, int]:
+    """Rank 0 alone counted 7 steps (a rank may hold no lookup): every rank saves 7,
+    and a model that counted 9 on every rank takes 7 back (the count is the ranks'
+    largest: a rank left at 9 would show). The count after saving and after loading."""
+    saved = build(dist.get_world_size(), CountingAdagrad(lr=0.1))
+    if dist.get_rank() == 0:
+        saved.set_optimizer_steps(7)
+    counted = int(saved.optimizer_steps())
+    ckpt.save(root, saved, step=2)
+    loaded = build(dist.get_world_size(), CountingAdagrad(lr=0.1), seed=9)
+    loaded.set_optimizer_steps(9)
+    ckpt.load(root, loaded)
+    return counted, int(loaded.optimizer_steps())
+
+
+def test_a_step_count_travels_through_a_checkpoint(world, tmp_path):
+    assert world(2).run(steps_through_a_checkpoint, str(tmp_path)) == [(7, 7), (7, 7)]
+    text = CliRunner().invoke(cli, ["ckpt", "inspect", str(tmp_path)]).output
+    assert "embedding_bags.a: (30, 16) float32, adagrad state momentum1 (30, 16), step 7" in text
 
 
 def test_ckpt_inspect(world, tmp_path):
