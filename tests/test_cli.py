@@ -461,6 +461,23 @@ def test_train_takes_the_configs_devices():
     )
 
 
+@pytest.mark.parametrize("optimizer", ["adam", "lamb"])
+def test_a_cuda_only_sparse_optimizer_is_refused_on_cpu_in_one_line(tmp_path, optimizer):
+    config = small_with(tmp_path, sparse_optimizer={"type": optimizer, "lr": 0.01})
+    refusal = (
+        f"Error: {config}.sparse_optimizer.type: the fused optimizer {optimizer} runs on cuda "
+        "only: FBGEMM's CPU kernels lack it; on cpu use sgd, rowwise_adagrad or adagrad\n"
+    )
+    for command in (["train", str(config)], ["simulate", str(config), "-w", "2", "--check"]):
+        result = CliRunner().invoke(cli, command)
+        assert result.exit_code == 1 and result.output == refusal, result.output
+    # Planning prices its two moments: twice the weights' bytes in float32 state.
+    planned = CliRunner().invoke(cli, ["simulate", str(config), "-w", "2", "--json"])
+    assert planned.exit_code == 0, planned.output
+    for rank in json.loads(planned.output)["ranks"]:
+        assert rank["optimizer_state"] == 2 * rank["weights"]
+
+
 def tables_only(tmp_path: Path) -> Path:
     """Three tables of three dims, and nothing else."""
     tables = [

@@ -82,8 +82,8 @@ def broken(change) -> dict:
             r"config.yaml.plan: invalid sharding plan:\n  table 'user': unknown keys",
         ),
         (
-            lambda d: d["sparse_optimizer"].update(type="adam"),
-            "sparse_optimizer.type: FBGEMM's CPU",
+            lambda d: d["dense_optimizer"].update(type="lamb"),
+            r"config.yaml.dense_optimizer.type: the dense layers take \['sgd', 'adagrad', 'adam'\]",
         ),
         (
             lambda d: d.update(data={"type": "criteo", "path": "/nope.tsv"}),

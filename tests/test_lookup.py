@@ -80,8 +80,18 @@ def test_fused_step_matches_torch(optimizer):
 
 
 def test_unknown_optimizer():
-    with pytest.raises(TypeError, match="SGD, RowWiseAdagrad or Adagrad"):
+    with pytest.raises(TypeError, match="SGD, RowWiseAdagrad, Adagrad, Adam or Lamb"):
         build_tbe(SHAPES, torch.optim.SGD, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("optimizer", [embshard.Adam(), embshard.Lamb()])
+def test_a_cuda_only_optimizer_is_refused_on_cpu_before_fbgemm_asserts(optimizer):
+    with pytest.raises(ValueError) as refused:
+        build_tbe(SHAPES, optimizer, torch.device("cpu"))
+    assert str(refused.value) == (
+        f"the fused optimizer {optimizer.KIND} runs on cuda only: FBGEMM's CPU kernels lack "
+        "it; on cpu use sgd, rowwise_adagrad or adagrad (device cpu)"
+    )
 
 
 def test_default_lookup_keeps_the_tables_in_host_memory_on_cpu():
@@ -125,7 +135,7 @@ def test_the_backend_refuses_an_unknown_optimizer_with_the_builders_message():
     with pytest.raises(TypeError) as refused:
         embshard.TrainingTBE().check(torch.optim.SGD, torch.device("cpu"))
     assert str(refused.value) == (
-        "optimizer must be embshard.SGD, RowWiseAdagrad or Adagrad, "
+        "optimizer must be embshard.SGD, RowWiseAdagrad, Adagrad, Adam or Lamb, "
         "got <class 'torch.optim.sgd.SGD'>"
     )
 
@@ -139,8 +149,13 @@ def test_each_optimizer_lays_out_its_state():
         {"cw": embshard.column_wise([1, 0, 1], [8, 4, 12]), "rw": embshard.row_wise()}
     )
     cw, rw = plan.resolve(configs, 2).values()
-    assert embshard.SGD.STATE is None
-    adagrad, rowwise = embshard.Adagrad.STATE, embshard.RowWiseAdagrad.STATE
+    assert embshard.SGD.STATES == ()
+    [(adagrad_name, adagrad)] = embshard.Adagrad.STATES
+    [(rowwise_name, rowwise)] = embshard.RowWiseAdagrad.STATES
+    assert adagrad_name == rowwise_name == "momentum1"  # the keys checkpoints have
+    # Adam's and LAMB's two moments: per element, in FBGEMM's order.
+    for moments in (embshard.Adam.STATES, embshard.Lamb.STATES):
+        assert moments == (("momentum1", adagrad), ("momentum2", adagrad))
     # Per element: shaped like the table, each shard at its own offset.
     assert adagrad.shape(cw) == (6, 24)
     assert [adagrad.offset(cw, s) for s in cw.shards] == [(0, 0), (0, 8), (0, 12)]

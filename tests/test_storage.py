@@ -525,8 +525,17 @@ def test_a_lookup_backend_passed_to_shard_builds_and_trains_every_ranks_lookup(w
         (
             None,
             torch.optim.SGD,
-            "TypeError: optimizer must be embshard.SGD, RowWiseAdagrad or Adagrad, "
+            "TypeError: optimizer must be embshard.SGD, RowWiseAdagrad, Adagrad, Adam or Lamb, "
             "got <class 'torch.optim.sgd.SGD'>",
+        ),
+        *(
+            (
+                None,
+                optimizer,
+                f"ValueError: the fused optimizer {optimizer.KIND} runs on cuda only: FBGEMM's "
+                "CPU kernels lack it; on cpu use sgd, rowwise_adagrad or adagrad (device cpu)",
+            )
+            for optimizer in (embshard.Adam(), embshard.Lamb())
         ),
     ],
 )

@@ -282,10 +282,12 @@ def inspect(directory: str, as_json: bool) -> None:
     if any(info["modules"]):  # not a collection's own keys: export --module takes these
         click.echo(f"modules with tables: {', '.join(m or '(top level)' for m in info['modules'])}")
     for name, table in info["tables"].items():
-        state = table["optimizer_state_shape"]
+        state = [f"{n} {tuple(shape)}" for n, shape in table["optimizer_state"].items()]
+        if table["optimizer_step"] is not None:
+            state.append(f"step {table['optimizer_step']}")
         click.echo(
             f"{name}: {tuple(table['shape'])} {table['dtype']}, {table['optimizer']}"
-            + (f" state {tuple(state)}" if state else "")
+            + (f" state {', '.join(state)}" if state else "")
         )
         if table["layout"] == Kind.DATA_PARALLEL:
             ranks = plural(len(table["shards"]), "rank")

@@ -27,9 +27,10 @@ from torchrec.modules.embedding_configs import (
 
 from embshard.errors import ConfigError, PlanError
 from embshard.plan.specs import Kind, ShardingPlan, plural, yaml_problem
-from embshard.storage.optimizers import FUSED_OPTIMIZERS
+from embshard.storage.optimizers import FUSED_OPTIMIZERS, device_problem
 
 SPARSE_OPTIMIZERS = list(FUSED_OPTIMIZERS)
+DENSE_OPTIMIZERS = ["sgd", "adagrad", "adam"]  # torch.optim's, for the dense layers
 CRITEO_DENSE = 13
 CRITEO_CATEGORICAL = 26
 # What training needs beyond the tables; planning, drawing and simulating take defaults.
@@ -108,7 +109,7 @@ class TableConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    type: Literal["sgd", "adagrad", "rowwise_adagrad", "adam"]
+    type: Literal["sgd", "adagrad", "rowwise_adagrad", "adam", "lamb"]
     lr: float
     eps: float = 1e-8
 
@@ -326,9 +327,17 @@ def launch_device(
 ) -> Literal["cpu", "cuda"]:
     """The device a job's ``local_ranks`` ranks on this host train on, by ``override``
     (``--device``) or else the config's ``device``: for ``auto``, CUDA when torch sees
-    a CUDA device for each rank, else the CPU. ``cuda`` without them is a ConfigError
-    naming the option or the file's key (NCCL refuses two ranks on one device), found
-    before any process group exists."""
+    a CUDA device for each rank, else the CPU. ``cuda`` without them, or a fused
+    optimizer the device cannot run, is a ConfigError naming the option or the file's
+    key (NCCL refuses two ranks on one device), found before any process group exists."""
+    device = _chosen_device(config, where, local_ranks, override)
+    check_sparse_optimizer(config, where, device)
+    return device
+
+
+def _chosen_device(
+    config: TrainConfig, where: str, local_ranks: int, override: Device | None
+) -> Literal["cpu", "cuda"]:
     choice, where = (override, "--device") if override else (config.device, f"{where}.device")
     devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if choice == "auto":
@@ -341,6 +350,14 @@ def launch_device(
             f"device); torch sees {seen}"
         )
     return choice
+
+
+def check_sparse_optimizer(config: TrainConfig, where: str, device_type: str) -> None:
+    """The config's fused optimizer runs on ``device_type`` (Adam and LAMB need CUDA): a
+    ConfigError naming the key, found before any process starts."""
+    problem = device_problem(FUSED_OPTIMIZERS[config.sparse_optimizer.type], device_type)
+    if problem:
+        raise ConfigError(f"{where}.sparse_optimizer.type: {problem}")
 
 
 def _check_plan(config: TrainConfig, where: str, world_size: int | None = None) -> None:
@@ -392,9 +409,10 @@ def _check(config: TrainConfig, where: str, use: Use, check_files: bool) -> None
     if config.data.epochs is not None and config.data.epochs < 1:
         raise ConfigError(f"{where}.data.epochs: must be at least 1")
     if config.sparse_optimizer.type not in SPARSE_OPTIMIZERS:
-        raise ConfigError(
-            f"{where}.sparse_optimizer.type: FBGEMM's CPU kernels run {SPARSE_OPTIMIZERS}"
-        )
+        raise ConfigError(f"{where}.sparse_optimizer.type: FBGEMM fuses {SPARSE_OPTIMIZERS}")
+    dense = config.dense_optimizer
+    if dense is not None and dense.type not in DENSE_OPTIMIZERS:
+        raise ConfigError(f"{where}.dense_optimizer.type: the dense layers take {DENSE_OPTIMIZERS}")
     data = config.data
     if data.type == "criteo":
         if config.dense_in_features != CRITEO_DENSE:

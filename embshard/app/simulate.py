@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed import multi_threaded_pg
 
-from embshard.app.config import TrainConfig, load_config
+from embshard.app.config import TrainConfig, check_sparse_optimizer, load_config
 from embshard.app.data import Feed, build_data
 from embshard.app.planning import plan_config, topology_for
 from embshard.app.train import fused_optimizer
@@ -355,6 +355,8 @@ def simulate(
     if world_size < 1 or batches < 1:
         raise SimulationError(f"need at least 1 rank and 1 batch, got {world_size} and {batches}")
     config = load_config(config_path, use="simulate")
+    if check:  # the small copy trains on the CPU
+        check_sparse_optimizer(config, config_path, "cpu")
     plan, source = _plan(config, world_size, plan_path)
     configs = config.embedding_bag_configs()
     routes = build_routes(configs, plan.resolve(configs, world_size), world_size, weighted=False)

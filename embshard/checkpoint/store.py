@@ -5,7 +5,9 @@ A checkpoint is a directory ``step_<N>`` under a root, written aside as
 Inside, DCP's files hold one state dict:
 
     model.<fqn>                 dense tensors and every table (a DTensor)
-    sparse_optimizer.<fqn>      the fused optimizer's state (``...momentum1``)
+    sparse_optimizer.<fqn>      the fused optimizer's state per table (``...momentum1``,
+                                ``...momentum2``) and its step count (``...step``:
+                                Adam's and LAMB's, an int64 scalar)
     dense_optimizer.*           the dense optimizer (FQN-keyed, DCP's state_dict API)
     embshard                    JSON: step, world size, each table's shards and optimizer
 
@@ -68,6 +70,7 @@ CHECKSUMS = "embshard_checksums.json"
 _STEP_PREFIX = "step_"
 _READ_BLOCK = 1 << 22
 _TABLE_PARENTS = ("embedding_bags", "embeddings")  # EmbeddingBagCollection, EmbeddingCollection
+STEP = "step"  # the key ending of a table's fused optimizer step count
 
 Checksums = dict[tuple[str, int], tuple[int, int]]
 """Recorded checksums: (file, offset) -> (length, crc32) of each saved chunk."""
@@ -110,11 +113,15 @@ def _describe(model: nn.Module, step: int, job: str | None) -> dict[str, Any]:
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    sparse = {
-        prefix + key: value
-        for prefix, module in _sharded(model).items()
-        for key, value in module.optimizer_state().items()
-    }
+    """The state dict DCP saves (collective: the fused optimizers' step counts)."""
+    sparse = {}
+    for prefix, module in _sharded(model).items():
+        sparse |= {prefix + key: value for key, value in module.optimizer_state().items()}
+        steps = module.optimizer_steps()
+        if steps is not None:  # every table's own copy: its checkpoint entries are whole
+            sparse |= {
+                f"{prefix}{module.table_key(n)}.{STEP}": steps.clone() for n in module.tables
+            }
     state = {"model": _unwrap(model).state_dict(), "sparse_optimizer": sparse}
     if optimizer is not None:
         state["dense_optimizer"] = get_optimizer_state_dict(model, optimizer)
@@ -527,28 +534,40 @@ def _targets(
     optimizer state, written in place, and fresh tensors for the dense optimizer's
     state (``set_optimizer_state_dict`` takes it afterwards); and how the rest of each
     table's fused optimizer state goes live: converted from other column blocks
-    (row-wise Adagrad), or zeroed when the checkpoint has none of this kind."""
+    (row-wise Adagrad), or zeroed when the checkpoint has none of this kind; and each
+    module's step count, the saved one (0 when none of its tables has one of this kind)."""
     targets = {"model": live["model"], "sparse_optimizer": {}, META: ""}
     if "dense_optimizer" in live:
         targets["dense_optimizer"] = _empty_like(live["dense_optimizer"])
-    commits = []
+    sparse, commits = live["sparse_optimizer"], []
     for prefix, module in _sharded(model).items():
+        kind, steps = _optimizer_kind(module), []
         for name, table in module.tables.items():
-            key = f"{prefix}{module.table_key(name)}.momentum1"
-            if key not in live["sparse_optimizer"]:
-                continue
-            target = live["sparse_optimizer"][key]
-            old = saved["tables"].get(prefix + module.table_key(name), {})
-            kind = _optimizer_kind(module)
+            key = prefix + module.table_key(name)
+            old = saved["tables"].get(key, {})
             if old.get("optimizer") != kind:
-                commits.append(lambda _, target=target: _zero(target))
-            elif kind == "adagrad" or [tuple(b) for b in old["blocks"]] == column_blocks(table):
-                targets["sparse_optimizer"][key] = target
-            else:
-                staged, convert = _rowwise_conversion(module, name, old["blocks"], target)
-                targets["sparse_optimizer"][key] = staged
-                commits.append(convert)
+                for state, _ in module.fused_optimizer.STATES:
+                    commits.append(lambda _, target=sparse[f"{key}.{state}"]: _zero(target))
+                continue
+            for state, layout in module.fused_optimizer.STATES:
+                target = sparse[f"{key}.{state}"]
+                if not layout.BY_BLOCK or [tuple(b) for b in old["blocks"]] == column_blocks(table):
+                    targets["sparse_optimizer"][f"{key}.{state}"] = target
+                else:
+                    staged, convert = _rowwise_conversion(module, name, old["blocks"], target)
+                    targets["sparse_optimizer"][f"{key}.{state}"] = staged
+                    commits.append(convert)
+            if f"{key}.{STEP}" in sparse:
+                targets["sparse_optimizer"][f"{key}.{STEP}"] = sparse[f"{key}.{STEP}"]
+                steps.append(f"{key}.{STEP}")
+        if module.fused_optimizer.COUNTS_STEPS:
+            commits.append(lambda read, module=module, steps=steps: _set_steps(module, read, steps))
     return targets, commits
+
+
+def _set_steps(module: ShardedCollection, read: dict[str, Any], keys: list[str]) -> None:
+    """The module's step count from its tables' loaded ones (all equal as saved)."""
+    module.set_optimizer_steps(max((int(read[k]) for k in keys), default=0))
 
 
 def _zero(value: DTensor) -> None:
@@ -567,7 +586,8 @@ def _rowwise_conversion(
     table = module.tables[name]
     spans = _row_spans(s for s in table.shards_on(module.rank) if s.rows and s.cols)
     width = len(saved_blocks)
-    shards = [torch.empty(rows, width) for _, rows in spans]
+    device = live.to_local().device  # staged where the state lives: DCP fills them in place
+    shards = [torch.empty(rows, width, device=device) for _, rows in spans]
     staged = DTensor.from_local(
         LocalShardsWrapper(shards, [(row, 0) for row, _ in spans]),
         live.device_mesh,
@@ -587,7 +607,8 @@ def _rowwise_conversion(
             i, first = next((i, f) for i, (f, n) in enumerate(spans) if f <= row < f + n)
             source = shards[i][row - first : row - first + len(shard)]
             weights = torch.tensor(
-                [max(0, min(start + cols, s + w) - max(start, s)) / cols for s, w in saved_blocks]
+                [max(0, min(start + cols, s + w) - max(start, s)) / cols for s, w in saved_blocks],
+                device=device,
             )
             shard.copy_((source @ weights).unsqueeze(1))
 
@@ -732,17 +753,43 @@ def _where_tables(entries: dict[str, Any]) -> str:
     return f"its tables are under {shown}"
 
 
+def _saved_steps(path: Path, entries: dict[str, Any]) -> dict[str, int]:
+    """Each table's saved step count (Adam, LAMB), by its key."""
+    ending = f".{STEP}"
+    steps = {
+        key: torch.zeros((), dtype=torch.int64)
+        for key in entries
+        if key.startswith("sparse_optimizer.") and key.endswith(ending)
+    }
+    if steps:
+        try:
+            _load_alone(steps, path)
+        except CheckpointException as e:
+            raise _read_failed(path, e) from None
+    return {
+        key.removeprefix("sparse_optimizer.").removesuffix(ending): int(value)
+        for key, value in steps.items()
+    }
+
+
 def describe(path: str | Path) -> dict[str, Any]:
     """What ``embshard ckpt inspect`` shows: step, size on disk, and per table its
-    shape, dtype, saved layout and optimizer state. Needs no process group."""
+    shape, dtype, saved layout, optimizer state (each tensor's shape) and the optimizer's
+    step count (Adam, LAMB; else None). Needs no process group."""
     path = resolve(path)
     metadata = read_metadata(path)
     entries = metadata.state_dict_metadata
     info = read_description(path) if META in entries else {"step": None, "tables": {}}
     tables = {}
+    steps = _saved_steps(path, entries)
     for fqn, table in info["tables"].items():
         weight = entries[f"model.{fqn}.weight"]
-        state = entries.get(f"sparse_optimizer.{fqn}.momentum1")
+        table_state = f"sparse_optimizer.{fqn}."
+        states = {
+            key.removeprefix(table_state): list(entry.size)
+            for key, entry in entries.items()
+            if key.startswith(table_state) and key.count(".") == table_state.count(".")
+        }
         tables[fqn] = {
             "shape": list(weight.size),
             "dtype": str(weight.properties.dtype).removeprefix("torch."),
@@ -752,7 +799,8 @@ def describe(path: str | Path) -> dict[str, Any]:
                 for s in table["shards"]
             ],
             "optimizer": table["optimizer"] or "sgd",
-            "optimizer_state_shape": list(state.size) if state is not None else None,
+            "optimizer_state": {n: shape for n, shape in states.items() if n != STEP},
+            "optimizer_step": steps.get(fqn),
         }
     dense = [
         k.removeprefix("model.")

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Generic, NamedTuple, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -181,8 +182,10 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
             for name, table in self._tables.items()
         }
         self._optimizer_state = {
-            name: table_dtensor(self._tables[name], wrapper, mesh, submesh, shape)
-            for name, (wrapper, shape) in self._storage.optimizer_state.items()
+            f"{self.table_key(name)}.{state}": table_dtensor(
+                self._tables[name], wrapper, mesh, submesh, shape
+            )
+            for (name, state), (wrapper, shape) in self._storage.optimizer_state.items()
         }
 
     def _input_stage(self, scratch: Scratch) -> IdsRouting[object, KeptT]:
@@ -311,10 +314,28 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
         return dict(self._tables)
 
     def optimizer_state(self) -> dict[str, DTensor]:
-        """The fused optimizer's state, ``<table_key>.momentum1``: per element
-        (Adagrad, shaped like the table) or per row and column block (row-wise
-        Adagrad, one column per block); empty for SGD. Views: writes go to the TBE."""
-        return {f"{self.table_key(n)}.momentum1": s for n, s in self._optimizer_state.items()}
+        """The fused optimizer's state, ``<table_key>.momentum1`` (and for Adam and LAMB
+        ``<table_key>.momentum2``): per element (Adagrad, Adam, LAMB: shaped like the
+        table) or per row and column block (row-wise Adagrad, one column per block);
+        empty for SGD. Views: writes go to the TBE."""
+        return dict(self._optimizer_state)
+
+    def optimizer_steps(self) -> torch.Tensor | None:
+        """The fused optimizer's step count, which Adam's and LAMB's bias correction
+        reads (an int64 scalar on the CPU, the same on every rank); None for the
+        optimizers that do not count. FBGEMM counts every forward, evaluation included.
+        Collective: a rank holding no table learns it from the others."""
+        if not self._optimizer.COUNTS_STEPS:
+            return None
+        steps = torch.tensor(self._storage.optimizer_steps(), device=self._device)
+        if dist.get_world_size(self._group) > 1:
+            dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=self._group)
+        return steps.cpu()
+
+    def set_optimizer_steps(self, steps: int) -> None:
+        """Continue the fused optimizer's step count from ``steps`` (a resumed Adam or
+        LAMB then corrects its bias as the uninterrupted run does)."""
+        self._storage.set_optimizer_steps(steps)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[override]
         for name, weight in self._weights.items():

@@ -58,6 +58,7 @@ from embshard.planner.traffic import (
     balanced_sizes,
     hot_rows,
 )
+from embshard.storage.optimizers import FUSED_OPTIMIZERS, state_values
 
 GiB = 2**30
 _UNITS = {
@@ -75,6 +76,7 @@ _UNITS = {
 _KINDS = (Kind.TABLE_WISE, Kind.ROW_WISE, Kind.COLUMN_WISE)  # what the packing cuts tables into
 _SHARDINGS = (*_KINDS, Kind.DATA_PARALLEL)
 _UNCUT = (Kind.TABLE_WISE, Kind.DATA_PARALLEL)  # what _unsplit leaves alone
+_COPY_ONLY = (Kind.DATA_PARALLEL,)
 _ROW_SPLIT = (Kind.ROW_WISE, Kind.GRID)  # kinds whose pieces get the ids of their rows only
 
 
@@ -314,7 +316,13 @@ LOOKUP_PASSES = 3  # forward read; backward read and write
 class CostModel:
     topology: Topology
     batch_size: int  # per rank
-    optimizer: str = "rowwise_adagrad"
+    optimizer: str = "rowwise_adagrad"  # the fused optimizer, whose state it prices
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in FUSED_OPTIMIZERS:
+            raise PlanningError(
+                f"optimizer must be one of {list(FUSED_OPTIMIZERS)}, got {self.optimizer!r}"
+            )
 
     def ids(self, table: PlannedTable) -> float:
         return self.topology.world_size * self.batch_size * table.ids_per_sample
@@ -329,7 +337,7 @@ class CostModel:
     def memory(self, table: PlannedTable, rows: int, cols: int) -> int:
         """Bytes of a (rows x cols) shard of ``table``: its weights, and the optimizer's
         state, fp32 whatever the weights' type."""
-        state = {"rowwise_adagrad": rows, "adagrad": rows * cols}.get(self.optimizer, 0)
+        state = state_values(self.optimizer, rows, cols)
         return table.weight_bytes * rows * cols + 4 * state
 
     def shard_cost(self, table: PlannedTable, kind: str, rows: float, cols: float) -> float:
@@ -1137,9 +1145,19 @@ def plan_tables(
     constraints = _kept(specs, constraints or {})
     model = CostModel(topology, batch_size, optimizer)
     _check_memory(specs, model)
-    packing, prepared, reasons = _packed(specs, constraints, model, measured, copies=False)
     free = TableConstraint()
-    if any(Kind.DATA_PARALLEL in _kinds(constraints.get(t.name, free)) for t in specs):
+    # Copies (data-parallel tables, hot rows) take a gradient in every row each step,
+    # which only some fused optimizers leave alone where it is zero.
+    copies = FUSED_OPTIMIZERS[optimizer].ZERO_GRADIENT_KEEPS
+    only_copies = [t.name for t in specs if _kinds(constraints.get(t.name, free)) == _COPY_ONLY]
+    if only_copies and not copies:
+        raise PlanningError(
+            f"tables {only_copies}: their constraints allow only data_parallel, which the "
+            f"fused optimizer {optimizer} cannot update (a copy's rows not looked up take a "
+            "zero gradient, and it moves them)"
+        )
+    packing, prepared, reasons = _packed(specs, constraints, model, measured, copies=False)
+    if copies and any(Kind.DATA_PARALLEL in _kinds(constraints.get(t.name, free)) for t in specs):
         try:  # the same search with copies among the options, and the better of the two
             copied = _packed(specs, constraints, model, measured, copies=True)
         except PlanningError:  # the copies took the room some table needed
@@ -1160,7 +1178,7 @@ def plan_tables(
         topology=topology,
     )
     plan = ShardingPlan({t.name: _spec(*layouts[t.name], world) for t in specs})
-    if stats is None:
+    if stats is None or not copies:
         return plan, report
     loads = functools.partial(
         plan_loads, tables=tables, topology=topology, batch_size=batch_size,

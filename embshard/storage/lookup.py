@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from fbgemm_gpu.split_embedding_configs import SparseType
@@ -24,7 +24,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     SplitTableBatchedEmbeddingBagsCodegen,
 )
 
-from embshard.storage.optimizers import FUSED_OPTIMIZERS, FusedOptimizer
+from embshard.storage.optimizers import FUSED_OPTIMIZERS, FusedOptimizer, device_problem
 
 
 class LookupModule(Protocol):
@@ -46,8 +46,15 @@ class LookupModule(Protocol):
         ...
 
     def split_optimizer_states(self) -> list[list[torch.Tensor]]:
-        """Every table's optimizer state tensors (views), the first one row per table row."""
+        """Every table's optimizer state tensors (views), in the order of the optimizer's
+        ``STATES``, each one row per table row."""
         ...
+
+    # The steps counted (int64, one element; each forward adds one), which Adam's and
+    # LAMB's bias correction reads; and FBGEMM's host copy of it, which it takes from
+    # ``iter`` only while it is zero: restoring a count sets both.
+    iter: torch.Tensor
+    iter_cpu: torch.Tensor
 
 
 class LookupBackend(Protocol):
@@ -109,12 +116,16 @@ def _placement(
     return fbgemm_location, _COMPUTE[device_type]
 
 
-def _fbgemm_optimizer(optimizer: FusedOptimizer) -> dict[str, Any]:
+def check_optimizer(optimizer: FusedOptimizer, device: torch.device) -> None:
+    """Raise, in one line, unless ``optimizer`` is a fused optimizer that FBGEMM runs on
+    ``device`` (its CPU build refuses Adam and LAMB, with an AssertionError)."""
     if not isinstance(optimizer, tuple(FUSED_OPTIMIZERS.values())):
+        *names, last = (cls.__name__ for cls in FUSED_OPTIMIZERS.values())
         raise TypeError(
-            f"optimizer must be embshard.SGD, RowWiseAdagrad or Adagrad, got {optimizer!r}"
+            f"optimizer must be embshard.{', '.join(names)} or {last}, got {optimizer!r}"
         )
-    return optimizer.fbgemm_args()
+    if problem := device_problem(type(optimizer), device.type):
+        raise ValueError(f"{problem} (device {device})")
 
 
 def build_tbe(
@@ -141,6 +152,7 @@ def build_tbe(
 
     ``location`` is where the tables live (``TrainingTBE``'s field).
     """
+    check_optimizer(optimizer, device)
     fbgemm_location, compute = _placement(location, device)
     return SplitTableBatchedEmbeddingBagsCodegen(
         [(rows, cols, fbgemm_location, compute) for rows, cols in shard_shapes],
@@ -151,7 +163,7 @@ def build_tbe(
         weights_precision=WEIGHT_PRECISIONS[dtype],
         output_dtype=SparseType.FP32,
         stochastic_rounding=False,
-        **_fbgemm_optimizer(optimizer),
+        **optimizer.fbgemm_args(),
     )
 
 
@@ -176,7 +188,7 @@ class TrainingTBE:
             )
 
     def check(self, optimizer: FusedOptimizer, device: torch.device) -> None:
-        _fbgemm_optimizer(optimizer)
+        check_optimizer(optimizer, device)
         _placement(self.location, device)
 
     def build(

@@ -23,9 +23,10 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     SplitTableBatchedEmbeddingBagsCodegen,
 )
 
+from embshard.errors import PlanError
 from embshard.runtime.batch import LocalBatch
 from embshard.runtime.routes import Routes
-from embshard.storage.lookup import build_tbe
+from embshard.storage.lookup import build_tbe, check_optimizer
 from embshard.storage.optimizers import FusedOptimizer
 
 # Rows are read out of the TBE in bags of one row, ``chunk`` bags a TBE feature: a
@@ -159,10 +160,23 @@ def build_replicated(
     The TBE is FBGEMM's training TBE in the device's own memory whatever lookup backend
     the sharded tables have: every rank reads every copied row each step, which only
     that memory serves well, and copies are small by design (TorchRec keeps its
-    data-parallel tables on its dense kernel whatever the sharded tables' placement)."""
+    data-parallel tables on its dense kernel whatever the sharded tables' placement).
+
+    Every row of the copies takes a gradient each step, so only an optimizer that
+    leaves a row with a zero gradient alone (SGD, both Adagrads) can update them as the
+    unsharded table is updated: others are a PlanError, on every rank."""
     if not shapes:
         return None
     names = list(shapes)
+    check_optimizer(optimizer, device)  # the refusal the sharded tables get, first
+    if not optimizer.ZERO_GRADIENT_KEEPS:
+        raise PlanError(
+            f"tables {names}: data-parallel tables and hot rows cannot use the fused "
+            f"optimizer {optimizer.KIND}: their copies take a gradient in every row each "
+            "step, zero in rows no rank looked up, and it would move those rows (the "
+            "unsharded table keeps them); shard them table-wise, column-wise or row-wise "
+            "without hot rows"
+        )
     rows = [shapes[n][0] for n in names]
     dims = [shapes[n][1] for n in names]
     chunk = max(1, math.ceil(sum(rows) / (_CHUNKS_PER_TABLE * len(names))))

@@ -254,8 +254,9 @@ class LocalStorage:
 
     Lookup table ``i`` holds ``shards[i]``, the replicated TBE's ``replicas[i]``.
     ``weights`` views every table's local part;
-    ``optimizer_state`` views the fused optimizer's state per table, with its global
-    shape, laid out as the optimizer's ``STATE`` says (none for SGD).
+    ``optimizer_state`` views each of the fused optimizer's state tensors per table,
+    by (table, state name), with its global shape, laid out as the optimizer's
+    ``STATES`` say (none for SGD).
     """
 
     tbe: LookupModule | None
@@ -263,11 +264,26 @@ class LocalStorage:
     replicated: ReplicatedTables | None
     replicas: list[tuple[str, TableShard]]
     weights: dict[str, LocalShardsWrapper]
-    optimizer_state: dict[str, tuple[LocalShardsWrapper, tuple[int, int]]]
+    optimizer_state: dict[tuple[str, str], tuple[LocalShardsWrapper, tuple[int, int]]]
 
     def weight_views(self) -> list[tuple[str, TableShard, torch.Tensor]]:
         """Every local shard with its view of the TBE weights, copies included."""
         return _local_views(self, _weights)
+
+    def optimizer_steps(self) -> int:
+        """The steps this rank's lookups have counted (each forward counts one, in every
+        lookup alike); 0 where the rank has none."""
+        return max((int(lookup.iter.item()) for lookup in self._lookups()), default=0)
+
+    def set_optimizer_steps(self, steps: int) -> None:
+        """Make every lookup of this rank continue counting from ``steps``."""
+        for lookup in self._lookups():
+            lookup.iter.fill_(steps)
+            lookup.iter_cpu.fill_(steps)
+
+    def _lookups(self) -> list[LookupModule]:
+        replicated = self.replicated.tbe if self.replicated is not None else None
+        return [lookup for lookup in (self.tbe, replicated) if lookup is not None]
 
 
 def _per_table(
@@ -297,9 +313,14 @@ def _weights(tbe: LookupModule) -> list[torch.Tensor]:
     return tbe.split_embedding_weights()
 
 
-def _momentum(tbe: LookupModule) -> list[torch.Tensor]:
-    """The per-element or per-row accumulator of every TBE table, 2-D."""
-    return [st[0].view(st[0].shape[0], -1) for st in tbe.split_optimizer_states()]
+def _state(index: int) -> Callable[[LookupModule], list[torch.Tensor]]:
+    """The optimizer's ``index``-th state tensor of every TBE table, 2-D (a per-row one
+    as one column)."""
+
+    def views(tbe: LookupModule) -> list[torch.Tensor]:
+        return [st[index].view(st[index].shape[0], -1) for st in tbe.split_optimizer_states()]
+
+    return views
 
 
 def _local_views(
@@ -344,9 +365,9 @@ def allocate_storage(
     ]
     storage = LocalStorage(tbe, shards, replicated, replicas, {}, {})
     storage.weights = _per_table(tables, storage.weight_views(), _at_offset, device, dtype)
-    layout = optimizer.STATE
-    if layout is not None:
-        states = _local_views(storage, _momentum)
-        wrappers = _per_table(tables, states, layout.offset, device, torch.float32)
-        storage.optimizer_state = {n: (wrappers[n], layout.shape(t)) for n, t in tables.items()}
+    for index, (state, layout) in enumerate(optimizer.STATES):
+        views = _local_views(storage, _state(index))
+        wrappers = _per_table(tables, views, layout.offset, device, torch.float32)
+        for name, table in tables.items():
+            storage.optimizer_state[name, state] = (wrappers[name], layout.shape(table))
     return storage

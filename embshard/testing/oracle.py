@@ -29,7 +29,7 @@ from torchrec.modules.embedding_configs import DataType, PoolingType
 from embshard.modules.mesh import ShardingMesh, world_mesh
 from embshard.modules.shard import shard
 from embshard.plan.specs import ShardingPlan
-from embshard.storage.optimizers import SGD, Adagrad
+from embshard.storage.optimizers import SGD, Adagrad, Adam, Lamb
 from embshard.storage.shards import gather_table
 
 
@@ -144,7 +144,9 @@ def tables_of(module: nn.Module) -> nn.ModuleDict:
 
 
 def oracle_step(ebc, case: Case, table_blocks, states) -> None:
-    """The fused optimizers' update on the unsharded module's gradients."""
+    """The fused optimizers' update on the unsharded module's gradients. ``states`` holds
+    their state by table from step to step (Adam's and LAMB's: the two moments and the
+    steps taken, this one included, which their bias correction reads)."""
     opt = case.optimizer
     with torch.no_grad():
         for name, bag in tables_of(ebc).items():
@@ -154,6 +156,23 @@ def oracle_step(ebc, case: Case, table_blocks, states) -> None:
                 weight -= opt.lr * grad
                 continue
             touched = grad.abs().sum(1) > 0
+            if isinstance(opt, Adam | Lamb):
+                # Moments of the touched rows only: the others neither decay nor move.
+                zeros = torch.zeros_like(weight)
+                m1, m2, steps = states.get(name, (zeros, zeros, 0))
+                m1 = torch.where(touched[:, None], opt.beta1 * m1 + (1 - opt.beta1) * grad, m1)
+                m2 = torch.where(touched[:, None], opt.beta2 * m2 + (1 - opt.beta2) * grad**2, m2)
+                steps += 1
+                states[name] = m1, m2, steps
+                m1_hat, m2_hat = m1 / (1 - opt.beta1**steps), m2 / (1 - opt.beta2**steps)
+                step = m1_hat / (m2_hat.sqrt() + opt.eps) + opt.weight_decay * weight
+                if isinstance(opt, Lamb):  # the trust ratio, per row of each column block
+                    for start, width in table_blocks[name]:
+                        cols = slice(start, start + width)
+                        trust = weight[:, cols].norm(dim=1) / step[:, cols].norm(dim=1)
+                        step[:, cols] *= trust[:, None]
+                weight -= torch.where(touched[:, None], opt.lr * step, 0)
+                continue
             if isinstance(opt, Adagrad):
                 states[name] = states.get(name, torch.zeros_like(weight)) + grad.pow(2)
                 step = opt.lr * grad / (states[name].sqrt() + opt.eps)
