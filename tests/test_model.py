@@ -344,13 +344,28 @@ def test_buffers_synced_once_at_construction_on_either_ddp(world, without_forwar
         assert given == (False if without_forward_sync else None)
 
 
+class DDPWithForwardSync:
+    """torch 2.13's DDP, in the arguments embshard passes: both buffer flags."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        broadcast_buffers: bool | None = None,
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        forward_sync_buffers: bool | None = None,
+    ) -> None:
+        pass
+
+
 def test_ddp_arguments_chosen_by_ddp_signature():
     with_sync = {**TORCHREC_DDP, "forward_sync_buffers": False}
     del with_sync["broadcast_buffers"]
-    assert _ddp_settings({}, DistributedDataParallel) == (with_sync, False)
+    assert _ddp_settings({}, DDPWithForwardSync) == (with_sync, False)
     assert _ddp_settings({}, DDPWithoutForwardSync) == (TORCHREC_DDP, True)
     # The caller's broadcast_buffers is DDP's own meaning on both: no extra broadcast.
-    for ddp in (DistributedDataParallel, DDPWithoutForwardSync):
+    for ddp in (DDPWithForwardSync, DDPWithoutForwardSync):
         for value in (True, False):
             expected = {**TORCHREC_DDP, "broadcast_buffers": value}
             assert _ddp_settings({"broadcast_buffers": value}, ddp) == (expected, False)
