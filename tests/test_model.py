@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from oracle import Case, Table, global_batch, local_batches, weight_gap
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
 from torchrec.distributed.test_utils import test_model as torchrec_test_model
@@ -17,7 +20,7 @@ from torchrec.models.dlrm import DLRM, DLRM_DCN
 
 import embshard
 from embshard import ShardingPlan, column_wise, row_wise, table_wise
-from embshard.modules.shard_model import sharded_collections
+from embshard.modules.shard_model import _ddp_settings, sharded_collections
 
 TABLES = (
     Table("a", 40, 8, ("f_a",)),
@@ -264,11 +267,12 @@ def test_sharded_sparsenn_trains_like_unsharded(world, size, weighted, ddp_kwarg
 
 
 # TorchRec's DefaultDataParallelWrapper: static graph, no unused-parameter search,
-# broadcast_buffers=False (forward_sync_buffers in torch 2.13), bucket-view grads.
+# broadcast_buffers=False, bucket-view grads. DDP reads broadcast_buffers alike on
+# every torch: an attribute before 2.13, a property over forward_sync_buffers since.
 TORCHREC_DDP = {
     "static_graph": True,
     "find_unused_parameters": False,
-    "forward_sync_buffers": False,
+    "broadcast_buffers": False,
     "gradient_as_bucket_view": True,
 }
 
@@ -281,8 +285,94 @@ def ddp_settings(ddp_kwargs):
 def test_ddp_settings_are_torchrecs_unless_overridden(world):
     assert world(2).run(ddp_settings, None) == [TORCHREC_DDP] * 2
     overridden = {"static_graph": False, "broadcast_buffers": True}
-    expected = {**TORCHREC_DDP, "static_graph": False, "forward_sync_buffers": True}
+    expected = {**TORCHREC_DDP, "static_graph": False, "broadcast_buffers": True}
     assert world(2).run(ddp_settings, overridden) == [expected] * 2
+
+
+class DDPWithoutForwardSync(DistributedDataParallel):
+    """torch 2.11's DDP, in the arguments embshard passes: no forward_sync_buffers, and
+    broadcast_buffers=False skips the buffer broadcast at construction too."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids=None,
+        broadcast_buffers: bool = True,
+        process_group=None,
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+    ) -> None:
+        with warnings.catch_warnings():  # torch 2.13 deprecates broadcast_buffers
+            warnings.simplefilter("ignore", FutureWarning)
+            super().__init__(
+                module,
+                device_ids,
+                broadcast_buffers=broadcast_buffers,
+                process_group=process_group,
+                find_unused_parameters=find_unused_parameters,
+                gradient_as_bucket_view=gradient_as_bucket_view,
+                static_graph=static_graph,
+            )
+        self.given_broadcast_buffers = broadcast_buffers
+
+
+def buffers_after_wrapping(without_forward_sync: bool):
+    rank = dist.get_rank()
+    model = build("dlrm")
+    model.register_buffer("shared", torch.full((3,), float(rank + 1)))
+    model.register_buffer("own", torch.full((2,), float(rank + 1)))
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ["own"])
+    ddp = DDPWithoutForwardSync if without_forward_sync else DistributedDataParallel
+    with mock.patch("embshard.modules.shard_model.DistributedDataParallel", ddp):
+        wrapped = embshard.shard_model(model, MIXED)
+    at_construction = (model.shared.tolist(), model.own.tolist())
+    # No broadcast before a forward: a rank's change stays its own.
+    model.shared.fill_(10.0 * (rank + 1))
+    case = Case(TABLES, MIXED, (4, 6), seed=3)
+    wrapped(torch.randn(case.batch_sizes[rank], DENSE_IN), local_batches(case, 0)[rank])
+    given = getattr(wrapped, "given_broadcast_buffers", None)
+    return at_construction, model.shared.tolist(), given
+
+
+@pytest.mark.parametrize("without_forward_sync", [False, True])
+def test_buffers_synced_once_at_construction_on_either_ddp(world, without_forward_sync):
+    results = world(2).run(buffers_after_wrapping, without_forward_sync)
+    for rank, (at_construction, after_forward, given) in enumerate(results):
+        assert at_construction == ([1.0] * 3, [rank + 1.0] * 2)
+        assert after_forward == [10.0 * (rank + 1)] * 3
+        assert given == (False if without_forward_sync else None)
+
+
+class DDPWithForwardSync:
+    """torch 2.13's DDP, in the arguments embshard passes: both buffer flags."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        broadcast_buffers: bool | None = None,
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        forward_sync_buffers: bool | None = None,
+    ) -> None:
+        pass
+
+
+def test_ddp_arguments_chosen_by_ddp_signature():
+    with_sync = {**TORCHREC_DDP, "forward_sync_buffers": False}
+    del with_sync["broadcast_buffers"]
+    assert _ddp_settings({}, DDPWithForwardSync) == (with_sync, False)
+    assert _ddp_settings({}, DDPWithoutForwardSync) == (TORCHREC_DDP, True)
+    # The caller's broadcast_buffers is DDP's own meaning on both: no extra broadcast.
+    for ddp in (DDPWithForwardSync, DDPWithoutForwardSync):
+        for value in (True, False):
+            expected = {**TORCHREC_DDP, "broadcast_buffers": value}
+            assert _ddp_settings({"broadcast_buffers": value}, ddp) == (expected, False)
+    # forward_sync_buffers=True also broadcasts at construction on DDP without it.
+    given = {"forward_sync_buffers": True}
+    expected = {**TORCHREC_DDP, "broadcast_buffers": True}
+    assert _ddp_settings(given, DDPWithoutForwardSync) == (expected, False)
 
 
 def own_wrapper():

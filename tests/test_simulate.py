@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -237,6 +238,22 @@ def test_an_error_on_one_rank_stops_every_rank():
     with pytest.raises(ValueError, match="rank 1 failed"):
         run_ranks(3, fail_on_rank_1)
     assert run_ranks(2, dist.get_rank) == [0, 1]  # the next world starts clean
+
+
+def rank_and_world() -> tuple[int, int]:
+    return dist.get_rank(), dist.get_world_size()
+
+
+def test_every_rank_tears_down_cleanly_without_the_threaded_worlds_comms(monkeypatch):
+    # torch 2.11's threaded world has no ``comms``, which destroy_process_group reads.
+    from torch.testing._internal.distributed import multi_threaded_pg
+
+    monkeypatch.delattr(multi_threaded_pg.ThreadLocalWorld, "comms", raising=False)
+    raised = []
+    monkeypatch.setattr(threading, "excepthook", raised.append)
+    assert run_ranks(3, rank_and_world) == [(0, 3), (1, 3), (2, 3)]
+    assert [args.exc_value for args in raised] == []
+    assert run_ranks(2, rank_and_world) == [(0, 2), (1, 2)]  # and the next world starts
 
 
 def test_bad_requests_say_what_is_wrong(tmp_path):

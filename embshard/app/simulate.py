@@ -74,7 +74,7 @@ def run_ranks(world_size: int, fn: Callable[..., T], *args: Any) -> list[T]:
             dist.destroy_process_group()
 
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
-    multi_threaded_pg._install_threaded_pg()
+    _install_threaded_pg()
     multi_threaded_pg.ProcessLocalGroup.reset()
     try:
         threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world_size)]
@@ -92,6 +92,15 @@ def run_ranks(world_size: int, fn: Callable[..., T], *args: Any) -> list[T]:
     if raised or errors:
         raise (raised or errors)[0]
     return results
+
+
+def _install_threaded_pg() -> None:
+    """torch's threaded process group, with the ``comms`` list (none: the threaded
+    backend makes no comms) that ``destroy_process_group`` reads and torch 2.11's
+    threaded world lacks, so that every rank's teardown runs to its end."""
+    if not hasattr(multi_threaded_pg.ThreadLocalWorld, "comms"):
+        multi_threaded_pg.ThreadLocalWorld.comms = property(lambda self: [])
+    multi_threaded_pg._install_threaded_pg()
 
 
 @dataclass(frozen=True)

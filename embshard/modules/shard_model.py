@@ -3,6 +3,7 @@ sharded, the rest DDP."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -25,7 +26,8 @@ from embshard.storage.optimizers import SGD, FusedOptimizer
 # parameters that never get a gradient (TorchRec's TestSparseNN has one): DDP finds
 # them on the first step, where plain DDP fails on the second. forward_sync_buffers
 # is torch 2.13's name for TorchRec's broadcast_buffers=False: no buffer broadcast
-# before each forward (buffers are still synced once, at construction).
+# before each forward (buffers are still synced once, at construction). A DDP without
+# it (torch 2.11, 2.12) gets broadcast_buffers instead: see _ddp_settings.
 DDP_DEFAULTS: Mapping[str, Any] = {
     "static_graph": True,
     "find_unused_parameters": False,
@@ -74,8 +76,9 @@ def shard_model(
     must be the current device (``torch.cuda.set_device``), as NCCL needs.
 
     The DDP is TorchRec's DistributedModelParallel's: ``DDP_DEFAULTS``
-    (``static_graph=True``, ``find_unused_parameters=False``, no buffer broadcast
-    before each forward, ``gradient_as_bucket_view=True``) updated by ``ddp_kwargs``.
+    (``static_graph=True``, ``find_unused_parameters=False``, rank 0's buffers
+    broadcast once at construction, none before each forward,
+    ``gradient_as_bucket_view=True``) updated by ``ddp_kwargs``.
     A model whose set of used parameters changes from step to step needs
     ``ddp_kwargs={"static_graph": False, "find_unused_parameters": True}``.
 
@@ -139,7 +142,11 @@ def shard_model(
     if data_parallel_wrapper is not None:
         return data_parallel_wrapper(model)
     device_ids = {"device_ids": [device]} if device.type == "cuda" else {}
-    return DistributedDataParallel(model, **device_ids, **_ddp_settings(ddp_kwargs or {}))
+    settings, sync_buffers_once = _ddp_settings(ddp_kwargs or {}, DistributedDataParallel)
+    wrapped = DistributedDataParallel(model, **device_ids, **settings)
+    if sync_buffers_once:
+        _broadcast_buffers(wrapped)
+    return wrapped
 
 
 def _device(device: torch.device | str | None, mesh: DeviceMesh | None) -> torch.device:
@@ -162,12 +169,32 @@ def sharded_collections(model: nn.Module) -> dict[str, ShardedCollection]:
     return {path: m for path, m in model.named_modules() if isinstance(m, ShardedCollection)}
 
 
-def _ddp_settings(ddp_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+def _ddp_settings(ddp_kwargs: Mapping[str, Any], ddp: type) -> tuple[dict[str, Any], bool]:
+    """``DDP_DEFAULTS`` updated by ``ddp_kwargs``, in the arguments ``ddp`` takes, and
+    whether the buffers must then be broadcast once. Chosen by ``ddp``'s signature: a
+    DDP without ``forward_sync_buffers`` (torch before 2.13) gets ``broadcast_buffers``,
+    which when False also skips the broadcast at construction that
+    ``forward_sync_buffers=False`` keeps; the caller does that one broadcast."""
     settings = {**DDP_DEFAULTS, **ddp_kwargs}
     if "broadcast_buffers" in ddp_kwargs and "forward_sync_buffers" not in ddp_kwargs:
         # DDP ignores the older broadcast_buffers when forward_sync_buffers is given.
         del settings["forward_sync_buffers"]
-    return settings
+    if "forward_sync_buffers" not in settings or (
+        "forward_sync_buffers" in inspect.signature(ddp.__init__).parameters
+    ):
+        return settings, False
+    forward_sync = settings.pop("forward_sync_buffers")
+    settings["broadcast_buffers"] = forward_sync
+    return settings, not forward_sync
+
+
+def _broadcast_buffers(ddp: DistributedDataParallel) -> None:
+    """Rank 0's buffers on every rank of ``ddp``'s group, as DDP's own broadcast at
+    construction does (buffers DDP is told to ignore stay each rank's own)."""
+    ignored = set(getattr(ddp.module, "_ddp_params_and_buffers_to_ignore", ()))
+    for name, buffer in ddp.module.named_buffers():
+        if name not in ignored:
+            dist.broadcast(buffer, group=ddp.process_group, group_src=0)
 
 
 def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
