@@ -15,6 +15,7 @@ to ``--out``, rewriting them after each part.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
@@ -82,6 +83,8 @@ def cuda_tests(device: str, out: Path) -> dict:
     paths = [p for p in CUDA_TESTS if (ROOT / p).exists()]
     junit = out / "cuda_tests.xml"
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda"]
+    if importlib.util.find_spec("pytest_timeout"):
+        command.append("--timeout=240")  # a hung collective fails its test, not the run
     command += [f"--junitxml={junit}", *paths] + (["--collect-only"] if device == "cpu" else [])
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     (out / "cuda_tests.log").write_text(done.stdout + done.stderr)
@@ -126,7 +129,8 @@ def steps_vs_bare_tbe_and_torchrec(device: str, sizes: dict) -> list[dict]:
         spec = WORKLOADS[workload] if isinstance(workload, str) else workload
         cells = step_cells(spec, sizes["batches"], plan, "power-law", sizes["steps"],
                            sizes["warmup"], torch.device(device))  # fmt: skip
-        records += [{"workload": str(workload), **cell} for cell in cells]
+        name = workload if isinstance(workload, str) else "quick"
+        records += [{"workload": name, **cell} for cell in cells]
     return records
 
 
@@ -211,15 +215,17 @@ def main(device: str, quick: bool, with_tests: bool, out: str) -> None:
     sizes = SIZES["quick" if quick else "full"]
     report: dict = {}
     run_part(report, "stack", path, lambda: stack(device))
-    if with_tests:
-        run_part(report, "cuda_tests", path, lambda: cuda_tests(device, path))
     _init_world(device)
     run_part(report, "steps", path, lambda: steps_vs_bare_tbe_and_torchrec(device, sizes))
     run_part(report, "bandwidth", path, lambda: bandwidth(device, sizes))
-    print(summary(report), end="")
     from embshard.runtime.teardown import shutdown
 
     shutdown()
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the tests' ranks share the GPU
+    if with_tests:
+        run_part(report, "cuda_tests", path, lambda: cuda_tests(device, path))
+    print(summary(report), end="")
 
 
 if __name__ == "__main__":
