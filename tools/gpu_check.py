@@ -218,14 +218,14 @@ def main(device: str, quick: bool, with_tests: bool, out: str) -> None:
     _init_world(device)
     run_part(report, "steps", path, lambda: steps_vs_bare_tbe_and_torchrec(device, sizes))
     run_part(report, "bandwidth", path, lambda: bandwidth(device, sizes))
-    from embshard.runtime.teardown import shutdown
-
-    shutdown()
     if device == "cuda":
         torch.cuda.empty_cache()  # the tests' ranks share the GPU
     if with_tests:
         run_part(report, "cuda_tests", path, lambda: cuda_tests(device, path))
     print(summary(report), end="")
+    from embshard.runtime.teardown import shutdown
+
+    shutdown()
 
 
 if __name__ == "__main__":
