@@ -95,14 +95,6 @@ def test_embedding_collection_trains_like_unsharded(cuda_world, optimizer):
     assert worst["output"] > 0.1 and worst["update"] > 1e-3, worst
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("plan", ALL_PLANS)
-def test_ranks_sharing_the_gpu_train_like_unsharded(cuda_world, world_size, plan):
-    case = Case(tables_for(plan), plans(world_size)[plan], batch_sizes(world_size), device="cuda")
-    for worst in cuda_world(world_size).run(run_case, case):
-        assert worst["forward"] < TOL and worst["weights"] < TOL, worst
-
-
 CHECKPOINT_TABLES = (
     Table("a", 30, 16, ("f_a",)),
     Table("b", 30, 16, ("f_b",)),
@@ -177,3 +169,21 @@ def test_rowwise_adagrad_state_merges_column_blocks_on_the_gpu(cuda_world, tmp_p
     assert saved[state].abs().sum() > 0  # trained: there is state to convert
     torch.testing.assert_close(loaded[state][:, 0], saved[state].mean(1), rtol=1e-6, atol=0)
     assert torch.equal(loaded["c"], saved["c"])
+
+
+# Last: several processes on the one GPU.
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("plan", ALL_PLANS)
+def test_ranks_sharing_the_gpu_train_like_unsharded(cuda_world, world_size, plan):
+    sizes = (5, 2, 3, 6)[:world_size]  # every rank has samples; an empty one is below
+    case = Case(tables_for(plan), plans(world_size)[plan], sizes, device="cuda")
+    for worst in cuda_world(world_size).run(run_case, case):
+        assert worst["forward"] < TOL and worst["weights"] < TOL, worst
+
+
+@pytest.mark.parametrize("plan", ["table_wise", "mixed"])
+def test_a_rank_with_an_empty_batch_on_the_shared_gpu(cuda_world, plan):
+    assert batch_sizes(2)[1] == 0
+    case = Case(tables_for(plan), plans(2)[plan], batch_sizes(2), device="cuda")
+    for worst in cuda_world(2).run(run_case, case, timeout=60):
+        assert worst["forward"] < TOL and worst["weights"] < TOL, worst

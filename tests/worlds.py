@@ -9,9 +9,12 @@ the per-rank results. ``fn`` must be a module-level function (it is pickled by n
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import multiprocessing as mp
 import os
+import signal
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -25,6 +28,7 @@ def _serve(rank: int, size: int, store_path: str, conn: Any, backend: str, cuda:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # World.run's stacks of a hang
     if cuda:
         torch.cuda.set_device(0)  # one GPU: every rank shares it
     dist.init_process_group(
@@ -69,8 +73,12 @@ class World:
         results, errors = [], []
         for rank, conn in enumerate(self._conns):
             if not conn.poll(timeout):
+                self._dump_stacks()
                 self.close()
-                raise TimeoutError(f"rank {rank} did not finish {fn.__name__} in {timeout}s")
+                raise TimeoutError(
+                    f"rank {rank} did not finish {fn.__name__} in {timeout}s "
+                    "(every rank's stacks are on stderr)"
+                )
             status, value = conn.recv()
             if status == "error":
                 errors.append(f"--- rank {rank} ---\n{value}")
@@ -80,6 +88,13 @@ class World:
             self.close()
             raise AssertionError(f"{fn.__name__} failed:\n" + "\n".join(errors))
         return results
+
+    def _dump_stacks(self) -> None:
+        """Every rank's Python stacks, on its stderr: where a hung rank waits."""
+        for proc in self._procs:
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGUSR1)
+        time.sleep(2)
 
     @property
     def alive(self) -> bool:

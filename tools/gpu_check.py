@@ -31,7 +31,8 @@ from pathlib import Path
 import click
 
 ROOT = Path(__file__).resolve().parent.parent
-CUDA_TESTS = ("tests/test_cuda.py", "tests/test_cuda_optimizers.py", "tests/test_train_cuda.py")
+# One rank's tests first; tests/test_cuda.py ends with several ranks sharing the GPU.
+CUDA_TESTS = ("tests/test_cuda_optimizers.py", "tests/test_train_cuda.py", "tests/test_cuda.py")
 PLANS = ("table_wise", "row_wise", "column_wise", "mixed")
 
 # Sizes of the measurements: full on a GPU, tiny for a dry run.
@@ -82,7 +83,7 @@ def cuda_tests(device: str, out: Path) -> dict:
     """The tests marked ``cuda``, by name; on CPU only collected (they need a GPU)."""
     paths = [p for p in CUDA_TESTS if (ROOT / p).exists()]
     junit = out / "cuda_tests.xml"
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda"]
+    command = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-m", "cuda"]
     if importlib.util.find_spec("pytest_timeout"):
         command.append("--timeout=240")  # a hung collective fails its test, not the run
     command += [f"--junitxml={junit}", *paths] + (["--collect-only"] if device == "cpu" else [])

@@ -56,7 +56,7 @@ def build_torchrec(configs, plan, world: int, comm_precision: str = "fp32", devi
             device=device,
         ),
     )
-    module_plan = embshard.to_torchrec_plan(plan, configs, world)
+    module_plan = embshard.to_torchrec_plan(plan, configs, world, device_type=device.type)
     return DistributedModelParallel(
         holder,
         device=device,
