@@ -85,11 +85,17 @@ def test_every_layout_trains_like_unsharded(cuda_world, optimizer, weighted):
     assert worst["output"] > 0.1 and worst["update"] > 1e-3, worst  # real rows, real updates
 
 
-@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+# Adam's and LAMB's rates as tests/test_cuda_optimizers.py sets them.
+SEQUENCE_OPTIMIZERS = OPTIMIZERS | {
+    "adam": embshard.Adam(lr=0.01, eps=1e-4),
+    "lamb": embshard.Lamb(lr=0.1, eps=1e-4),
+}
+
+
+@pytest.mark.parametrize("optimizer", list(SEQUENCE_OPTIMIZERS))
 def test_embedding_collection_trains_like_unsharded(cuda_world, optimizer):
-    case = Case(
-        SEQUENCE_TABLES, SEQUENCE_PLAN, (6,), optimizer=OPTIMIZERS[optimizer], sequence=True
-    )
+    optimizer = SEQUENCE_OPTIMIZERS[optimizer]
+    case = Case(SEQUENCE_TABLES, SEQUENCE_PLAN, (6,), optimizer=optimizer, sequence=True)
     [worst] = cuda_world(1).run(run_sequence_case, case)
     assert worst["forward"] < TOL and worst["weights"] < TOL, worst
     assert worst["output"] > 0.1 and worst["update"] > 1e-3, worst
