@@ -21,8 +21,7 @@ import json
 from pathlib import Path
 
 import click
-from bench.command import ListOptions
-from bench.workloads import ID_LAWS, PLANS, WORKLOADS
+from bench.command import ListOptions, cell_options
 
 from embshard.app.cli import OutputFile
 
@@ -84,39 +83,7 @@ def breakdown(record: dict) -> list[str]:
 
 
 @click.command(cls=ListOptions)
-@click.option(
-    "--world-sizes",
-    type=click.IntRange(min=1),
-    multiple=True,
-    default=(1, 2),
-    show_default=True,
-    metavar="N...",
-    help="Ranks of each run.",
-)
-@click.option(
-    "--workloads",
-    type=click.Choice(list(WORKLOADS)),
-    multiple=True,
-    default=("d",),
-    show_default=True,
-    metavar="W...",
-    help="The bench's workloads.",
-)
-@click.option(
-    "--plans",
-    type=click.Choice(PLANS),
-    multiple=True,
-    default=tuple(PLANS),
-    metavar="P...",
-    help="The bench's plans. Default: all.",
-)
-@click.option(
-    "--ids",
-    type=click.Choice(ID_LAWS),
-    default="uniform",
-    show_default=True,
-    help="The bench's id laws.",
-)
+@cell_options(world_sizes=(1, 2), workloads=("d",))
 @click.option(
     "--steps",
     type=click.IntRange(min=1),

@@ -27,37 +27,62 @@ class ListOptions(click.Command):
         return super().parse_args(ctx, spread)
 
 
+def cell_options(world_sizes: tuple[int, ...], workloads: tuple[str, ...] = tuple(WORKLOADS)):
+    """The options that pick the bench's cells (world sizes, workloads, plans, id law),
+    with these defaults: ``tools/bench.py``'s and ``tools/op_count.py``'s."""
+    every = workloads == tuple(WORKLOADS)
+    options = [
+        click.option(
+            "--world-sizes",
+            type=click.IntRange(min=1),
+            multiple=True,
+            default=world_sizes,
+            show_default=True,
+            metavar="N...",
+            help="Ranks of each run.",
+        ),
+        click.option(
+            "--workloads",
+            type=click.Choice(list(WORKLOADS)),
+            multiple=True,
+            default=workloads,
+            show_default=not every,
+            metavar="W...",
+            help="a: 8 tables of 100k x 64, ~20 ids a bag; b: 64 of 10k x 32, ~5 ids; c: "
+            "Criteo Kaggle's 26 (rows up to 1M) x 64, 1 id; d: Criteo Kaggle's 26 (rows up to "
+            "400k) x 16, 32 or 64, MLPerf DLRMv2's 1 to 100 ids a bag, batch 512; e: "
+            "EmbeddingCollection, 8 tables of 1k to 400k x 64, sequences of ~5 to ~50 ids "
+            "(~150 a sample), batch 512." + (" Default: all." if every else ""),
+        ),
+        click.option(
+            "--plans",
+            type=click.Choice(PLANS),
+            multiple=True,
+            default=tuple(PLANS),
+            metavar="P...",
+            help=f"Every table sharded one way ({', '.join(PLANS[:3])}), or mixed: the three "
+            "in turn. Default: all.",
+        ),
+        click.option(
+            "--ids",
+            type=click.Choice(ID_LAWS),
+            default="uniform",
+            show_default=True,
+            help="Ids uniform over each table's rows, or a power law as embshard's synthetic "
+            "data draws them (low ids hot).",
+        ),
+    ]
+
+    def apply(command):
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return apply
+
+
 @click.command(cls=ListOptions)
-@click.option(
-    "--world-sizes",
-    type=click.IntRange(min=1),
-    multiple=True,
-    default=(2, 4),
-    show_default=True,
-    metavar="N...",
-    help="Ranks of each run.",
-)
-@click.option(
-    "--workloads",
-    type=click.Choice(list(WORKLOADS)),
-    multiple=True,
-    default=tuple(WORKLOADS),
-    metavar="W...",
-    help="a: 8 tables of 100k x 64, ~20 ids a bag; b: 64 of 10k x 32, ~5 ids; c: Criteo "
-    "Kaggle's 26 (rows up to 1M) x 64, 1 id; d: Criteo Kaggle's 26 (rows up to 400k) x 16, "
-    "32 or 64, MLPerf DLRMv2's 1 to 100 ids a bag, batch 512; e: EmbeddingCollection, 8 "
-    "tables of 1k to 400k x 64, sequences of ~5 to ~50 ids (~150 a sample), batch 512. "
-    "Default: all.",
-)
-@click.option(
-    "--plans",
-    type=click.Choice(PLANS),
-    multiple=True,
-    default=tuple(PLANS),
-    metavar="P...",
-    help=f"Every table sharded one way ({', '.join(PLANS[:3])}), or mixed: the three in "
-    "turn. Default: all.",
-)
+@cell_options(world_sizes=(2, 4))
 @click.option(
     "--steps", type=click.IntRange(min=1), default=20, show_default=True, help="Timed steps."
 )
@@ -74,14 +99,6 @@ class ListOptions(click.Command):
     default="fp32",
     show_default=True,
     help="Precision of the pooled all-to-alls, both ways, in both libraries.",
-)
-@click.option(
-    "--ids",
-    type=click.Choice(ID_LAWS),
-    default="uniform",
-    show_default=True,
-    help="Ids uniform over each table's rows, or a power law as embshard's synthetic data "
-    "draws them (low ids hot).",
 )
 @click.option(
     "--json",
