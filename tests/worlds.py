@@ -21,6 +21,8 @@ from datetime import timedelta
 from typing import Any
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+# How long World.run waits for a rank before it dumps every rank's stacks and fails.
+RUN_TIMEOUT = float(os.environ.get("EMBSHARD_TEST_WORLD_TIMEOUT", 180))
 
 
 def _serve(rank: int, size: int, store_path: str, conn: Any, backend: str, cuda: bool) -> None:
@@ -66,7 +68,7 @@ class World:
             self._conns.append(parent)
             self._procs.append(proc)
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 180) -> list[Any]:
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = RUN_TIMEOUT) -> list[Any]:
         """``fn(*args)`` on every rank; raises with every failing rank's traceback."""
         for conn in self._conns:
             conn.send((fn, args))

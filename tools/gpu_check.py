@@ -19,12 +19,13 @@ import importlib.util
 import json
 import os
 import platform
+import re
+import signal
 import socket
 import subprocess
 import sys
 import time
 import traceback
-import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from pathlib import Path
 
@@ -79,27 +80,32 @@ def stack(device: str) -> dict:
     return info
 
 
-def cuda_tests(device: str, out: Path) -> dict:
-    """The tests marked ``cuda``, by name; on CPU only collected (they need a GPU)."""
+def cuda_tests(device: str, out: Path, budget: float) -> dict:
+    """The tests marked ``cuda`` by outcome, read from pytest's lines as they stream to
+    ``cuda_tests.log``: what ran survives a run stopped at ``budget`` seconds. A hung
+    world fails its test in 120 s, with every rank's stacks in the log. On CPU they are
+    only collected (they need a GPU)."""
     paths = [p for p in CUDA_TESTS if (ROOT / p).exists()]
-    junit = out / "cuda_tests.xml"
-    command = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-m", "cuda"]
+    listed = ["-q", "--collect-only"] if device == "cpu" else ["-v"]  # a line a test
+    command = [sys.executable, "-m", "pytest", *listed, "-p", "no:cacheprovider", "-m", "cuda"]
     if importlib.util.find_spec("pytest_timeout"):
-        command.append("--timeout=240")  # a hung collective fails its test, not the run
-    command += [f"--junitxml={junit}", *paths] + (["--collect-only"] if device == "cpu" else [])
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    (out / "cuda_tests.log").write_text(done.stdout + done.stderr)
-    cases = {}
-    if junit.exists():
-        for case in ET.parse(junit).getroot().iter("testcase"):
-            problem = case.find("failure") or case.find("error")
-            cases[case.get("name")] = {
-                "seconds": float(case.get("time", 0)),
-                "outcome": "failed" if problem is not None else "passed",
-                **({"message": problem.get("message", "")[:500]} if problem is not None else {}),
-            }
-    collected = done.stdout.count("::") if device == "cpu" else len(cases)
-    return {"returncode": done.returncode, "collected": collected, "cases": cases}
+        command.append("--timeout=170")  # beyond the world's own 120 s, which dumps stacks
+    command += paths
+    log = out / "cuda_tests.log"
+    env = {**os.environ, "EMBSHARD_TEST_WORLD_TIMEOUT": "120"}
+    with log.open("w") as sink:
+        tests = subprocess.Popen(command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT,
+                                 env=env, start_new_session=True)  # fmt: skip
+        try:
+            returncode = tests.wait(timeout=budget)
+        except subprocess.TimeoutExpired:
+            os.killpg(tests.pid, signal.SIGKILL)  # pytest and the worlds it started
+            returncode = tests.wait()
+            sink.write(f"\n[gpu_check: stopped after {budget:.0f} s]\n")
+    text = log.read_text()
+    cases = dict(re.findall(r"^(tests/\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED)", text, re.M))
+    collected = len(re.findall(r"^tests/\S+::\S+$", text, re.M)) if device == "cpu" else None
+    return {"returncode": returncode, "collected": collected, "cases": cases}
 
 
 def _init_world(device: str) -> None:
@@ -151,11 +157,11 @@ def summary(report: dict) -> str:
     lines = [f"stack: {report.get('stack', {}).get('result')}"]
     tests = report.get("cuda_tests", {}).get("result") or {}
     cases = tests.get("cases", {})
-    failed = [n for n, c in cases.items() if c["outcome"] != "passed"]
+    failed = [n for n, outcome in cases.items() if outcome != "PASSED"]
     lines.append(
-        f"cuda tests: {len(cases) - len(failed)} passed, {len(failed)} failed"
+        f"cuda tests: {len(cases) - len(failed)} passed, {len(failed)} not"
         + (f" ({', '.join(failed)})" if failed else "")
-        + f"; collected {tests.get('collected')}"
+        + (f"; collected {tests['collected']}" if tests.get("collected") is not None else "")
     )
     for cell in report.get("steps", {}).get("result") or []:
         ours, theirs, bare = cell["embshard"], cell["torchrec"], cell["bare_tbe"]
@@ -204,8 +210,15 @@ def run_part(report: dict, name: str, out: Path, work: Callable[[], object]) -> 
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True)
 @click.option("--quick", is_flag=True, help="Tiny sizes: a dry run of every part.")
 @click.option("--tests/--no-tests", "with_tests", default=True, help="Run the cuda tests.")
+@click.option(
+    "--tests-budget",
+    type=click.FloatRange(min=1),
+    default=420,
+    show_default=True,
+    help="Seconds the cuda tests may take in all; what ran by then is reported.",
+)
 @click.option("--out", type=click.Path(file_okay=False), default="gpu_report", show_default=True)
-def main(device: str, quick: bool, with_tests: bool, out: str) -> None:
+def main(device: str, quick: bool, with_tests: bool, tests_budget: float, out: str) -> None:
     """Check and measure embshard's CUDA path; writes OUT/gpu_check.json and summary.txt."""
     import torch
 
@@ -222,7 +235,7 @@ def main(device: str, quick: bool, with_tests: bool, out: str) -> None:
     if device == "cuda":
         torch.cuda.empty_cache()  # the tests' ranks share the GPU
     if with_tests:
-        run_part(report, "cuda_tests", path, lambda: cuda_tests(device, path))
+        run_part(report, "cuda_tests", path, lambda: cuda_tests(device, path, tests_budget))
     print(summary(report), end="")
     from embshard.runtime.teardown import shutdown
 
