@@ -443,6 +443,49 @@ def test_forward_without_grad_matches_unsharded_and_builds_no_graph(world, plan)
         assert found["forward"] < TOL and not found["graphs"], found
 
 
+ID_DTYPES = [(i, n) for i in (torch.int32, torch.int64) for n in (torch.int32, torch.int64)]
+
+
+def forward_in_every_id_dtype(case: Case) -> dict[str, object]:
+    """The forward of every (ids, lengths) dtype pair against the oracle's, and the
+    error of an id one past its table in each pair, on rank 1's batch."""
+    rank = dist.get_rank()
+    torch.manual_seed(case.seed)
+    oracle = EmbeddingBagCollection(tables=[t.config() for t in case.tables])
+    sharded = embshard.shard(copy.deepcopy(oracle), case.plan)
+    start = sum(case.batch_sizes[:rank])
+    rows = slice(start, start + case.batch_sizes[rank])
+    batches = local_batches(case, 0)
+    expected = oracle(global_batch(batches)).values()[rows].detach()
+    mine = batches[rank]
+    found: dict[str, object] = {}
+    for ids, lengths in ID_DTYPES:
+        values = mine.values().to(ids)
+        batch = KeyedJaggedTensor(mine.keys(), values, lengths=mine.lengths().to(lengths))
+        with torch.no_grad():
+            found[f"{ids} {lengths}"] = float((sharded(batch).values() - expected).abs().max())
+        if rank == 1:
+            values = values.clone()
+            values[-1] = 40  # past every table
+            batch = KeyedJaggedTensor(mine.keys(), values, lengths=mine.lengths().to(lengths))
+        try:
+            sharded(batch)
+            found[f"bad {ids} {lengths}"] = None
+        except embshard.InputError as e:
+            found[f"bad {ids} {lengths}"] = str(e)
+    return found
+
+
+def test_ids_and_lengths_of_either_index_dtype_match_unsharded_and_are_checked(world):
+    case = Case(TABLES, plans(2)["mixed"], (5, 3))
+    for found in world(2).run(forward_in_every_id_dtype, case):
+        for ids, lengths in ID_DTYPES:
+            assert found[f"{ids} {lengths}"] < TOL, (ids, lengths, found)
+            error = found[f"bad {ids} {lengths}"]
+            assert error is not None and "rank 1: feature " in error, error
+            assert "id 40 is outside [0, " in error, error
+
+
 def shard_over_meshes_it_cannot_use() -> list[str]:
     """The error of ``shard()`` over a 2-D mesh and over a mesh smaller than the world."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -477,6 +520,8 @@ def bad_batches(case: Case) -> dict[str, KeyedJaggedTensor]:
     out_of_range[first_c] = 25
     negative = values.clone()
     negative[0] = -3
+    pruned = values.clone()  # FBGEMM's mark of a pruned row, which its own check skips
+    pruned[0] = -1
     # A negative length whose total still matches the ids: only the sign gives it away.
     negative_length = lengths.clone()
     negative_length[0] -= lengths[0] + 1
@@ -490,6 +535,7 @@ def bad_batches(case: Case) -> dict[str, KeyedJaggedTensor]:
         ),
         "id 25 is outside [0, 25)": KeyedJaggedTensor(keys, out_of_range, lengths=lengths),
         "id -3 is outside [0, 20)": KeyedJaggedTensor(keys, negative, lengths=lengths),
+        "id -1 is outside [0, 20)": KeyedJaggedTensor(keys, pruned, lengths=lengths),
         "missing: ['f_d'], repeated: []": KeyedJaggedTensor(
             [*keys[:-1], "f_x"], values, lengths=lengths
         ),

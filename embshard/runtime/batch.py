@@ -12,69 +12,110 @@ the bad ranks say why (``describe_problem``). A bad batch's ids are never looked
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embshard.runtime.routes import Routes
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
+_NO_BOUND = 2**62  # the rows of a key the model does not use: none of its ids is checked
 
 
 @dataclass(frozen=True)
 class LocalBatch:
-    """A batch in the model's feature order: lengths [features, batch] and ids, in the
-    dtypes they came in, and how many ids each feature has.
+    """A batch in the model's feature order: lengths [features, batch], ids and weights
+    in the dtypes they came in, and ``problems``: how many FBGEMM's bounds check found
+    (int64 [1], on the batch's device; 0 for a good batch).
 
-    ``valid`` is a 0-dim bool tensor on the batch's device. When it is False the
-    lengths and ids are stand-ins whose lengths add up to the ids, safe to route
-    (bucketizing sorts any id into some bucket), and never looked up.
+    ``lengths`` are the batch's own until the counts have said the batch is good:
+    before that, route by ``routable_lengths``. ``offsets`` are the flat offsets of
+    ``lengths`` when they are the batch's own, which on one rank are the TBE's.
+    ``stand_in`` is None when ``lengths`` are routable already. What is computed on
+    first use costs nothing where it is not needed: on one rank the TBE takes the
+    batch's own bags, after one host read of ``problems``.
     """
 
     lengths: torch.Tensor
     values: torch.Tensor
     weights: torch.Tensor | None
-    valid: torch.Tensor
-    ids_per_feature: torch.Tensor
+    problems: torch.Tensor
+    offsets: torch.Tensor | None = None
+    stand_in: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
         return self.lengths.shape[1]
 
+    @cached_property
+    def valid(self) -> torch.Tensor:
+        """Whether the batch is good, as a 0-dim bool tensor on its device."""
+        return (self.problems == 0).view(())
+
+    @cached_property
+    def routable_lengths(self) -> torch.Tensor:
+        """``lengths`` if the batch is good, else one bag holding every id: lengths that
+        add up, so permuting and bucketizing stay in bounds, with no host read to
+        decide it. A bad batch's ids are never looked up."""
+        if self.stand_in is None:
+            return self.lengths
+        return torch.where(self.valid, self.lengths, self.stand_in * self.values.numel())
+
+    @cached_property
+    def ids_per_feature(self) -> torch.Tensor:
+        """How many ids each feature has (of the routable lengths)."""
+        return self.routable_lengths.sum(1)
+
 
 class IdBounds:
-    """The last valid id of every feature (of the smallest table it feeds), or one for
-    all when every feature has the same, on the batch's device in both id dtypes:
-    comparing ids with bounds of their own dtype converts nothing."""
+    """What FBGEMM's bounds check takes to check a batch's ids: every key's rows less
+    one (of the smallest table its feature feeds; no bound for keys the model does
+    not use) in the batch's key order, and a stand-in lengths table. Both are kept
+    for the last key order and batch shape seen, as they rarely change."""
 
-    def __init__(self, feature_rows: tuple[int, ...], device: torch.device) -> None:
-        distinct = sorted(set(feature_rows))
-        last = [r - 1 for r in (distinct if len(distinct) == 1 else feature_rows)]
-        self.one_for_all = len(distinct) == 1
-        self._by_dtype = {d: torch.tensor(last, dtype=d, device=device) for d in _INDEX_DTYPES}
+    def __init__(self, features: tuple[str, ...], feature_rows: tuple[int, ...], device) -> None:
+        self._rows = dict(zip(features, feature_rows))
+        self._device = device
+        self._keys: tuple[tuple[str, ...], torch.Tensor] | None = None
+        self._unit: tuple[tuple[tuple[int, ...], torch.dtype], torch.Tensor] | None = None
 
-    def of(self, dtype: torch.dtype) -> torch.Tensor:
-        return self._by_dtype[dtype]
+    def rows_less_one(self, keys: list[str]) -> torch.Tensor:
+        """Each key's rows less one, int64, in ``keys``' order."""
+        if self._keys is None or self._keys[0] != tuple(keys):
+            last = [self._rows.get(k, _NO_BOUND) - 1 for k in keys]
+            self._keys = (tuple(keys), torch.tensor(last, dtype=torch.int64, device=self._device))
+        return self._keys[1]
+
+    def first_bag(self, lengths: torch.Tensor) -> torch.Tensor:
+        """A lengths table shaped like ``lengths``: 1 in the first bag, 0 elsewhere."""
+        key = (tuple(lengths.shape), lengths.dtype)
+        if self._unit is None or self._unit[0] != key:
+            unit = torch.zeros_like(lengths)
+            unit.view(-1)[:1] = 1
+            self._unit = (key, unit)
+        return self._unit[1]
 
 
 def check_batch(features: object, routes: Routes, bounds: IdBounds) -> LocalBatch | str:
-    """The batch in model order with its validity flag, or a message saying what is
-    wrong with its structure. Features the model does not use are left out, as
-    TorchRec's modules ignore them; that costs one host read (of the kept ids'
+    """The batch in model order with its bounds check's count, or a message saying
+    what is wrong with its structure. Features the model does not use are left out,
+    as TorchRec's modules ignore them; that costs one host read (of the kept ids'
     count), the only one here."""
     problem = _structure_problem(features, routes)
     if problem:
         return problem
     assert isinstance(features, KeyedJaggedTensor)
-    values, lengths = features.values(), features.lengths()
-    keys = len(features.keys())
-    lengths = lengths.view(keys, lengths.numel() // keys)
-    lengths_ok = (lengths >= 0).all() & (lengths.sum() == values.numel())
-    lengths = _trusted(lengths, lengths_ok, values.numel())
-    lengths, values, weights = _in_model_order(features, routes, lengths)
-    ids_per_feature = lengths.sum(1)
-    valid = lengths_ok & _ids_in_range(ids_per_feature, values, bounds)
-    return LocalBatch(lengths, values, weights, valid, ids_per_feature)
+    values, lengths, keys = features.values(), features.lengths(), features.keys()
+    lengths = lengths.view(len(keys), lengths.numel() // len(keys))
+    offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths.view(-1))
+    problems = _bounds_check(offsets, values, bounds.rows_less_one(keys))
+    weights = features.weights_or_none() if routes.weighted else None
+    given = LocalBatch(lengths, values, weights, problems, offsets, bounds.first_bag(lengths))
+    if list(keys) == list(routes.features):
+        return given
+    return LocalBatch(*_in_model_order(features, routes, given.routable_lengths), problems)
 
 
 def describe_problem(features: KeyedJaggedTensor, routes: Routes) -> str:
@@ -126,16 +167,6 @@ def _structure_problem(features: object, routes: Routes) -> str | None:
     return None
 
 
-def _trusted(lengths: torch.Tensor, ok: torch.Tensor, ids: int) -> torch.Tensor:
-    """``lengths`` if ``ok``, else one bag holding all ``ids``: lengths that always
-    add up, so permuting and bucketizing stay in bounds. No host read."""
-    if not lengths.numel():  # no bags, and then no ids (checked before)
-        return lengths
-    one_bag = torch.zeros_like(lengths)
-    one_bag[0, 0] = ids
-    return torch.where(ok, lengths, one_bag)
-
-
 def _in_model_order(
     features: KeyedJaggedTensor, routes: Routes, lengths: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -152,18 +183,18 @@ def _in_model_order(
     return torch.ops.fbgemm.permute_2D_sparse_data(perm, lengths, values, weights, kept)
 
 
-def _ids_in_range(
-    ids_per_feature: torch.Tensor, values: torch.Tensor, bounds: IdBounds
+def _bounds_check(
+    offsets: torch.Tensor, values: torch.Tensor, rows_less_one: torch.Tensor
 ) -> torch.Tensor:
-    """Whether every id lies in [0, rows of its feature's smallest table), as a 0-dim
-    bool tensor: no host read, and one id-sized temporary at most (fresh CPU buffers
-    page-fault). ``last - id`` and ``id`` are both at least 0 exactly when their
-    bitwise or is: one minimum checks both ends."""
-    last = bounds.of(values.dtype)
-    if not values.numel():
-        return torch.ones((), dtype=torch.bool, device=values.device)
-    if bounds.one_for_all:
-        low, high = torch.aminmax(values)
-        return (low >= 0) & (high <= last[0])
-    per_id = torch.repeat_interleave(last, ids_per_feature, output_size=values.numel())
-    return per_id.sub_(values).bitwise_or_(values).min() >= 0
+    """How many problems FBGEMM's bounds check finds in one pass, on the batch's
+    device (no host read): negative lengths, lengths that do not add up to the ids,
+    ids outside [0, rows of their key). It skips -1 (FBGEMM's mark of a pruned row)
+    and zeroes the ids and fixes the offsets it finds bad, so it checks ``id - 1``
+    against ``rows - 1``, in a buffer of its own (an id of -1 is -2 there, and the
+    batch stays as it came for ``describe_problem``), with offsets that are not kept
+    when they are bad."""
+    problems = torch.empty(1, dtype=torch.int64, device=values.device)
+    torch.ops.fbgemm.bounds_check_indices(
+        rows_less_one, values - 1, offsets, BoundsCheckMode.WARNING.value, problems
+    )
+    return problems

@@ -81,22 +81,25 @@ class Routed:
     lengths table (features, or every bucketizing pass's buckets of every feature),
     the ids and weights it describes, and how many ids each send row (a destination's
     slot: ``InputDistribution.send_rows``) takes, on the device (read back in the
-    counts exchange); None on one rank when its TBE takes the batch's own bags."""
+    counts exchange); None on one rank when its TBE takes the batch's own bags, whose
+    flat offsets are then ``offsets``."""
 
     lengths: torch.Tensor
     values: torch.Tensor
     weights: torch.Tensor | None
     ids_per_slot: torch.Tensor | None
     batch_size: int
+    offsets: torch.Tensor | None = None
 
 
 class Bags(NamedTuple):
     """Bags in a TBE's order (slot by slot, [slots, batch] lengths or flat), their ids
-    and weights."""
+    and weights, and their flat offsets when known."""
 
     lengths: torch.Tensor
     values: torch.Tensor
     weights: torch.Tensor | None
+    offsets: torch.Tensor | None = None
 
 
 class InputDistribution:
@@ -118,7 +121,7 @@ class InputDistribution:
         self.world = routes.world_size
         self.scratch = scratch
         self.device = device
-        self.id_bounds = IdBounds(routes.feature_rows, device)
+        self.id_bounds = IdBounds(routes.features, routes.feature_rows, device)
         self.slots_per_rank = [len(s) for s in routes.slots]
         # On one rank without hot rows every bucketizing pass keeps each feature whole
         # in bucket 0 (its own rows, none rebased): the TBE's bags are rows of the
@@ -148,12 +151,16 @@ class InputDistribution:
 
     def route(self, batch: LocalBatch) -> Routed:
         """Bucketize row-wise ids by owner (rebased into its block), and count what
-        each slot of each rank gets. Ids of hot rows stay home, in bucket 0."""
+        each slot of each rank gets. Ids of hot rows stay home, in bucket 0. A TBE
+        that takes the batch's own bags gets them as they are: nothing reads them
+        before the one host read has said the batch is good."""
+        if self.takes_batch:
+            return Routed(
+                batch.lengths, batch.values, batch.weights, None, batch.batch_size, batch.offsets
+            )
         lengths, values, weights, _ = self.bucketize(batch)
-        per_slot = None
-        if not self.takes_batch:  # without passes the lengths table is the batch's
-            per_row = None if self.passes else batch.ids_per_feature
-            per_slot = self.ids_per_slot(lengths, per_row)
+        # Without passes the lengths table is the batch's.
+        per_slot = self.ids_per_slot(lengths, None if self.passes else batch.ids_per_feature)
         return Routed(lengths, values, weights, per_slot, batch.batch_size)
 
     def bucketize(
@@ -162,7 +169,7 @@ class InputDistribution:
         """The batch's lengths table (features, or every bucketizing pass's buckets of
         every feature), ids and weights; with ``positions`` (a value per id), those
         values in the ids' new order."""
-        lengths, values, weights = batch.lengths, batch.values, batch.weights
+        lengths, values, weights = batch.routable_lengths, batch.values, batch.weights
         if not self.passes:
             return lengths, values, weights, positions
         buckets = [
@@ -264,21 +271,21 @@ class InputDistribution:
         )
 
     def counts_on_one_rank(
-        self, sent: Routed, valid: torch.Tensor, extra: ExtraCounts | None = None
+        self, sent: Routed, problems: torch.Tensor, extra: ExtraCounts | None = None
     ) -> Counts:
         """What the counts exchange tells the only rank, with no exchange: whether its
-        batch is good, what it sends itself and the extra columns, in the one host
-        read (of the validity flag alone when its TBE takes the batch's own bags).
-        Nothing travels: no payload."""
+        batch is good (its bounds check found no ``problems``), what it sends itself
+        and the extra columns, in the one host read (of ``problems`` alone when its
+        TBE takes the batch's own bags). Nothing travels: no payload."""
         if sent.ids_per_slot is None:
-            failed, ids, extra_host = not bool(valid), sent.values.numel(), []
+            failed, ids, extra_host = bool(problems), sent.values.numel(), []
         else:
-            parts = [valid.view(1), sent.ids_per_slot]
+            parts = [problems, sent.ids_per_slot]
             if extra is not None:
                 parts += [extra.per_rank.view(-1), extra.local]
             host = torch.cat(parts).tolist()
             slots = len(self.send_rows)
-            failed, ids, extra_host = not host[0], sum(host[1 : 1 + slots]), host[1 + slots :]
+            failed, ids, extra_host = host[0] != 0, sum(host[1 : 1 + slots]), host[1 + slots :]
         k = 0 if extra is None else extra.per_rank.numel()
         return Counts(
             recv_sizes=[0],
@@ -296,7 +303,7 @@ class InputDistribution:
         """On one rank, the TBE's bags: the batch's own, or the rows of its lengths
         table that the TBE's slots take, gathered in their order."""
         if sent.ids_per_slot is None:
-            return Bags(sent.lengths, sent.values, sent.weights)
+            return Bags(sent.lengths, sent.values, sent.weights, sent.offsets)
         return Bags(
             *torch.ops.fbgemm.permute_2D_sparse_data(
                 self.send_rows, sent.lengths, sent.values, sent.weights, counts.sent_ids[0]
@@ -342,8 +349,10 @@ class InputDistribution:
         """The TBE's input (indices, offsets, weights): on one rank its own bags,
         else what the ids all-to-all brought, once it is done."""
         if in_flight.own is not None:
-            lengths, values, weights = in_flight.own
-            return values, torch.ops.fbgemm.asynchronous_complete_cumsum(lengths.view(-1)), weights
+            lengths, values, weights, offsets = in_flight.own
+            if offsets is None:
+                offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths.view(-1))
+            return values, offsets, weights
         counts = in_flight.counts
         return self.unpack(in_flight.take_received(), counts.recv_sizes, counts.batch_sizes)
 
@@ -515,7 +524,7 @@ def _start_on_one_rank(
     batch, routed, problem = _route(features, stage)
     if problem is None:
         sent = stage.to_send(routed)
-        counts = bags.counts_on_one_rank(sent, batch.valid, stage.extra_counts(batch, routed))
+        counts = bags.counts_on_one_rank(sent, batch.problems, stage.extra_counts(batch, routed))
         if not counts.failed:
             own = bags.own_bags(sent, counts)
             return InputInFlight(counts, batch, kept=stage.keep(routed, counts), own=own)
@@ -553,7 +562,7 @@ def _problem(
     features: KeyedJaggedTensor, routes: Routes, batch: LocalBatch | None, problem: str | None
 ) -> str | None:
     """What is wrong with this rank's batch, if anything, once some rank's is bad."""
-    if problem is not None or batch is None or bool(batch.valid):
+    if problem is not None or batch is None or not bool(batch.problems):
         return problem
     try:
         return describe_problem(features, routes)
