@@ -42,9 +42,9 @@ BUDGET = {
         ("sequence", "mixed"): [140],
     },
     2: {
-        ("pooled", "table_wise"): [27, 27],
+        ("pooled", "table_wise"): [25, 25],
         ("pooled", "row_wise"): [28, 28],
-        ("pooled", "column_wise"): [27, 27],
+        ("pooled", "column_wise"): [25, 25],
         ("pooled", "mixed"): [28, 28],
         ("sequence", "mixed"): [156, 156],
     },

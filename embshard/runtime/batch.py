@@ -30,8 +30,8 @@ class LocalBatch:
     in the dtypes they came in, and ``problems``: how many FBGEMM's bounds check found
     (int64 [1], on the batch's device; 0 for a good batch).
 
-    ``lengths`` are the batch's own until the counts have said the batch is good:
-    before that, route by ``routable_lengths``. ``offsets`` are the flat offsets of
+    ``lengths`` are the batch's own: before the counts have said the batch is good,
+    a kernel that reads ids by them takes ``routable_lengths`` instead. ``offsets`` are the flat offsets of
     ``lengths`` when they are the batch's own, which on one rank are the TBE's.
     ``stand_in`` is None when ``lengths`` are routable already. What is computed on
     first use costs nothing where it is not needed: on one rank the TBE takes the
@@ -65,8 +65,9 @@ class LocalBatch:
 
     @cached_property
     def ids_per_feature(self) -> torch.Tensor:
-        """How many ids each feature has (of the routable lengths)."""
-        return self.routable_lengths.sum(1)
+        """How many ids each feature has: only numbers, read back with the counts, so
+        a bad batch's do no harm."""
+        return self.lengths.sum(1)
 
 
 class IdBounds:

@@ -151,17 +151,19 @@ class InputDistribution:
 
     def route(self, batch: LocalBatch) -> Routed:
         """Bucketize row-wise ids by owner (rebased into its block), and count what
-        each slot of each rank gets. Ids of hot rows stay home, in bucket 0. A TBE
-        that takes the batch's own bags gets them as they are: nothing reads them
-        before the one host read has said the batch is good."""
+        each slot of each rank gets. Ids of hot rows stay home, in bucket 0. Without
+        bucketizing, the batch's own lengths are only summed before the counts have
+        said the batch is good, so they need no stand-in; a TBE that takes the
+        batch's own bags gets them as they are."""
         if self.takes_batch:
             return Routed(
                 batch.lengths, batch.values, batch.weights, None, batch.batch_size, batch.offsets
             )
+        if not self.passes:  # the lengths table is the batch's
+            per_slot = self.ids_per_slot(batch.lengths, batch.ids_per_feature)
+            return Routed(batch.lengths, batch.values, batch.weights, per_slot, batch.batch_size)
         lengths, values, weights, _ = self.bucketize(batch)
-        # Without passes the lengths table is the batch's.
-        per_slot = self.ids_per_slot(lengths, None if self.passes else batch.ids_per_feature)
-        return Routed(lengths, values, weights, per_slot, batch.batch_size)
+        return Routed(lengths, values, weights, self.ids_per_slot(lengths), batch.batch_size)
 
     def bucketize(
         self, batch: LocalBatch, positions: torch.Tensor | None = None
