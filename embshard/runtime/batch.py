@@ -30,11 +30,11 @@ class LocalBatch:
     in the dtypes they came in, and ``problems``: how many FBGEMM's bounds check found
     (int64 [1], on the batch's device; 0 for a good batch).
 
-    ``lengths`` are the batch's own: before the counts have said the batch is good,
-    a kernel that reads ids by them takes ``routable_lengths`` instead. ``offsets`` are the flat offsets of
-    ``lengths`` when they are the batch's own, which on one rank are the TBE's.
-    ``stand_in`` is None when ``lengths`` are routable already. What is computed on
-    first use costs nothing where it is not needed: on one rank the TBE takes the
+    ``lengths`` may be bad until the counts have said the batch is good: before
+    that, a kernel that reads ids by them takes ``routable_lengths``. ``offsets``
+    are their flat offsets when they are the batch's own (then on one rank the
+    TBE's), and ``stand_in`` is None when they are routable already. What is computed
+    on first use costs nothing where it is not needed: on one rank the TBE takes the
     batch's own bags, after one host read of ``problems``.
     """
 
