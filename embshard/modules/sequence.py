@@ -40,6 +40,7 @@ class SequenceLayout:
 
     dim: int
     block: int
+    one_block: bool  # every shard one block wide: an id's row is one block
     slot_cols: list[list[int]]
     embedding_feature: list[int]
     send_row_embedding: list[int]
@@ -155,9 +156,19 @@ def _one_id_a_bag(
     return torch.cat([offsets, end]), slot, bag
 
 
-def _spread(first: torch.Tensor, span: torch.Tensor, total: int) -> torch.Tensor:
+def _places(arrived: torch.Tensor, span: torch.Tensor, total: int) -> torch.Tensor:
+    """Each id's blocks' places among all ids' blocks in arrival order (id i arrived
+    ``arrived[i]``-th and is ``span[i]`` blocks wide)."""
+    span_arrived = torch.empty_like(span).index_copy_(0, arrived, span)
+    start_arrived = torch.cumsum(span_arrived, 0) - span_arrived
+    return _spread(start_arrived[arrived], span, total)
+
+
+def _spread(first: torch.Tensor, span: torch.Tensor | None, total: int) -> torch.Tensor:
     """``first[i], first[i] + 1, ..., first[i] + span[i] - 1`` for every i, in order
-    (``total``: the sum of ``span``)."""
+    (``total``: the sum of ``span``); ``first`` itself where every span is 1 (None)."""
+    if span is None:
+        return first
     starts = torch.cumsum(span, 0) - span
     runs = torch.repeat_interleave(first - starts, span, output_size=total)
     return runs + torch.arange(total, device=first.device)
@@ -201,6 +212,7 @@ class ShardedEmbeddingCollection(
         return SequenceLayout(
             dim=self._configs[0].embedding_dim if self._configs else 0,
             block=stage.block,
+            one_block=stage.one_block,
             slot_cols=[[s.shard.cols for s in slots] for slots in routes.slots],
             embedding_feature=[routes.embeddings[i].feature for i in sharded],
             send_row_embedding=[sharded.index(s.embedding) for s in send],
@@ -238,13 +250,11 @@ class ShardedEmbeddingCollection(
         offsets, slot, bag = _one_id_a_bag(per_slot, len(ids), device)
         pooled = self._storage.tbe(ids, offsets)  # [fullest slot's ids, slots' widths]
         # Each id's row: blocks of bag ``bag`` (a row of ``pooled``) at its slot's columns.
-        span = layout.slot_blocks[slot]
+        span = None if layout.one_block else layout.slot_blocks[slot]
         total = sum(n * c for n, c in zip(per_slot, mine)) // layout.block
         first = bag * (pooled.shape[1] // layout.block) + layout.slot_first_block[slot]
         # Sent back in arrival order: each id's blocks at its place among them.
-        span_arrived = torch.empty_like(span).index_copy_(0, arrived, span)
-        start_arrived = torch.cumsum(span_arrived, 0) - span_arrived
-        place = _spread(start_arrived[arrived], span, total)
+        place = arrived if span is None else _places(arrived, span, total)
         to_send = torch.empty_like(place).index_copy_(0, place, _spread(first, span, total))
         return Rows(pooled.view(-1, layout.block), to_send, local)
 
@@ -268,7 +278,7 @@ class ShardedEmbeddingCollection(
             device=self._device,
         )
         block = layout.block
-        span = layout.send_row_blocks[send_row]
+        span = None if layout.one_block else layout.send_row_blocks[send_row]
         first = (positions + shift[send_row]) * layout.dim + layout.send_row_column[send_row]
         total = counts.blocks_placed
         target = _spread(first // block, span, total)

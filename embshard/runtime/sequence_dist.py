@@ -111,6 +111,10 @@ class SequenceInputDistribution:
         self.send_row_blocks = torch.tensor(
             [s.cols // self.block for s in shards], dtype=torch.long, device=device
         )
+        # Whether every shard is one block wide (equal widths: every plan but column
+        # blocks of different widths): then an id's row is one block, and the blocks'
+        # arithmetic below is the ids' own.
+        self.one_block = all(s.cols == self.block for s in shards)
 
     def route(self, batch: LocalBatch) -> SequenceRouted:
         """Bucketize row-wise ids by owner (rebased into its block), keeping where each
@@ -176,7 +180,9 @@ class SequenceInputDistribution:
             return ExtraCounts(slot_ids, zeros)
         slot_ids[bags.slot_rank, self.slot_index] = routed.bags.ids_per_slot
         rows = routed.ids.lengths.index_select(0, bags.send_rows).sum(1)
-        totals = torch.stack([rows.sum(), (rows * self.send_row_blocks).sum()])
+        sent = rows.sum()
+        blocks = sent if self.one_block else (rows * self.send_row_blocks).sum()
+        totals = torch.stack([sent, blocks])
         return ExtraCounts(slot_ids, torch.cat([totals, batch.ids_per_feature]))
 
     def keep(self, routed: SequenceRouted, counts: Counts) -> SequenceInFlight:
@@ -200,10 +206,14 @@ class SequenceInputDistribution:
             output_size=total,
         )
         # A send row's distinct rows come back after those of the send rows before it.
-        sent = routed.bags.ids_per_slot * self.send_row_blocks
+        sent = routed.bags.ids_per_slot
+        if not self.one_block:
+            sent = sent * self.send_row_blocks
         starts = torch.cumsum(sent, 0) - sent
         local = distinct - ids.row_starts[self.bags.send_rows.long()][send_row]
-        first_block = starts[send_row] + local * self.send_row_blocks[send_row]
+        if not self.one_block:
+            local = local * self.send_row_blocks[send_row]
+        first_block = starts[send_row] + local
         return SentIds(positions, send_row, first_block)
 
     def arrived(self, in_flight: InputInFlight) -> tuple[torch.Tensor, torch.Tensor]:
