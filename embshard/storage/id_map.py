@@ -265,8 +265,12 @@ class IdMap:
         """Raises on bad input (one host sync: ``.item()``)."""
         where = f"IdMap of buckets [{self.first}, {self.last})"
         if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
-            got = f"{ids.dtype} of {ids.dim()} dims" if isinstance(ids, torch.Tensor) else ids
-            raise InputError(f"{where}: ids must be a 1-D int64 tensor, got {got!r}")
+            got = (
+                f"{ids.dtype} of {ids.dim()} dims"
+                if isinstance(ids, torch.Tensor)
+                else type(ids).__name__
+            )
+            raise InputError(f"{where}: ids must be a 1-D int64 tensor, got {got}")
         if ids.device != self.device:
             raise InputError(f"{where}: ids are on {ids.device}, the map on {self.device}")
         if not isinstance(step, int) or (self.step is not None and step < self.step):
