@@ -328,3 +328,29 @@ def test_bad_input() -> None:
     with pytest.raises(InputError, match="step must be an int >= 4, got 3"):
         idmap.remap(torch.tensor(mine), 3)
     assert idmap.remap(torch.tensor([], dtype=torch.int64), 4).rows.numel() == 0
+
+
+@pytest.mark.cuda
+def test_cuda_gives_the_cpu_map() -> None:
+    """Hash, initial rows and every remap result are the same bits on CUDA as on CPU."""
+    generator = torch.Generator().manual_seed(2)
+    ids = torch.randint(-(2**63), 2**63 - 1, (5000,), generator=generator, dtype=torch.int64)
+    assert torch.equal(bucket_of(ids.cuda(), 1024).cpu(), bucket_of(ids, 1024))
+    rows = initial_rows(ids, 16, 3, "t", (-0.01, 0.01))
+    assert torch.equal(initial_rows(ids.cuda(), 16, 3, "t", (-0.01, 0.01)).cpu(), rows)
+    for policy in ("lru", "lfu", "ttl", "none"):
+        spec = IdMapSpec(
+            buckets=8,
+            rows_per_bucket=4,
+            policy=policy,
+            ttl_steps=2 if policy == "ttl" else None,
+            admit_after=2,
+        )
+        cpu, cuda = IdMap(spec), IdMap(spec, device="cuda")
+        for step in range(40):
+            batch = torch.randint(-100, 100, (60,), generator=generator)
+            want, got = cpu.remap(batch, step), cuda.remap(batch.cuda(), step)
+            for name in ("rows", "admitted", "admitted_ids", "evicted", "overflow"):
+                assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), name
+        for name, tensor in cpu.state_dict().items():
+            assert torch.equal(cuda.state_dict()[name].cpu(), tensor), name

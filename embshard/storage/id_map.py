@@ -82,6 +82,15 @@ class IdMapSpec:
         """Rows of the whole table: every bucket's rows."""
         return self.buckets * self.rows_per_bucket
 
+    def evictable(self, seen_now: torch.Tensor, last_seen: torch.Tensor, step: int) -> torch.Tensor:
+        """Which live slots may give their row to a new id at ``step``, by the policy;
+        ``seen_now``: the slots whose id is in this call (never evicted)."""
+        if self.policy == "ttl":
+            return step - last_seen >= self.ttl_steps
+        if self.policy == "none":
+            return torch.zeros_like(seen_now)
+        return ~seen_now
+
 
 def _spec_problem(spec: IdMapSpec) -> str | None:
     def positive_int(value: object) -> bool:
@@ -176,21 +185,22 @@ class _Slots:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each touched bucket's slots in the order new ids take them, and how many may
         be taken: empty slots (by slot), then the evictable live ones by (sightings if
-        ``by_hits``,) last step seen, raw id; ``evictable``: ``(len(touched), rows)``."""
+        ``by_hits``,) last step seen, smaller raw id (signed); ``evictable`` is
+        ``(len(touched), rows)``."""
         occupied = self.occupied[touched]
         slot = torch.arange(occupied.shape[1], device=touched.device).expand_as(occupied)
         live = occupied.long()
-        rank = torch.where(occupied, 1 + (~evictable).long(), 0)
+        kind = torch.where(occupied, 1 + (~evictable).long(), 0)  # empty, evictable, kept
         keys = [
             torch.where(occupied, self.keys[touched], slot),
             self.last_seen[touched] * live,
             *([self.hits[touched] * live] if by_hits else []),
-            rank,
+            kind,
         ]
         order = slot
         for key in keys:  # least significant first; stable sorts keep the earlier order
             order = order.gather(1, torch.sort(key.gather(1, order), dim=1, stable=True)[1])
-        return order, (rank < 2).sum(1)
+        return order, (kind < 2).sum(1)
 
     def take(
         self,
@@ -319,13 +329,8 @@ class IdMap:
             )
         due = new & (total >= self.spec.admit_after)
 
-        protected = _marked(touched, rows, group[seen], found[seen])
-        evictable = {
-            "lru": ~protected,
-            "lfu": ~protected,
-            "ttl": step - slots.last_seen[touched] >= (self.spec.ttl_steps or 0),
-            "none": torch.zeros_like(protected),
-        }[self.spec.policy]
+        seen_now = _marked(touched, rows, group[seen], found[seen])
+        evictable = self.spec.evictable(seen_now, slots.last_seen[touched], step)
         taken = slots.take(touched, evictable, self.spec.policy == "lfu", group, due)
         admit = taken >= 0
         got = admit.nonzero()[:, 0]
