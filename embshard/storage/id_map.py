@@ -77,11 +77,6 @@ class IdMapSpec:
         if problem:
             raise PlanError(f"IdMapSpec: {problem}")
 
-    @property
-    def num_rows(self) -> int:
-        """Rows of the whole table: every bucket's rows."""
-        return self.buckets * self.rows_per_bucket
-
     def evictable(self, seen_now: torch.Tensor, last_seen: torch.Tensor, step: int) -> torch.Tensor:
         """Which live slots may give their row to a new id at ``step``, by the policy;
         ``seen_now``: the slots whose id is in this call (never evicted)."""
@@ -265,11 +260,6 @@ class IdMap:
             if spec.admit_after > 1
             else None
         )
-
-    @property
-    def num_rows(self) -> int:
-        """Rows of this range: its buckets' rows."""
-        return (self.last - self.first) * self.spec.rows_per_bucket
 
     def _check(self, ids: torch.Tensor, step: int) -> None:
         """Raises on bad input (one host sync: ``.item()``)."""
