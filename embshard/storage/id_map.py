@@ -1,0 +1,399 @@
+"""A collision-free map from raw 64-bit ids to the rows of a bounded table.
+
+Raw ids hash to one of a fixed number of buckets (``bucket_of``); a bucket owns
+``rows_per_bucket`` consecutive rows. An ``IdMap`` holds a contiguous range of buckets
+on one rank: a live id owns one row of its bucket alone until it is evicted. Every
+decision (which slot, which victim, which candidate waits) depends only on the ids a
+bucket receives at each step, never on their order within a call, on the other buckets
+or on which rank holds the bucket: any split of the buckets over ranks gives the same map.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from embshard.errors import CheckpointError, InputError, PlanError
+
+POLICIES = ("lru", "lfu", "ttl", "none")
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(value: int) -> int:
+    """The int64 with the same 64 bits as the unsigned ``value``."""
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GAMMA = _signed(0x9E3779B97F4A7C15)
+_MUL1 = _signed(0xBF58476D1CE4E5B9)
+_MUL2 = _signed(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's ``>>`` is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 of each int64 (its bits read as unsigned, the result's bits returned as
+    int64): one golden-ratio step then the finalizer. Torch's int64 add and multiply wrap
+    the same way on every device, so the bits are the same everywhere."""
+    z = x + _GAMMA
+    z = (z ^ _shr(z, 30)) * _MUL1
+    z = (z ^ _shr(z, 27)) * _MUL2
+    return z ^ _shr(z, 31)
+
+
+def bucket_of(ids: torch.Tensor, buckets: int) -> torch.Tensor:
+    """The bucket in ``[0, buckets)`` of each raw int64 id: the top 63 bits of its
+    splitmix64, modulo ``buckets``. Fixed: the same on every device, run and world size."""
+    return _shr(mix64(ids), 1) % buckets
+
+
+@dataclass(frozen=True)
+class IdMapSpec:
+    """The shape and rules of a dynamic table's id map.
+
+    ``buckets`` hash buckets of ``rows_per_bucket`` rows each; ``policy`` picks the
+    victim when a bucket is full: ``"lru"`` (least recently seen), ``"lfu"`` (fewest
+    sightings, then least recent), ``"ttl"`` (only ids not seen for ``ttl_steps`` steps,
+    least recent first) or ``"none"`` (no eviction). ``admit_after`` = k gives an id a
+    row at its k-th sighting (1: at first sight); ``seed`` seeds the rows' initial values.
+    """
+
+    buckets: int
+    rows_per_bucket: int
+    policy: str = "lru"
+    ttl_steps: int | None = None
+    admit_after: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        problem = _spec_problem(self)
+        if problem:
+            raise PlanError(f"IdMapSpec: {problem}")
+
+    def evictable(self, seen_now: torch.Tensor, last_seen: torch.Tensor, step: int) -> torch.Tensor:
+        """Which live slots may give their row to a new id at ``step``, by the policy;
+        ``seen_now``: the slots whose id is in this call (never evicted)."""
+        if self.policy == "ttl":
+            return step - last_seen >= self.ttl_steps
+        if self.policy == "none":
+            return torch.zeros_like(seen_now)
+        return ~seen_now
+
+
+def _spec_problem(spec: IdMapSpec) -> str | None:
+    def positive_int(value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+    if not positive_int(spec.buckets):
+        return f"buckets must be an int >= 1, got {spec.buckets!r}"
+    if not positive_int(spec.rows_per_bucket):
+        return f"rows_per_bucket must be an int >= 1, got {spec.rows_per_bucket!r}"
+    if spec.policy not in POLICIES:
+        return f"policy must be one of {', '.join(POLICIES)}, got {spec.policy!r}"
+    if spec.policy == "ttl" and not positive_int(spec.ttl_steps):
+        return f"policy 'ttl' needs ttl_steps, an int >= 1, got {spec.ttl_steps!r}"
+    if spec.policy != "ttl" and spec.ttl_steps is not None:
+        return f"ttl_steps is only for policy 'ttl', got policy {spec.policy!r}"
+    if not positive_int(spec.admit_after):
+        return f"admit_after must be an int >= 1, got {spec.admit_after!r}"
+    if not isinstance(spec.seed, int) or isinstance(spec.seed, bool):
+        return f"seed must be an int, got {spec.seed!r}"
+    return None
+
+
+def _table_key(seed: int, table: str) -> int:
+    digest = hashlib.blake2b(f"{seed}/{table}".encode(), digest_size=8).digest()
+    return _signed(int.from_bytes(digest, "little"))
+
+
+def initial_rows(
+    raw_ids: torch.Tensor, dim: int, seed: int, table: str, bounds: tuple[float, float]
+) -> torch.Tensor:
+    """The initial float32 rows ``(len(raw_ids), dim)`` of admitted ids, uniform in
+    ``bounds`` (``init.init_bounds`` gives TorchRec's default for a config).
+
+    Value ``[i, c]`` is a counter-based hash of (seed, table, raw id, column): it does not
+    depend on the row the id got, the batch, the device or the world size."""
+    low, high = bounds
+    key = mix64(raw_ids.to(torch.int64) ^ _table_key(seed, table))
+    columns = torch.arange(dim, dtype=torch.int64, device=raw_ids.device)
+    bits = mix64(key[:, None] + columns)
+    unit = _shr(bits, 40).to(torch.float64) * 2.0**-24  # 24 bits: exact in [0, 1)
+    return (unit * (high - low) + low).to(torch.float32)
+
+
+@dataclass(frozen=True)
+class RemapResult:
+    """What one ``IdMap.remap`` call did.
+
+    ``rows``: each input id's local row, -1 where it has none (not admitted yet, or its
+    bucket had no free slot). ``admitted`` / ``admitted_ids``: the rows that got a new id
+    this call and those ids, in bucket then id order (initialize those rows from
+    ``initial_rows(admitted_ids, ...)``). ``evicted``: live ids that lost their row;
+    ``overflow``: ids due a row that found none in their bucket. The counts are 0-d
+    int64 tensors, so reading them is the caller's choice of host sync."""
+
+    rows: torch.Tensor
+    admitted: torch.Tensor
+    admitted_ids: torch.Tensor
+    evicted: torch.Tensor
+    overflow: torch.Tensor
+
+
+class _Slots:
+    """A table of ``(buckets, rows_per_bucket)`` slots: key, occupied, last step seen and
+    sightings. Used for the map and for the probation of ids not admitted yet."""
+
+    names = ("keys", "occupied", "last_seen", "hits")
+
+    def __init__(self, buckets: int, rows: int, device: torch.device) -> None:
+        shape = (buckets, rows)
+        self.keys = torch.zeros(shape, dtype=torch.int64, device=device)
+        self.occupied = torch.zeros(shape, dtype=torch.bool, device=device)
+        self.last_seen = torch.zeros(shape, dtype=torch.int64, device=device)
+        self.hits = torch.zeros(shape, dtype=torch.int64, device=device)
+
+    def find(self, touched: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The flat slot (``bucket * rows + slot``) of each unique id, -1 where absent;
+        ``touched``: the ids' buckets. A sort-join over the touched buckets' slots only."""
+        rows = self.keys.shape[1]
+        keys = self.keys[touched].flatten()
+        occupied = self.occupied[touched].flatten()
+        flat = (touched[:, None] * rows + torch.arange(rows, device=ids.device)).flatten()
+        # Among equal keys the one live slot (at most one) comes first.
+        order = torch.argsort(~occupied, stable=True)
+        order = order[torch.argsort(keys[order], stable=True)]
+        sorted_keys = keys[order]
+        pos = torch.searchsorted(sorted_keys, ids).clamp_(max=len(sorted_keys) - 1)
+        hit = (sorted_keys[pos] == ids) & occupied[order[pos]]
+        return torch.where(hit, flat[order[pos]], -1)
+
+    def victims(
+        self, touched: torch.Tensor, evictable: torch.Tensor, by_hits: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each touched bucket's slots in the order new ids take them, and how many may
+        be taken: empty slots (by slot), then the evictable live ones by (sightings if
+        ``by_hits``,) last step seen, smaller raw id (signed); ``evictable`` is
+        ``(len(touched), rows)``."""
+        occupied = self.occupied[touched]
+        slot = torch.arange(occupied.shape[1], device=touched.device).expand_as(occupied)
+        live = occupied.long()
+        kind = torch.where(occupied, 1 + (~evictable).long(), 0)  # empty, evictable, kept
+        keys = [
+            torch.where(occupied, self.keys[touched], slot),
+            self.last_seen[touched] * live,
+            *([self.hits[touched] * live] if by_hits else []),
+            kind,
+        ]
+        order = slot
+        for key in keys:  # least significant first; stable sorts keep the earlier order
+            order = order.gather(1, torch.sort(key.gather(1, order), dim=1, stable=True)[1])
+        return order, (kind < 2).sum(1)
+
+    def take(
+        self,
+        touched: torch.Tensor,
+        evictable: torch.Tensor,
+        by_hits: bool,
+        group: torch.Tensor,
+        wants: torch.Tensor,
+    ) -> torch.Tensor:
+        """The flat slot each wanting id takes (-1: none left, or not wanting).
+
+        Ids come in bucket then id order, ``group``: their index into ``touched``; the
+        r-th wanting id of a bucket takes that bucket's r-th victim."""
+        order, free = self.victims(touched, evictable, by_hits)
+        taken = torch.cumsum(wants.long(), 0)
+        starts = torch.searchsorted(group, torch.arange(len(touched), device=group.device))
+        before = (taken - wants.long())[starts]
+        rank = taken - 1 - before[group]
+        ok = wants & (rank < free[group])
+        slot = order[group, rank.clamp(0, order.shape[1] - 1)]
+        return torch.where(ok, touched[group] * order.shape[1] + slot, -1)
+
+    def write(self, flat: torch.Tensor, keys: torch.Tensor, step: int, hits: torch.Tensor) -> None:
+        self.keys.view(-1)[flat] = keys
+        self.occupied.view(-1)[flat] = True
+        self.last_seen.view(-1)[flat] = step
+        self.hits.view(-1)[flat] = hits
+
+    def seen(self, flat: torch.Tensor, step: int, hits: torch.Tensor) -> None:
+        self.last_seen.view(-1)[flat] = step
+        self.hits.view(-1)[flat] = hits
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in self.names}
+
+
+class IdMap:
+    """The id map of buckets ``[first, last)`` of ``spec``, on ``device``.
+
+    State: per bucket ``rows_per_bucket`` slots holding a raw id (``keys``), whether it
+    is live (``occupied``), the last step it was seen and its sightings (``hits``: every
+    occurrence counts, from its first sighting). With ``admit_after`` k > 1 a probation
+    table of the same shape holds the ids seen but not admitted yet and their sightings;
+    when a bucket's probation is full, a newcomer takes the slot of the candidate seen
+    least recently (then the smaller raw id); candidates seen this call are kept.
+    """
+
+    def __init__(
+        self, spec: IdMapSpec, first: int = 0, last: int | None = None, device: str = "cpu"
+    ) -> None:
+        last = spec.buckets if last is None else last
+        if not 0 <= first < last <= spec.buckets:
+            raise PlanError(
+                f"IdMap: bucket range [{first}, {last}) is not inside [0, {spec.buckets})"
+            )
+        self.spec, self.first, self.last = spec, first, last
+        self.device = torch.device(device)
+        self.step: int | None = None
+        self.slots = _Slots(last - first, spec.rows_per_bucket, self.device)
+        self.probation = (
+            _Slots(last - first, spec.rows_per_bucket, self.device)
+            if spec.admit_after > 1
+            else None
+        )
+
+    def _check(self, ids: torch.Tensor, step: int) -> None:
+        """Raises on bad input (one host sync: ``.item()``)."""
+        where = f"IdMap of buckets [{self.first}, {self.last})"
+        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
+            got = (
+                f"{ids.dtype} of {ids.dim()} dims"
+                if isinstance(ids, torch.Tensor)
+                else type(ids).__name__
+            )
+            raise InputError(f"{where}: ids must be a 1-D int64 tensor, got {got}")
+        if ids.device != self.device:
+            raise InputError(f"{where}: ids are on {ids.device}, the map on {self.device}")
+        if not isinstance(step, int) or (self.step is not None and step < self.step):
+            raise InputError(f"{where}: step must be an int >= {self.step or 0}, got {step!r}")
+        local = bucket_of(ids, self.spec.buckets) - self.first
+        outside = (local < 0) | (local >= self.last - self.first)
+        if outside.any().item():
+            bad = ids[outside]
+            raise InputError(
+                f"{where}: {len(bad)} ids hash to other buckets, e.g. id {bad[0].item()} "
+                f"to bucket {bucket_of(bad[:1], self.spec.buckets).item()}"
+            )
+
+    def remap(self, ids: torch.Tensor, step: int) -> RemapResult:
+        """Each id's local row (-1: none) at ``step`` (non-decreasing over calls), admitting
+        and evicting by the spec. Depends on the set of ids and their counts, not their order.
+
+        Within a call: live ids are seen first (last step, sightings); then ids due a row
+        (k sightings, probation included) take their bucket's victims in raw id order; live
+        ids seen in this call are never victims. Ids due a row that find no victim get -1
+        and count as ``overflow``; they wait in probation if there is one."""
+        self._check(ids, step)
+        self.step = step
+        empty = ids.new_empty(0)
+        if len(ids) == 0:
+            zero = torch.zeros((), dtype=torch.int64, device=self.device)
+            return RemapResult(empty, empty, empty, zero, zero)
+        uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+        by_bucket = torch.argsort(bucket_of(uniq, self.spec.buckets), stable=True)
+        uniq, counts = uniq[by_bucket], counts[by_bucket]  # bucket then raw id order
+        touched, group = torch.unique_consecutive(
+            bucket_of(uniq, self.spec.buckets) - self.first, return_inverse=True
+        )
+        slots, rows = self.slots, self.spec.rows_per_bucket
+
+        found = slots.find(touched, uniq)
+        live = found >= 0
+        seen = live.nonzero()[:, 0]
+        slots.seen(found[seen], step, slots.hits.view(-1)[found[seen]] + counts[seen])
+
+        new, total, waiting = ~live, counts, None
+        if self.probation is not None:
+            waiting = self.probation.find(touched, uniq)
+            total = counts + torch.where(
+                waiting >= 0, self.probation.hits.view(-1)[waiting.clamp(min=0)], 0
+            )
+        due = new & (total >= self.spec.admit_after)
+
+        seen_now = _marked(touched, rows, group[seen], found[seen])
+        evictable = self.spec.evictable(seen_now, slots.last_seen[touched], step)
+        taken = slots.take(touched, evictable, self.spec.policy == "lfu", group, due)
+        admit = taken >= 0
+        got = admit.nonzero()[:, 0]
+        evicted = slots.occupied.view(-1)[taken[got]].sum()
+        slots.write(taken[got], uniq[got], step, total[got])
+
+        if self.probation is not None and waiting is not None:
+            self._wait(touched, group, uniq, total, waiting, admit, new & ~admit, step)
+
+        rows_out = torch.where(live, found, taken)
+        position = torch.empty_like(by_bucket)
+        position[by_bucket] = torch.arange(len(by_bucket), device=self.device)
+        return RemapResult(
+            rows=rows_out[position[inverse]],
+            admitted=taken[got],
+            admitted_ids=uniq[got],
+            evicted=evicted,
+            overflow=(due & ~admit).sum(),
+        )
+
+    def _wait(
+        self,
+        touched: torch.Tensor,
+        group: torch.Tensor,
+        uniq: torch.Tensor,
+        total: torch.Tensor,
+        waiting: torch.Tensor,
+        admit: torch.Tensor,
+        wait: torch.Tensor,
+        step: int,
+    ) -> None:
+        """Probation after admission: admitted ids leave it, ids still waiting are seen
+        (kept this call) or enter it, taking free slots, then the least recently seen."""
+        probation, known = self.probation, waiting >= 0
+        assert probation is not None
+        probation.occupied.view(-1)[waiting[(known & admit).nonzero()[:, 0]]] = False
+        stay = (known & wait).nonzero()[:, 0]
+        probation.seen(waiting[stay], step, total[stay])
+        kept = ~_marked(touched, self.spec.rows_per_bucket, group[stay], waiting[stay])
+        taken = probation.take(touched, kept, False, group, wait & ~known)
+        enter = (taken >= 0).nonzero()[:, 0]
+        probation.write(taken[enter], uniq[enter], step, total[enter])
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The map's plain tensors, each ``(buckets of this range, rows_per_bucket)``:
+        the bucket axis splits and joins across ranges."""
+        state = self.slots.tensors()
+        if self.probation is not None:
+            state |= {f"probation_{k}": v for k, v in self.probation.tensors().items()}
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load ``state_dict()``'s tensors (copied onto this map's device)."""
+        mine = self.state_dict()
+        if set(state) != set(mine):
+            raise CheckpointError(
+                f"IdMap: state has keys {sorted(state)}, this map needs {sorted(mine)}"
+            )
+        for name, tensor in mine.items():
+            given = state[name]
+            if given.shape != tensor.shape or given.dtype != tensor.dtype:
+                raise CheckpointError(
+                    f"IdMap: state {name} is {given.dtype} {tuple(given.shape)}, "
+                    f"this map needs {tensor.dtype} {tuple(tensor.shape)}"
+                )
+        for name, tensor in mine.items():
+            tensor.copy_(state[name])
+
+
+def _marked(
+    touched: torch.Tensor, rows: int, group: torch.Tensor, flat: torch.Tensor
+) -> torch.Tensor:
+    """A ``(len(touched), rows)`` mask, true at the given flat slots of ``group``'s buckets."""
+    mask = torch.zeros(len(touched), rows, dtype=torch.bool, device=touched.device)
+    mask[group, flat % rows] = True
+    return mask

@@ -1,0 +1,356 @@
+"""The id map against a plain reference written here: Python lists of slots per bucket,
+the same policies and tie rules, and the splitmix64 hash on Python ints."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections import Counter
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from embshard.errors import CheckpointError, InputError, PlanError
+from embshard.storage.id_map import IdMap, IdMapSpec, bucket_of, initial_rows
+
+M64 = (1 << 64) - 1
+EXTREMES = [0, 1, -1, 2, -2, 2**63 - 1, -(2**63), 2**62, -(2**62), 2**32, -(2**32) - 1]
+
+
+def splitmix64(x: int) -> int:
+    z = (x + 0x9E3779B97F4A7C15) & M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    return z ^ (z >> 31)
+
+
+def ref_bucket(raw: int, buckets: int) -> int:
+    return (splitmix64(raw & M64) >> 1) % buckets
+
+
+def ref_initial(raw: int, dim: int, seed: int, table: str, low: float, high: float) -> list[float]:
+    digest = hashlib.blake2b(f"{seed}/{table}".encode(), digest_size=8).digest()
+    key = splitmix64((raw & M64) ^ int.from_bytes(digest, "little"))
+    units = [(splitmix64((key + c) & M64) >> 40) / 2**24 for c in range(dim)]
+    return [float(torch.tensor(u * (high - low) + low, dtype=torch.float32)) for u in units]
+
+
+@dataclass
+class Entry:
+    key: int
+    last: int
+    hits: int
+
+
+class Reference:
+    """One Python list of slots per bucket (None: empty), and the same for probation."""
+
+    def __init__(self, spec: IdMapSpec, first: int, last: int) -> None:
+        self.spec, self.first = spec, first
+        rows = spec.rows_per_bucket
+        self.slots = {b: [None] * rows for b in range(first, last)}
+        self.probation = {b: [None] * rows for b in range(first, last)}
+
+    def remap(self, ids: list[int], step: int):
+        spec, counts = self.spec, Counter(ids)
+        by_bucket: dict[int, list[int]] = {}
+        for raw in sorted(counts):
+            by_bucket.setdefault(ref_bucket(raw, spec.buckets), []).append(raw)
+        rows, admitted, evicted, overflow = {}, [], 0, 0
+        for b in sorted(by_bucket):
+            slots, probation, base = self.slots[b], self.probation[b], (b - self.first)
+            base *= spec.rows_per_bucket
+            where = {e.key: i for i, e in enumerate(slots) if e is not None}
+            seen = set()
+            for raw in by_bucket[b]:
+                if raw in where:
+                    e = slots[where[raw]]
+                    e.last, e.hits = step, e.hits + counts[raw]
+                    rows[raw] = base + where[raw]
+                    seen.add(where[raw])
+            new = [raw for raw in by_bucket[b] if raw not in where]
+            waiting = {e.key: i for i, e in enumerate(probation) if e is not None}
+            total = {
+                raw: counts[raw] + (probation[waiting[raw]].hits if raw in waiting else 0)
+                for raw in new
+            }
+            due = [raw for raw in new if total[raw] >= spec.admit_after]
+
+            def evictable(i: int, e: Entry, seen=seen) -> bool:
+                if spec.policy == "none":
+                    return False
+                if spec.policy == "ttl":
+                    return step - e.last >= spec.ttl_steps
+                return i not in seen
+
+            def order(i: int, slots=slots) -> tuple:
+                e = slots[i]
+                if e is None:
+                    return (0, i)
+                return (1, e.hits, e.last, e.key) if spec.policy == "lfu" else (1, e.last, e.key)
+
+            victims = sorted(
+                (i for i, e in enumerate(slots) if e is None or evictable(i, e)), key=order
+            )
+            got = set()
+            for raw, i in zip(due, victims):
+                evicted += slots[i] is not None
+                slots[i] = Entry(raw, step, total[raw])
+                rows[raw] = base + i
+                admitted.append((base + i, raw))
+                got.add(raw)
+            overflow += len(due) - len(got)
+            if spec.admit_after == 1:
+                continue
+            for raw in got & set(waiting):
+                probation[waiting[raw]] = None
+            kept = set()
+            for raw in new:
+                if raw not in got and raw in waiting:
+                    e = probation[waiting[raw]]
+                    e.last, e.hits = step, total[raw]
+                    kept.add(waiting[raw])
+
+            def porder(i: int, probation=probation) -> tuple:
+                e = probation[i]
+                return (0, i) if e is None else (1, e.last, e.key)
+
+            free = sorted((i for i in range(len(probation)) if i not in kept), key=porder)
+            entering = [raw for raw in new if raw not in got and raw not in waiting]
+            for raw, i in zip(entering, free):
+                probation[i] = Entry(raw, step, total[raw])
+        return [rows.get(raw, -1) for raw in ids], admitted, evicted, overflow
+
+
+def slot_states(idmap: IdMap, prefix: str = "") -> list[tuple[int, int, int] | None]:
+    """Every slot as (raw id, last step seen, sightings), None where empty."""
+    state = {k: v.flatten().tolist() for k, v in idmap.state_dict().items()}
+    return [
+        (key, last, hits) if live else None
+        for key, live, last, hits in zip(
+            *(state[prefix + name] for name in ("keys", "occupied", "last_seen", "hits"))
+        )
+    ]
+
+
+def ref_states(tables: dict[int, list[Entry | None]]) -> list[tuple[int, int, int] | None]:
+    return [
+        None if e is None else (e.key, e.last, e.hits) for b in sorted(tables) for e in tables[b]
+    ]
+
+
+def in_range(pool: list[int], buckets: int, first: int, last: int) -> list[int]:
+    return [raw for raw in pool if first <= ref_bucket(raw, buckets) < last]
+
+
+def test_bucket_of_matches_python_splitmix64() -> None:
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.cat(
+        [
+            torch.tensor(EXTREMES, dtype=torch.int64),
+            torch.randint(-(2**63), 2**63 - 1, (3000,), generator=generator, dtype=torch.int64),
+            torch.arange(-500, 500),
+        ]
+    )
+    for buckets in (1, 7, 1024, 1000003):
+        got = bucket_of(ids, buckets).tolist()
+        assert got == [ref_bucket(raw, buckets) for raw in ids.tolist()]
+    spread = Counter(bucket_of(torch.arange(8192), 8).tolist())
+    assert min(spread.values()) > 900
+
+
+def test_initial_rows_per_id_whatever_the_batch() -> None:
+    ids = torch.tensor([*EXTREMES, 12345, -98765], dtype=torch.int64)
+    bounds = (-0.25, 0.25)
+    rows = initial_rows(ids, 5, 7, "t0", bounds)
+    assert rows.dtype == torch.float32 and rows.shape == (len(ids), 5)
+    for raw, row in zip(ids.tolist(), rows.tolist()):
+        assert row == ref_initial(raw, 5, 7, "t0", *bounds)
+    assert rows.min() >= -0.25 and rows.max() < 0.25
+    shuffled = torch.randperm(len(ids), generator=torch.Generator().manual_seed(1))
+    batch = torch.cat([ids[shuffled], torch.tensor([3, 4, 5])])
+    again = initial_rows(batch, 5, 7, "t0", bounds)
+    assert torch.equal(again[: len(ids)], rows[shuffled])
+    assert not torch.equal(initial_rows(ids, 5, 8, "t0", bounds), rows)
+    assert not torch.equal(initial_rows(ids, 5, 7, "t1", bounds), rows)
+    assert len(set(rows[:, 0].tolist())) == len(ids)
+
+
+SPECS = st.builds(
+    lambda rows, policy, ttl, admit: IdMapSpec(
+        buckets=5,
+        rows_per_bucket=rows,
+        policy=policy,
+        ttl_steps=ttl if policy == "ttl" else None,
+        admit_after=admit,
+        seed=3,
+    ),
+    st.integers(1, 3),
+    st.sampled_from(["lru", "lfu", "ttl", "none"]),
+    st.integers(1, 3),
+    st.sampled_from([1, 3]),
+)
+
+
+def id_stream(pool: list[int], seed: int, steps: int = 25) -> list[tuple[int, list[int]]]:
+    """(step, ids) pairs: steps 0 to 3 apart, 0 to 12 ids each, drawn with skewed
+    frequencies so that recency and frequency disagree."""
+    rng = random.Random(seed)
+    weights = [1 / (rank + 1) for rank in rng.sample(range(len(pool)), len(pool))]
+    stream, step = [], 0
+    for _ in range(steps):
+        step += rng.choice([0, 1, 1, 1, 2, 3])
+        stream.append((step, rng.choices(pool, weights, k=rng.randint(0, 12))))
+    return stream
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    spec=SPECS,
+    first=st.integers(0, 2),
+    pool=st.lists(st.integers(-(2**63), 2**63 - 1), max_size=8, unique=True),
+    seed=st.integers(0, 2**32),
+)
+def test_remap_matches_reference(spec: IdMapSpec, first: int, pool: list[int], seed: int) -> None:
+    """After every step of a stream fed in shuffled order: the same rows, admitted rows,
+    evictions, overflow and slots (probation included) as the reference."""
+    last = first + 3
+    pool = in_range(sorted(set(pool) | set(range(-12, 12))), spec.buckets, first, last)
+    idmap, ref = IdMap(spec, first, last), Reference(spec, first, last)
+    shuffle = random.Random(seed + 1)
+    for step, ids in id_stream(pool, seed):
+        rows, admitted, evicted, overflow = ref.remap(ids, step)
+        order = shuffle.sample(range(len(ids)), len(ids))
+        got = idmap.remap(torch.tensor([ids[i] for i in order], dtype=torch.int64), step)
+        assert got.rows.tolist() == [rows[i] for i in order]
+        assert list(zip(got.admitted.tolist(), got.admitted_ids.tolist())) == admitted
+        assert (got.evicted.item(), got.overflow.item()) == (evicted, overflow)
+        assert slot_states(idmap) == ref_states(ref.slots)
+        if spec.admit_after > 1:
+            assert slot_states(idmap, "probation_") == ref_states(ref.probation)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "ttl", "none"])
+@pytest.mark.parametrize("admit_after", [1, 3])
+def test_any_split_of_buckets_gives_the_same_map(policy: str, admit_after: int) -> None:
+    spec = IdMapSpec(
+        buckets=6,
+        rows_per_bucket=3,
+        policy=policy,
+        ttl_steps=2 if policy == "ttl" else None,
+        admit_after=admit_after,
+    )
+    whole = IdMap(spec)
+    parts = [IdMap(spec, 0, 1), IdMap(spec, 1, 4), IdMap(spec, 4, 6)]
+    generator = torch.Generator().manual_seed(5)
+    for step in range(30):
+        ids = torch.randint(-40, 40, (25,), generator=generator)
+        want = whole.remap(ids, step)
+        buckets = bucket_of(ids, spec.buckets)
+        for part in parts:
+            mine = (buckets >= part.first) & (buckets < part.last)
+            got = part.remap(ids[mine], step)
+            offset = part.first * spec.rows_per_bucket
+            assert torch.equal(torch.where(got.rows >= 0, got.rows + offset, -1), want.rows[mine])
+    for name, tensor in whole.state_dict().items():
+        assert torch.equal(torch.cat([p.state_dict()[name] for p in parts]), tensor)
+
+
+def test_state_dict_round_trip() -> None:
+    spec = IdMapSpec(buckets=4, rows_per_bucket=2, policy="lfu", admit_after=2)
+    a, b = IdMap(spec), IdMap(spec)
+    ids = torch.tensor([1, 2, 3, 1, 2, 9, 9, 10, 11, 12])
+    a.remap(ids, 0)
+    a.remap(ids, 1)
+    b.load_state_dict({k: v.clone() for k, v in a.state_dict().items()})
+    more = torch.tensor([4, 5, 6, 7, 1, 2, 8, 8])
+    assert torch.equal(a.remap(more, 2).rows, b.remap(more, 2).rows)
+    with pytest.raises(CheckpointError, match="probation_keys"):
+        IdMap(IdMapSpec(buckets=4, rows_per_bucket=2)).load_state_dict(a.state_dict())
+    with pytest.raises(CheckpointError, match=r"keys is torch.int64 \(4, 2\), this map needs"):
+        IdMap(spec, 0, 2).load_state_dict(a.state_dict())
+
+
+def test_overflow_is_counted_and_left_without_a_row() -> None:
+    spec = IdMapSpec(buckets=1, rows_per_bucket=2, policy="none")
+    idmap = IdMap(spec)
+    got = idmap.remap(torch.tensor([5, 3, 4, 3]), 0)
+    assert got.rows.tolist() == [-1, 0, 1, 0]
+    assert (got.overflow.item(), got.evicted.item()) == (1, 0)
+    got = idmap.remap(torch.tensor([7, 4]), 1)
+    assert got.rows.tolist() == [-1, 1] and got.overflow.item() == 1
+    lru = IdMap(IdMapSpec(buckets=1, rows_per_bucket=2, policy="lru"))
+    lru.remap(torch.tensor([1, 2]), 0)
+    got = lru.remap(torch.tensor([2, 8, 9]), 1)  # 2 was seen in this call: only 1 goes
+    assert got.rows.tolist() == [1, 0, -1] and (got.evicted.item(), got.overflow.item()) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"buckets": 0}, "buckets must be an int >= 1, got 0"),
+        ({"rows_per_bucket": 2.0}, "rows_per_bucket must be an int >= 1, got 2.0"),
+        ({"policy": "fifo"}, "policy must be one of lru, lfu, ttl, none, got 'fifo'"),
+        ({"policy": "ttl"}, "policy 'ttl' needs ttl_steps, an int >= 1, got None"),
+        ({"ttl_steps": 3}, "ttl_steps is only for policy 'ttl', got policy 'lru'"),
+        ({"admit_after": 0}, "admit_after must be an int >= 1, got 0"),
+    ],
+)
+def test_bad_spec(kwargs: dict, message: str) -> None:
+    with pytest.raises(PlanError, match=f"^IdMapSpec: {message}$"):
+        IdMapSpec(**{"buckets": 4, "rows_per_bucket": 2, **kwargs})
+
+
+def test_bad_input() -> None:
+    spec = IdMapSpec(buckets=4, rows_per_bucket=2)
+    with pytest.raises(PlanError, match=r"bucket range \[2, 5\) is not inside \[0, 4\)"):
+        IdMap(spec, 2, 5)
+    idmap = IdMap(spec, 1, 3)
+    pool = list(range(-20, 20))
+    other = next(raw for raw in pool if ref_bucket(raw, 4) == 3)
+    mine = in_range(pool, 4, 1, 3)[:3]
+    with pytest.raises(
+        InputError, match=rf"\[1, 3\): 1 ids hash to other buckets, e.g. id {other} to bucket 3$"
+    ):
+        idmap.remap(torch.tensor([*mine, other]), 0)
+    with pytest.raises(
+        InputError, match=r"ids must be a 1-D int64 tensor, got torch\.int32 of 1 dims$"
+    ):
+        idmap.remap(torch.tensor(mine, dtype=torch.int32), 0)
+    with pytest.raises(
+        InputError, match=r"ids must be a 1-D int64 tensor, got torch\.int64 of 2 dims$"
+    ):
+        idmap.remap(torch.tensor([mine]), 0)
+    idmap.remap(torch.tensor(mine), 4)
+    with pytest.raises(InputError, match="step must be an int >= 4, got 3"):
+        idmap.remap(torch.tensor(mine), 3)
+    assert idmap.remap(torch.tensor([], dtype=torch.int64), 4).rows.numel() == 0
+
+
+@pytest.mark.cuda
+def test_cuda_gives_the_cpu_map() -> None:
+    """Hash, initial rows and every remap result are the same bits on CUDA as on CPU."""
+    generator = torch.Generator().manual_seed(2)
+    ids = torch.randint(-(2**63), 2**63 - 1, (5000,), generator=generator, dtype=torch.int64)
+    assert torch.equal(bucket_of(ids.cuda(), 1024).cpu(), bucket_of(ids, 1024))
+    rows = initial_rows(ids, 16, 3, "t", (-0.01, 0.01))
+    assert torch.equal(initial_rows(ids.cuda(), 16, 3, "t", (-0.01, 0.01)).cpu(), rows)
+    for policy in ("lru", "lfu", "ttl", "none"):
+        spec = IdMapSpec(
+            buckets=8,
+            rows_per_bucket=4,
+            policy=policy,
+            ttl_steps=2 if policy == "ttl" else None,
+            admit_after=2,
+        )
+        cpu, cuda = IdMap(spec), IdMap(spec, device="cuda")
+        for step in range(40):
+            batch = torch.randint(-100, 100, (60,), generator=generator)
+            want, got = cpu.remap(batch, step), cuda.remap(batch.cuda(), step)
+            for name in ("rows", "admitted", "admitted_ids", "evicted", "overflow"):
+                assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), name
+        for name, tensor in cpu.state_dict().items():
+            assert torch.equal(cuda.state_dict()[name].cpu(), tensor), name
