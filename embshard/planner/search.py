@@ -169,14 +169,15 @@ class Topology:
 
     @classmethod
     def gpu(cls, world_size: int, **overrides: Any) -> Topology:
-        """8 x 80 GiB GPUs per host (H100-like): NVLink inside, 400 Gb/s between;
+        """8 x 80 GiB GPUs per host (H100-like): NVLink inside (about 370 GB/s of
+        all-to-all a GPU), a 400 Gb/s InfiniBand NIC a GPU between (about 45 GB/s);
         4 GiB of each reserved (a quarter where a GPU has less than 16 GiB)."""
         values = {
             "ranks_per_host": 8,
             "memory_per_rank": 80 * GiB,
-            "intra_bandwidth": 300e9,
+            "intra_bandwidth": 370e9,
             "intra_latency": 5e-6,
-            "inter_bandwidth": 50e9,
+            "inter_bandwidth": 45e9,
             "inter_latency": 10e-6,
             "lookup_bandwidth": 1e12,
         } | overrides
@@ -188,19 +189,40 @@ class Topology:
         """What the tables and their optimizer state may use of a rank."""
         return self.memory_per_rank - self.reserved_memory
 
+    @property
+    def hosts(self) -> int:
+        """Hosts the world spans: ranks ``h * ranks_per_host`` onwards on host ``h``, as
+        torchrun numbers them."""
+        return -(-self.world_size // self.ranks_per_host)
+
+    def host(self, rank: int) -> int:
+        return rank // self.ranks_per_host
+
+    def host_ranks(self, host: int) -> range:
+        """The ranks of ``host``."""
+        start = host * self.ranks_per_host
+        return range(start, min(start + self.ranks_per_host, self.world_size))
+
+    def seconds(self, inside: float, across: float) -> float:
+        """Moving ``inside`` bytes between ranks of a host (a rank's bytes to itself
+        among them) and ``across`` bytes between hosts; each rank has its own link
+        across hosts (a NIC a GPU), not shared with the others of its host."""
+        return inside / self.intra_bandwidth + across / self.inter_bandwidth
+
     def seconds_per_byte(self) -> float:
-        """All-to-all traffic spread evenly over peers: some of it leaves the host."""
+        """A shard's all-to-all bytes: every rank's batch asks for it alike, so they go
+        to every rank evenly, those of its own host (itself included) inside it."""
+        if self.world_size <= 1:
+            return 0.0
+        inside = min(self.ranks_per_host, self.world_size) / self.world_size
+        return self.seconds(inside, 1 - inside)
+
+    def collective_latency(self) -> float:
+        """An all-to-all's latency: one message to each other rank, of its host or not."""
         if self.world_size <= 1:
             return 0.0
         local = min(self.ranks_per_host, self.world_size)
-        leaving = (self.world_size - local) / (self.world_size - 1)
-        return (1 - leaving) / self.intra_bandwidth + leaving / self.inter_bandwidth
-
-    def collective_latency(self) -> float:
-        if self.world_size <= 1:
-            return 0.0
-        inter = self.world_size > self.ranks_per_host
-        return (self.world_size - 1) * (self.inter_latency if inter else self.intra_latency)
+        return (local - 1) * self.intra_latency + (self.world_size - local) * self.inter_latency
 
 
 @dataclass(frozen=True)
