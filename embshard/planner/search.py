@@ -48,6 +48,7 @@ from embshard.plan.specs import (
     TableShard,
     column_wise,
     data_parallel,
+    grid,
     plural,
     row_wise,
     table_wise,
@@ -537,6 +538,20 @@ class _Option:
     piece_cost: float
     piece_memory: int
     waste: int  # the memory its pieces need beyond the table whole
+    grid: _GridCut | None = None  # a grid's cut, for Kind.GRID
+
+
+@dataclass(frozen=True)
+class _GridCut:
+    """A grid over whole hosts: ``columns`` column blocks, each row-split over the ranks
+    of its own host in ``sizes`` (rows cut by the measured lookups); its pieces' cost
+    and memory, in that row order, the same in every column block."""
+
+    columns: int
+    cols: int  # each column block's width
+    sizes: tuple[int, ...]
+    costs: tuple[float, ...]
+    memory: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -560,6 +575,7 @@ class _Piece:
     cols: int
     cost: float
     memory: int
+    block: int = 0  # a grid's column block
 
 
 @dataclass
@@ -639,6 +655,7 @@ def _table(
     world: int,
     traffic: TableTraffic | None = None,
     copies: bool = False,
+    grids: bool = False,
 ) -> _Table:
     kinds, limit = _kinds(constraint), _limit(constraint, world)
     if limit < world:  # a data-parallel copy goes on every rank
@@ -663,6 +680,8 @@ def _table(
             memory = model.memory(table, rows, cols)
             waste = memory * blocks - whole if kind in (Kind.COLUMN_WISE, Kind.DATA_PARALLEL) else 0
             options.append(_Option(kind, blocks, a + b * blocks, a * share + b, memory, waste))
+    if grids and _griddable(table, model, constraint, traffic):
+        options += _grid_options(table, model, traffic, whole)
     if not options:
         raise PlanningError(f"table {table.name!r}: its constraints allow no sharding")
     allowed = None
@@ -673,6 +692,80 @@ def _table(
     return _Table(
         table, kinds, linear, tuple(options), allowed, model.whole_cost(table), whole, traffic
     )
+
+
+def _griddable(
+    table: PlannedTable,
+    model: CostModel,
+    constraint: TableConstraint,
+    traffic: TableTraffic | None,
+) -> bool:
+    """Whether the search tries host grids for ``table``: a pooled table free of
+    constraints, in a world of two whole hosts or more, with measured lookups to cut
+    its rows by (an even cut of skewed ids would load each host's first rank)."""
+    hosts = model.topology.world_size // model.topology.ranks_per_host
+    return (
+        hosts >= 2
+        and traffic is not None
+        and not table.sequence
+        and constraint == TableConstraint()
+        and table.num_embeddings >= model.topology.ranks_per_host
+    )
+
+
+def _grid_columns(table: PlannedTable, topology: Topology) -> list[int]:
+    """Column block counts a host grid may have: 1 (row-wise over one host's ranks) up
+    to one a whole host, each block a multiple of 4 columns wide."""
+    hosts = topology.world_size // topology.ranks_per_host
+    return [c for c in range(1, hosts + 1) if table.embedding_dim % (4 * c) == 0]
+
+
+def _grid_options(
+    table: PlannedTable, model: CostModel, traffic: TableTraffic, whole: int
+) -> list[_Option]:
+    """Host grids of ``table``: ``c`` column blocks, each row-wise over the ranks of
+    its own host, rows cut so each gets an even share of the measured lookups."""
+    per_host = model.topology.ranks_per_host
+    sizes = tuple(balanced_sizes(traffic, per_host))
+    if not all(sizes):  # too few rows, or too hot a row, for a block on every rank
+        return []
+    shares = _row_shares(traffic, sizes)
+    options = []
+    for columns in _grid_columns(table, model.topology):
+        cols = table.embedding_dim // columns
+        costs = tuple(
+            model.shard_cost(table, Kind.GRID, share * table.num_embeddings, cols)
+            for share in shares
+        )
+        memory = tuple(model.memory(table, rows, cols) for rows in sizes)
+        cut = _GridCut(columns, cols, sizes, costs, memory)
+        waste = columns * sum(memory) - whole
+        options.append(
+            _Option(
+                Kind.GRID,
+                columns * per_host,
+                columns * sum(costs),
+                max(costs),
+                max(memory),
+                max(waste, 0),
+                cut,
+            )
+        )
+    return options
+
+
+def _grid_ways(table: PlannedTable, model: CostModel) -> list[tuple[float, float, int]]:
+    """``_ways`` of the host grids: ``c`` column blocks over ``m`` ranks cost
+    ``c K + m L`` in all, ``K`` and ``L`` a piece's cost that grows with its share of
+    the rows and the one it has with none (``shard_cost`` is linear in rows)."""
+    ways = []
+    for columns in _grid_columns(table, model.topology):
+        cols = table.embedding_dim / columns
+        fixed = model.shard_cost(table, Kind.GRID, 0, cols)
+        growing = model.shard_cost(table, Kind.GRID, table.num_embeddings, cols) - fixed
+        most = columns * model.topology.ranks_per_host
+        ways.append((columns * growing, fixed, most))
+    return ways
 
 
 def _row_shares(traffic: TableTraffic, sizes: Sequence[int]) -> list[float]:
@@ -741,7 +834,11 @@ def _check_memory(tables: Sequence[PlannedTable], model: CostModel) -> None:
 
 
 def _ways(
-    table: PlannedTable, model: CostModel, constraint: TableConstraint, copies: bool
+    table: PlannedTable,
+    model: CostModel,
+    constraint: TableConstraint,
+    copies: bool,
+    grids: bool = False,
 ) -> list[tuple[float, float, int]]:
     """``(a, b, most)`` for each way the table may be cut: over m ranks, m from 1 to
     ``most``, its pieces cost at least ``a + b m`` in all and the busiest of those
@@ -749,7 +846,8 @@ def _ways(
     ``b >= 0``), and the busiest of the m <= k ranks they are on carries at least
     ``(a + b k) / m >= (a + b m) / m``. Row blocks: one per rank, at most one a row;
     column blocks: at least 4 columns wide, ranks may repeat; a fixed number of
-    column blocks costs what it costs on any number of ranks up to it."""
+    column blocks costs what it costs on any number of ranks up to it. With ``grids``,
+    host grids too (``_grid_ways``)."""
     limit = _limit(constraint, model.topology.world_size)
     if constraint.column_blocks:
         blocks = constraint.column_blocks
@@ -764,7 +862,7 @@ def _ways(
     if _copied(table, model, constraint, copies):  # a copy costing less than 0: _bound_with
         world = model.topology.world_size  # one piece on each rank, like fixed column blocks
         ways.append((world * max(0.0, model.replica_cost(table)), 0.0, world))
-    return ways
+    return ways + (_grid_ways(table, model) if grids else [])
 
 
 def _copied(
@@ -779,31 +877,43 @@ def _copied(
 
 
 def _lower_bound(
-    tables: Sequence[PlannedTable], constraints: Mapping[str, TableConstraint], model: CostModel
+    tables: Sequence[PlannedTable],
+    constraints: Mapping[str, TableConstraint],
+    model: CostModel,
+    grids: frozenset[str] = frozenset(),
 ) -> float:
     """No plan's slowest rank costs less than this (the base apart): the lower of
-    ``_bound_with`` plans without optional copies and with them."""
+    ``_bound_with`` plans without optional copies and with them; the tables named in
+    ``grids`` may be host grids."""
     free = TableConstraint()
     kept = [constraints.get(t.name, free) for t in tables]
-    plain = _bound_with(tables, kept, model, copies=False)
+    plain = _bound_with(tables, kept, model, False, grids)
     if not any(
         _copied(t, model, c, True) != _copied(t, model, c, False) for t, c in zip(tables, kept)
     ):
         return plain
-    return min(plain, _bound_with(tables, kept, model, copies=True))
+    return min(plain, _bound_with(tables, kept, model, True, grids))
 
 
 def _bound_with(
-    tables: Sequence[PlannedTable], kept: Sequence[TableConstraint], model: CostModel, copies: bool
+    tables: Sequence[PlannedTable],
+    kept: Sequence[TableConstraint],
+    model: CostModel,
+    copies: bool,
+    grids: frozenset[str] = frozenset(),
 ) -> float:
     """``_copied_bound``, plus the copies' all-reduce latency where any may be copied."""
     copied = any(_copied(t, model, c, copies) for t, c in zip(tables, kept))
     latency = model.topology.collective_latency() if copied else 0.0
-    return _copied_bound(tables, kept, model, copies) + latency
+    return _copied_bound(tables, kept, model, copies, grids) + latency
 
 
 def _copied_bound(
-    tables: Sequence[PlannedTable], kept: Sequence[TableConstraint], model: CostModel, copies: bool
+    tables: Sequence[PlannedTable],
+    kept: Sequence[TableConstraint],
+    model: CostModel,
+    copies: bool,
+    grids: frozenset[str] = frozenset(),
 ) -> float:
     """``_cut_bound`` less all that copies could save each rank (a copy's negative
     ``replica_cost``): no rank of a packing carries less, the all-reduce apart."""
@@ -812,7 +922,7 @@ def _copied_bound(
         for t, c in zip(tables, kept)
         if _copied(t, model, c, copies)
     )
-    return _cut_bound(tables, kept, model, copies) - saving
+    return _cut_bound(tables, kept, model, copies, grids) - saving
 
 
 def _cut_bound(
@@ -820,6 +930,7 @@ def _cut_bound(
     kept: Sequence[TableConstraint],
     model: CostModel,
     copies: bool,
+    grids: frozenset[str] = frozenset(),
 ) -> float:
     """A plan whose slowest rank costs S cuts every table some way (``_ways``) that puts
     no more than S on a rank, so each table costs at least its least total at S, and
@@ -829,8 +940,9 @@ def _cut_bound(
     found by bisection, upward from the cheapest the costliest table can be cut to.
     """
     world = model.topology.world_size
-    ways = [_ways(t, model, c, copies) for t, c in zip(tables, kept)]
-    padded = [w + [(0.0, 0.0, 0)] * (len(_SHARDINGS) - len(w)) for w in ways]  # most 0: never
+    ways = [_ways(t, model, c, copies, t.name in grids) for t, c in zip(tables, kept)]
+    widest = max(map(len, ways))
+    padded = [w + [(0.0, 0.0, 0)] * (widest - len(w)) for w in ways]  # most 0: never
     a, b, most = np.array(padded, dtype=float).transpose(2, 0, 1)
     groups = [(world, np.ones(len(tables), dtype=bool))] + [
         (len(ranks), np.array([bool(c.ranks) and set(c.ranks) <= ranks for c in kept]))
@@ -888,6 +1000,11 @@ def _place(
         )
         if table.allowed is not None:
             ok &= table.allowed
+        if option.grid is not None:
+            pieces = _grid_pieces(option.grid, packing, ok, model.topology)
+            if pieces is None:
+                continue
+            return option.kind, pieces
         if option.blocks == 1:
             ranks = [int(np.where(ok, packing.cost, np.inf).argmin())]
             if not ok[ranks[0]]:
@@ -902,6 +1019,28 @@ def _place(
     if Kind.ROW_WISE in table.kinds:
         return _rows_to_room(table, packing, model, target)
     return None
+
+
+def _grid_pieces(
+    cut: _GridCut, packing: _Packing, ok: np.ndarray, topology: Topology
+) -> list[_Piece] | None:
+    """A grid's pieces on the least-loaded hosts whose every rank may take a piece
+    (``ok``), one column block a host; None where too few hosts may."""
+    per_host = topology.ranks_per_host
+    hosts = topology.world_size // per_host
+    whole = slice(0, hosts * per_host)
+    fits = ok[whole].reshape(hosts, per_host).all(axis=1)
+    if np.count_nonzero(fits) < cut.columns:
+        return None
+    busiest = packing.cost[whole].reshape(hosts, per_host).max(axis=1)
+    chosen = np.sort(np.argsort(np.where(fits, busiest, np.inf), kind="stable")[: cut.columns])
+    return [
+        _Piece(rank, rows, cut.cols, cost, memory, block)
+        for block, host in enumerate(chosen.tolist())
+        for rank, rows, cost, memory in zip(
+            topology.host_ranks(host), cut.sizes, cut.costs, cut.memory
+        )
+    ]
 
 
 def _rows_to_room(
@@ -1094,6 +1233,10 @@ def _rank_loads(packing: _Packing, tables: Sequence[_Table]) -> list[RankLoad]:
 def _spec(kind: str, pieces: list[_Piece], world: int):
     if kind == Kind.TABLE_WISE:
         return table_wise(pieces[0].rank)
+    if kind == Kind.GRID:
+        blocks = range(pieces[-1].block + 1)
+        ranks = [[p.rank for p in pieces if p.block == b] for b in blocks]
+        return grid(len(ranks), ranks, [[p.rows for p in pieces if p.block == b] for b in blocks])
     if kind == Kind.DATA_PARALLEL:
         return data_parallel()
     if kind == Kind.COLUMN_WISE:
@@ -1110,14 +1253,17 @@ def _packed(
     model: CostModel,
     measured: Mapping[str, TableTraffic],
     copies: bool,
+    grids: bool = False,
 ) -> tuple[_Packing, list[_Table], dict[str, str]]:
-    """The searched packing (data-parallel copies among the options with ``copies``),
-    its tables and why each is sharded as it is. A packing with copies carries their
-    all-reduce's latency on every rank."""
+    """The searched packing (data-parallel copies among the options with ``copies``,
+    host grids with ``grids``), its tables and why each is sharded as it is. A packing
+    with copies carries their all-reduce's latency on every rank."""
     world, free = model.topology.world_size, TableConstraint()
     prepared = sorted(  # the tables kept to the fewest ranks first, then costliest first
         (
-            _table(t, model, constraints.get(t.name, free), world, measured.get(t.name), copies)
+            _table(
+                t, model, constraints.get(t.name, free), world, measured.get(t.name), copies, grids
+            )
             for t in specs
         ),
         key=lambda t: (
@@ -1128,11 +1274,17 @@ def _packed(
         ),
     )
     kept = [constraints.get(t.name, free) for t in specs]
-    packing = _search(prepared, model, max(_copied_bound(specs, kept, model, copies), 1e-12))
+    bound = _copied_bound(specs, kept, model, copies, _gridded(prepared))
+    packing = _search(prepared, model, max(bound, 1e-12))
     reasons = _unsplit(packing, prepared, model)
     if any(kind == Kind.DATA_PARALLEL for kind, _ in packing.layouts.values()):
         packing.cost += model.topology.collective_latency()
     return packing, prepared, reasons
+
+
+def _gridded(tables: Sequence[_Table]) -> frozenset[str]:
+    """The tables that may be host grids."""
+    return frozenset(t.spec.name for t in tables if any(o.grid for o in t.options))
 
 
 def plan_tables(
@@ -1179,13 +1331,22 @@ def plan_tables(
             "zero gradient, and it moves them)"
         )
     packing, prepared, reasons = _packed(specs, constraints, model, measured, copies=False)
+    variants = []  # the same search with copies, host grids or both among the options
     if copies and any(Kind.DATA_PARALLEL in _kinds(constraints.get(t.name, free)) for t in specs):
-        try:  # the same search with copies among the options, and the better of the two
-            copied = _packed(specs, constraints, model, measured, copies=True)
-        except PlanningError:  # the copies took the room some table needed
-            copied = None
-        if copied is not None and copied[0].slowest < packing.slowest / _SAME:
-            packing, prepared, reasons = copied
+        variants.append((True, False))
+    grids = stats is not None and world >= 2 * topology.ranks_per_host
+    if grids:
+        variants += [(False, True)] + ([(True, True)] if variants else [])
+    gridded: frozenset[str] = frozenset()
+    for with_copies, with_grids in variants:
+        try:
+            found = _packed(specs, constraints, model, measured, with_copies, with_grids)
+        except PlanningError:  # the copies or grids took the room some table needed
+            continue
+        if with_grids:
+            gridded = _gridded(found[1])
+        if found[0].slowest < packing.slowest / _SAME:  # the best of them
+            packing, prepared, reasons = found
     layouts = packing.layouts
     report = PlanReport(
         ranks=_rank_loads(packing, prepared),
@@ -1196,7 +1357,7 @@ def plan_tables(
             for t in specs
         ],
         base_cost=model.base_cost(specs),
-        lower_bound=_lower_bound(specs, constraints, model),
+        lower_bound=_lower_bound(specs, constraints, model, gridded),
         topology=topology,
     )
     plan = ShardingPlan({t.name: _spec(*layouts[t.name], world) for t in specs})
