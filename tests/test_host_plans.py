@@ -16,7 +16,7 @@ from embshard import ShardingPlan, Topology, grid, plan_tables
 from embshard.app.config import load_config
 from embshard.app.data import Feed, build_data
 from embshard.app.simulate import simulate
-from embshard.planner.search import CostModel, PlannedTable, plan_loads
+from embshard.planner.search import CostModel, PlannedTable, plan_loads, plan_report
 from embshard.planner.traffic import TableTraffic, TrafficStats
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,6 +97,8 @@ def test_two_hosts_get_a_host_grid_priced_below_the_flat_plan():
 
     assert slowest(plan) == pytest.approx(report.slowest, rel=1e-9)
     assert slowest(plan) < slowest(flat)
+    given = plan_report(plan, tables, hosts, 1024, "rowwise_adagrad", "given", stats)
+    assert given.lower_bound * (1 - 1e-9) <= given.slowest
     # An even grid of the same blocks loads each host's first rank with the hot rows.
     even = ShardingPlan(plan.tables | {"heavy": grid(spec.column_blocks, spec.ranks)})
     assert slowest(even) > slowest(plan)

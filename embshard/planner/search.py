@@ -1274,7 +1274,8 @@ def _packed(
         ),
     )
     kept = [constraints.get(t.name, free) for t in specs]
-    bound = _copied_bound(specs, kept, model, copies, _gridded(prepared))
+    grids_of = _grid_tables(specs, constraints, model, measured) if grids else frozenset()
+    bound = _copied_bound(specs, kept, model, copies, grids_of)
     packing = _search(prepared, model, max(bound, 1e-12))
     reasons = _unsplit(packing, prepared, model)
     if any(kind == Kind.DATA_PARALLEL for kind, _ in packing.layouts.values()):
@@ -1282,9 +1283,19 @@ def _packed(
     return packing, prepared, reasons
 
 
-def _gridded(tables: Sequence[_Table]) -> frozenset[str]:
-    """The tables that may be host grids."""
-    return frozenset(t.spec.name for t in tables if any(o.grid for o in t.options))
+def _grid_tables(
+    specs: Sequence[PlannedTable],
+    constraints: Mapping[str, TableConstraint],
+    model: CostModel,
+    measured: Mapping[str, TableTraffic],
+) -> frozenset[str]:
+    """The tables the search may make host grids (``_griddable``)."""
+    free = TableConstraint()
+    return frozenset(
+        t.name
+        for t in specs
+        if _griddable(t, model, constraints.get(t.name, free), measured.get(t.name))
+    )
 
 
 def plan_tables(
@@ -1337,14 +1348,11 @@ def plan_tables(
     grids = stats is not None and world >= 2 * topology.ranks_per_host
     if grids:
         variants += [(False, True)] + ([(True, True)] if variants else [])
-    gridded: frozenset[str] = frozenset()
     for with_copies, with_grids in variants:
         try:
             found = _packed(specs, constraints, model, measured, with_copies, with_grids)
         except PlanningError:  # the copies or grids took the room some table needed
             continue
-        if with_grids:
-            gridded = _gridded(found[1])
         if found[0].slowest < packing.slowest / _SAME:  # the best of them
             packing, prepared, reasons = found
     layouts = packing.layouts
@@ -1357,7 +1365,9 @@ def plan_tables(
             for t in specs
         ],
         base_cost=model.base_cost(specs),
-        lower_bound=_lower_bound(specs, constraints, model, gridded),
+        lower_bound=_lower_bound(
+            specs, constraints, model, _grid_tables(specs, constraints, model, measured)
+        ),
         topology=topology,
     )
     plan = ShardingPlan({t.name: _spec(*layouts[t.name], world) for t in specs})
@@ -1480,6 +1490,7 @@ def plan_report(
     resolved = plan.resolve([_as_config(t) for t in tables], topology.world_size)
     specs = planned_tables(tables, stats=stats)
     loads = plan_loads(plan, tables, topology, batch_size, optimizer, stats=stats)
+    measured = stats.tables if stats is not None else {}
     return PlanReport(
         ranks=loads,
         tables=[  # the plan resolved in the tables' order
@@ -1493,6 +1504,8 @@ def plan_report(
             for r, t in zip(resolved.values(), specs)
         ],
         base_cost=model.base_cost(specs),
-        lower_bound=_lower_bound(specs, _kept(specs, {}), model),
+        lower_bound=_lower_bound(
+            specs, _kept(specs, {}), model, _grid_tables(specs, {}, model, measured)
+        ),
         topology=topology,
     )
