@@ -24,7 +24,9 @@ and in memory on the least-loaded ranks that may take them, else in row blocks c
 to the room ranks have. With no target that is LPT table-wise, the obvious plan;
 bisection then finds the lowest target that packs, down to the lower bound. Last,
 each split table is placed again in its cheapest sharding that fits under the
-slowest rank: whole, where it can be.
+slowest rank: whole, where it can be. Across hosts, bytes to a rank's own host and to
+others are priced apart (``Topology.seconds``), and with measured traffic the search
+also tries grids whose column blocks are each row-split over one host's ranks.
 """
 
 from __future__ import annotations
@@ -195,9 +197,6 @@ class Topology:
         """Hosts the world spans: ranks ``h * ranks_per_host`` onwards on host ``h``, as
         torchrun numbers them."""
         return -(-self.world_size // self.ranks_per_host)
-
-    def host(self, rank: int) -> int:
-        return rank // self.ranks_per_host
 
     def host_ranks(self, host: int) -> range:
         """The ranks of ``host``."""
@@ -1321,7 +1320,9 @@ def plan_tables(
     tables are priced by their measured ids, row blocks are cut so each gets an even
     share of its table's lookups, and each is priced by the lookups landing in it; a
     row-wise table whose hottest rows no cut can balance gets them copied on every rank
-    (``_copy_hot_rows``) where that lowers the slowest rank.
+    (``_copy_hot_rows``) where that lowers the slowest rank; and where the world spans
+    two whole hosts or more, the search also tries host grids (``_grid_options``),
+    kept where they lower the slowest rank.
     """
     specs = planned_tables(tables, mean_pooling, stats)
     measured = stats.tables if stats is not None else {}
