@@ -654,7 +654,6 @@ def _table(
     world: int,
     traffic: TableTraffic | None = None,
     copies: bool = False,
-    grids: bool = False,
 ) -> _Table:
     kinds, limit = _kinds(constraint), _limit(constraint, world)
     if limit < world:  # a data-parallel copy goes on every rank
@@ -679,18 +678,40 @@ def _table(
             memory = model.memory(table, rows, cols)
             waste = memory * blocks - whole if kind in (Kind.COLUMN_WISE, Kind.DATA_PARALLEL) else 0
             options.append(_Option(kind, blocks, a + b * blocks, a * share + b, memory, waste))
-    if grids and _griddable(table, model, constraint, traffic):
-        options += _grid_options(table, model, traffic, whole)
     if not options:
         raise PlanningError(f"table {table.name!r}: its constraints allow no sharding")
     allowed = None
     if constraint.ranks:
         allowed = np.zeros(world, dtype=bool)
         allowed[list(constraint.ranks)] = True
-    options.sort(key=lambda o: (o.total, o.blocks, o.kind))
+    options.sort(key=_cheapest_first)
     return _Table(
         table, kinds, linear, tuple(options), allowed, model.whole_cost(table), whole, traffic
     )
+
+
+def _cheapest_first(option: _Option) -> tuple[float, int, str]:
+    return option.total, option.blocks, option.kind
+
+
+def _with_grids(
+    tables: Sequence[_Table], model: CostModel, constraints: Mapping[str, TableConstraint]
+) -> list[_Table] | None:
+    """The tables with their host grids among their options, those no option of theirs
+    matches or beats (``_undominated``); None where no table has one."""
+    free, found, out = TableConstraint(), False, []
+    for table in tables:
+        spec, constraint = table.spec, constraints.get(table.spec.name, free)
+        grids = []
+        if _griddable(spec, model, constraint, table.traffic):
+            grids = _grid_options(spec, model, table.traffic, table.whole_memory)
+            grids = _undominated(grids, table.options)
+        if grids:
+            found = True
+            options = tuple(sorted((*table.options, *grids), key=_cheapest_first))
+            table = dataclasses.replace(table, options=options)
+        out.append(table)
+    return out if found else None
 
 
 def _griddable(
@@ -753,17 +774,33 @@ def _grid_options(
     return options
 
 
+def _undominated(candidates: list[_Option], options: Sequence[_Option]) -> list[_Option]:
+    """The ``candidates`` that no option matches or beats in total, per piece, in
+    memory a piece and in memory beyond the table whole: only those can help a packing."""
+    return [
+        c
+        for c in candidates
+        if not any(
+            o.total <= c.total
+            and o.piece_cost <= c.piece_cost
+            and o.piece_memory <= c.piece_memory
+            and o.waste <= c.waste
+            for o in options
+        )
+    ]
+
+
 def _grid_ways(table: PlannedTable, model: CostModel) -> list[tuple[float, float, int]]:
-    """``_ways`` of the host grids: ``c`` column blocks over ``m`` ranks cost
-    ``c K + m L`` in all, ``K`` and ``L`` a piece's cost that grows with its share of
-    the rows and the one it has with none (``shard_cost`` is linear in rows)."""
-    ways = []
+    """``_ways`` of the host grids: ``c`` column blocks over ``N`` ranks each, ``c N``
+    pieces that cost ``c K + c N L`` in all (``K`` what a piece's cost grows by with
+    all the rows, ``L`` the cost it has with none: ``shard_cost`` is linear in rows),
+    on any number of ranks up to ``c N``, like a fixed number of column blocks."""
+    per_host, ways = model.topology.ranks_per_host, []
     for columns in _grid_columns(table, model.topology):
         cols = table.embedding_dim / columns
         fixed = model.shard_cost(table, Kind.GRID, 0, cols)
         growing = model.shard_cost(table, Kind.GRID, table.num_embeddings, cols) - fixed
-        most = columns * model.topology.ranks_per_host
-        ways.append((columns * growing, fixed, most))
+        ways.append((columns * (growing + per_host * fixed), 0.0, columns * per_host))
     return ways
 
 
@@ -1246,23 +1283,19 @@ def _spec(kind: str, pieces: list[_Piece], world: int):
     return row_wise(sizes)
 
 
-def _packed(
+def _prepared(
     specs: Sequence[PlannedTable],
     constraints: Mapping[str, TableConstraint],
     model: CostModel,
     measured: Mapping[str, TableTraffic],
     copies: bool,
-    grids: bool = False,
-) -> tuple[_Packing, list[_Table], dict[str, str]]:
-    """The searched packing (data-parallel copies among the options with ``copies``,
-    host grids with ``grids``), its tables and why each is sharded as it is. A packing
-    with copies carries their all-reduce's latency on every rank."""
+) -> list[_Table]:
+    """Every table with its options (data-parallel copies among them with ``copies``),
+    in the packing's order: those kept to the fewest ranks first, then costliest first."""
     world, free = model.topology.world_size, TableConstraint()
-    prepared = sorted(  # the tables kept to the fewest ranks first, then costliest first
+    return sorted(
         (
-            _table(
-                t, model, constraints.get(t.name, free), world, measured.get(t.name), copies, grids
-            )
+            _table(t, model, constraints.get(t.name, free), world, measured.get(t.name), copies)
             for t in specs
         ),
         key=lambda t: (
@@ -1272,9 +1305,23 @@ def _packed(
             t.spec.name,
         ),
     )
+
+
+def _packed(
+    prepared: list[_Table],
+    specs: Sequence[PlannedTable],
+    constraints: Mapping[str, TableConstraint],
+    model: CostModel,
+    copies: bool,
+    grids: frozenset[str] = frozenset(),
+) -> tuple[_Packing, list[_Table], dict[str, str]]:
+    """The searched packing of the ``prepared`` tables (with data-parallel copies among
+    their options with ``copies``; ``grids`` the tables with host grids among them),
+    the tables and why each is sharded as it is. A packing with copies carries their
+    all-reduce's latency on every rank."""
+    free = TableConstraint()
     kept = [constraints.get(t.name, free) for t in specs]
-    grids_of = _grid_tables(specs, constraints, model, measured) if grids else frozenset()
-    bound = _copied_bound(specs, kept, model, copies, grids_of)
+    bound = _copied_bound(specs, kept, model, copies, grids)
     packing = _search(prepared, model, max(bound, 1e-12))
     reasons = _unsplit(packing, prepared, model)
     if any(kind == Kind.DATA_PARALLEL for kind, _ in packing.layouts.values()):
@@ -1342,19 +1389,25 @@ def plan_tables(
             f"fused optimizer {optimizer} cannot update (a copy's rows not looked up take a "
             "zero gradient, and it moves them)"
         )
-    packing, prepared, reasons = _packed(specs, constraints, model, measured, copies=False)
-    variants = []  # the same search with copies, host grids or both among the options
+    # The search without copies, and again with copies, host grids or both among the
+    # options where a table may have them: the best of them.
+    searches = [(_prepared(specs, constraints, model, measured, False), False, frozenset())]
     if copies and any(Kind.DATA_PARALLEL in _kinds(constraints.get(t.name, free)) for t in specs):
-        variants.append((True, False))
-    grids = stats is not None and world >= 2 * topology.ranks_per_host
-    if grids:
-        variants += [(False, True)] + ([(True, True)] if variants else [])
-    for with_copies, with_grids in variants:
+        searches.append((_prepared(specs, constraints, model, measured, True), True, frozenset()))
+    gridded = _grid_tables(specs, constraints, model, measured)
+    if gridded:
+        searches += [
+            (with_grids, with_copies, gridded)
+            for searched, with_copies, _ in searches
+            if (with_grids := _with_grids(searched, model, constraints))
+        ]
+    packing, prepared, reasons = _packed(searches[0][0], specs, constraints, model, False)
+    for searched, with_copies, grids in searches[1:]:
         try:
-            found = _packed(specs, constraints, model, measured, with_copies, with_grids)
+            found = _packed(searched, specs, constraints, model, with_copies, grids)
         except PlanningError:  # the copies or grids took the room some table needed
             continue
-        if found[0].slowest < packing.slowest / _SAME:  # the best of them
+        if found[0].slowest < packing.slowest / _SAME:
             packing, prepared, reasons = found
     layouts = packing.layouts
     report = PlanReport(
@@ -1366,9 +1419,7 @@ def plan_tables(
             for t in specs
         ],
         base_cost=model.base_cost(specs),
-        lower_bound=_lower_bound(
-            specs, constraints, model, _grid_tables(specs, constraints, model, measured)
-        ),
+        lower_bound=_lower_bound(specs, constraints, model, gridded),
         topology=topology,
     )
     plan = ShardingPlan({t.name: _spec(*layouts[t.name], world) for t in specs})
