@@ -43,7 +43,7 @@ def test_bytes_are_priced_by_the_host_they_go_to():
 def test_one_host_prices_as_before(make):
     """A world on one host: every byte inside at the intra bandwidth."""
     topology = make(8, ranks_per_host=8)
-    assert topology.hosts == 1
+    assert topology.host_ranks(0) == range(8)
     assert topology.seconds_per_byte() == 1 / topology.intra_bandwidth
     assert topology.collective_latency() == 7 * topology.intra_latency
 
@@ -151,15 +151,18 @@ def test_local_world_size_must_agree_on_every_rank(world):
     assert world(2).run(same_local_world_size) == [2, 2]
 
 
-def test_the_config_topology_wins_over_the_job(tmp_path):
+def test_ranks_per_host_from_the_command_line_then_the_config_then_the_kind(tmp_path):
     from embshard.app.planning import topology_for
 
+    small = load_config(ROOT / "configs" / "small.yaml")  # kind: cpu, no ranks_per_host
+    assert topology_for(small, 8).ranks_per_host == 8
+    assert topology_for(small, 8, ranks_per_host=4).ranks_per_host == 4
     data = yaml.safe_load((ROOT / "configs" / "small.yaml").read_text())
-    assert topology_for(load_config(ROOT / "configs" / "small.yaml"), 8, None, 4).hosts == 2
     data["topology"] = {"kind": "cpu", "ranks_per_host": 2}
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(data))
     assert topology_for(load_config(path), 8).ranks_per_host == 2
+    assert topology_for(load_config(path), 8, ranks_per_host=4).ranks_per_host == 4
 
 
 def test_simulate_splits_bytes_by_host(tmp_path):

@@ -192,14 +192,9 @@ class Topology:
         """What the tables and their optimizer state may use of a rank."""
         return self.memory_per_rank - self.reserved_memory
 
-    @property
-    def hosts(self) -> int:
-        """Hosts the world spans: ranks ``h * ranks_per_host`` onwards on host ``h``, as
-        torchrun numbers them."""
-        return -(-self.world_size // self.ranks_per_host)
-
     def host_ranks(self, host: int) -> range:
-        """The ranks of ``host``."""
+        """The ranks of ``host``: ranks ``host * ranks_per_host`` onwards, as torchrun
+        numbers them."""
         start = host * self.ranks_per_host
         return range(start, min(start + self.ranks_per_host, self.world_size))
 
