@@ -190,7 +190,7 @@ def test_the_slowest_rank_is_the_one_holding_the_tables(tmp_path):
     assert why.startswith("rank 1,") and "looks up" in why and "(the most)" in why
     assert why.endswith("it holds " + ", ".join(result.ranks[1].shards))
     text = result.to_text()
-    assert "slowest: rank 1," in text and len(text.splitlines()) == 3 + 3 + 1
+    assert "slowest: rank 1," in text and len(text.splitlines()) == 3 + 3 + 2
     report = json.loads(json.dumps(result.to_dict()))
     assert report["slowest"]["rank"] == 1 and len(report["ranks"]) == 3
 

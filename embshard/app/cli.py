@@ -350,6 +350,13 @@ def export(directory: str, out: str, module: str | None) -> None:
     "--world-size", "-w", type=click.IntRange(min=1), required=True, help="Ranks to plan for."
 )
 @click.option("--memory-per-rank", default=None, help="Like 80GiB; default: the config's topology.")
+@click.option(
+    "--ranks-per-host",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Ranks on each host (ranks h*N to h*N+N-1 on host h); default: the config's "
+    "topology, else its kind's (gpu: 8; cpu: the world).",
+)
 @click.option("--out", type=OutputFile(), help="Write the plan (YAML) here.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @click.option(
@@ -371,6 +378,7 @@ def plan(
     config: str,
     world_size: int,
     memory_per_rank: str | None,
+    ranks_per_host: int | None,
     out: str | None,
     as_json: bool,
     batches: int,
@@ -397,9 +405,13 @@ def plan(
         model = load_config(config, use="plan", check_files=batches > 0)  # data: to measure
         stats = measure_traffic(model, world_size, batches) if batches else None
         if balance_lookups:
-            sharding, report = lookup_balanced_plan(model, world_size, stats, memory_per_rank)
+            sharding, report = lookup_balanced_plan(
+                model, world_size, stats, memory_per_rank, ranks_per_host
+            )
         else:
-            sharding, report = plan_config(model, world_size, memory_per_rank, stats)
+            sharding, report = plan_config(
+                model, world_size, memory_per_rank, stats, ranks_per_host
+            )
     except (ConfigError, PlanningError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     if out:
@@ -430,14 +442,28 @@ def plan(
 )
 @click.option("--batches", default=8, show_default=True, help="Batches (steps) per rank.")
 @click.option(
+    "--ranks-per-host",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Ranks on each host (ranks h*N to h*N+N-1 on host h); default: the config's "
+    "topology, else its kind's (gpu: 8; cpu: the world).",
+)
+@click.option(
     "--check", is_flag=True, help="Also check a small copy's numerics against the oracle."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 def simulate(
-    config: str, world_size: int, plan_file: str | None, batches: int, check: bool, as_json: bool
+    config: str,
+    world_size: int,
+    plan_file: str | None,
+    batches: int,
+    ranks_per_host: int | None,
+    check: bool,
+    as_json: bool,
 ) -> None:
     """Run CONFIG's input distribution for WORLD_SIZE ranks in this process, tables
-    unallocated: each rank's ids, lookups, all-to-all bytes and memory, the slowest rank."""
+    unallocated: each rank's ids, lookups, all-to-all bytes (inside and across hosts) and
+    memory, the slowest rank."""
     import json
 
     from embshard.app.data import CriteoFormatError
@@ -446,7 +472,7 @@ def simulate(
     from embshard.errors import ConfigError, PlanError, PlanningError
 
     try:
-        result = run_simulation(config, world_size, plan_file, batches, check)
+        result = run_simulation(config, world_size, plan_file, batches, check, ranks_per_host)
     except (ConfigError, PlanError, PlanningError, CriteoFormatError, SimulationError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else result.to_text())

@@ -28,9 +28,13 @@ from embshard.planner.traffic import TableTraffic, TrafficStats, balanced_plan
 
 
 def topology_for(
-    config: TrainConfig, world_size: int, memory_per_rank: str | int | None = None
+    config: TrainConfig,
+    world_size: int,
+    memory_per_rank: str | int | None = None,
+    ranks_per_host: int | None = None,
 ) -> Topology:
-    """The config's topology (its kind's defaults, then its overrides) for a world."""
+    """The config's topology (its kind's defaults, then its overrides) for a world;
+    ``memory_per_rank`` and ``ranks_per_host`` in place of the config's where given."""
     t = config.topology
     overrides = {
         f.name: getattr(t, f.name)
@@ -39,6 +43,8 @@ def topology_for(
     }
     if memory_per_rank is not None:
         overrides["memory_per_rank"] = memory_per_rank
+    if ranks_per_host is not None:
+        overrides["ranks_per_host"] = ranks_per_host
     overrides |= {k: parse_bytes(overrides[k]) for k in SIZE_FIELDS if k in overrides}
     kind = Topology.gpu if t.kind == "gpu" else Topology.cpu
     return kind(world_size, **overrides)
@@ -49,11 +55,12 @@ def plan_config(
     world_size: int,
     memory_per_rank: str | int | None = None,
     stats: TrafficStats | None = None,
+    ranks_per_host: int | None = None,
 ) -> tuple[ShardingPlan, PlanReport]:
     """Plan a training config's tables, with its tables' constraints and optimizer (and
-    measured ``stats``, see ``plan_tables``); a config with its own ``plan:`` (which
-    training uses) gets that plan, and its report."""
-    topology = topology_for(config, world_size, memory_per_rank)
+    measured ``stats``, see ``plan_tables``), for ``topology_for``'s topology; a config
+    with its own ``plan:`` (which training uses) gets that plan, and its report."""
+    topology = topology_for(config, world_size, memory_per_rank, ranks_per_host)
     optimizer = config.sparse_optimizer.type
     given = config.sharding_plan()
     if given is not None:
@@ -76,11 +83,12 @@ def lookup_balanced_plan(
     world_size: int,
     stats: TrafficStats,
     memory_per_rank: str | int | None = None,
+    ranks_per_host: int | None = None,
 ) -> tuple[ShardingPlan, PlanReport]:
     """``traffic.balanced_plan`` of a config's tables, their row blocks spread over the
     ranks by the bytes of their rows (weights and optimizer state), and its report; a
     PlanningError naming the first rank whose shards exceed its usable memory."""
-    topology = topology_for(config, world_size, memory_per_rank)
+    topology = topology_for(config, world_size, memory_per_rank, ranks_per_host)
     model = CostModel(topology, config.batch_size, config.sparse_optimizer.type)
     row_bytes = {t.name: model.memory(t, 1, t.embedding_dim) for t in planned_tables(config.tables)}
     plan = balanced_plan(stats, world_size, row_bytes)

@@ -113,6 +113,9 @@ class Traffic:
     def __add__(self, other: Traffic) -> Traffic:
         return Traffic(self.sent + other.sent, self.received + other.received)
 
+    def __sub__(self, other: Traffic) -> Traffic:
+        return Traffic(self.sent - other.sent, self.received - other.received)
+
     @property
     def both(self) -> int:
         return self.sent + self.received
@@ -133,6 +136,11 @@ class RankReport:
     ids: Traffic = Traffic()
     pooled: Traffic = Traffic()  # forward
     pooled_grad: Traffic = Traffic()  # backward: the pooled all-to-all in reverse
+    # The part of ids, pooled and pooled_grad to or from ranks of other hosts; the rest
+    # stays inside the rank's host (its bytes to itself among them).
+    ids_across: Traffic = Traffic()
+    pooled_across: Traffic = Traffic()
+    pooled_grad_across: Traffic = Traffic()
     buffers: int = 0  # the four all-to-alls' send and receive buffers
     weights: int = 0
     optimizer_state: int = 0
@@ -150,6 +158,9 @@ class RankReport:
         self.ids += step.ids
         self.pooled += step.pooled
         self.pooled_grad += step.pooled_grad
+        self.ids_across += step.ids_across
+        self.pooled_across += step.pooled_across
+        self.pooled_grad_across += step.pooled_grad_across
         self.buffers = max(self.buffers, step.buffers)
 
     @property
@@ -161,6 +172,21 @@ class RankReport:
         """Bytes the planner prices for a rank's shards: ids in, pooled rows out,
         their gradients in."""
         return self.ids.received + self.pooled.sent + self.pooled_grad.received
+
+    @property
+    def moved_across(self) -> int:
+        """The part of ``moved`` to or from other hosts."""
+        return self.ids_across.received + self.pooled_across.sent + self.pooled_grad_across.received
+
+    @property
+    def across(self) -> Traffic:
+        """Ids, pooled rows and their gradients sent to and received from other hosts."""
+        return self.ids_across + self.pooled_across + self.pooled_grad_across
+
+    @property
+    def inside(self) -> Traffic:
+        """Ids, pooled rows and their gradients sent and received inside the host."""
+        return self.ids + self.pooled + self.pooled_grad - self.across
 
 
 @dataclass(frozen=True)
@@ -188,6 +214,7 @@ class Simulation:
     batch_size: int
     data: str
     plan_source: str
+    ranks_per_host: int
     ranks: list[RankReport]
     seconds_taken: float
     check: Check | None = None
@@ -198,6 +225,8 @@ class Simulation:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
+        for rank, report in zip(out["ranks"], self.ranks):
+            rank["inside"], rank["across"] = asdict(report.inside), asdict(report.across)
         out["slowest"] = {"rank": self.slowest.rank, "why": self.why_slowest()}
         if self.check is not None:
             out["check"]["passed"] = self.check.passed
@@ -226,25 +255,36 @@ class Simulation:
     def to_text(self, max_ranks: int = 64) -> str:
         steps = self.batches
         counts = self.ranks[0].counts.sent // steps
+        hosts = -(-self.world_size // self.ranks_per_host)
         lines = [
-            f"{self.config} on {self.world_size} ranks (plan: {self.plan_source}), {steps} "
+            f"{self.config} on {self.world_size} ranks, {plural(hosts, 'host')} of "
+            f"{self.ranks_per_host} (plan: {self.plan_source}), {steps} "
             f"batches of {self.batch_size} samples per rank ({self.data}): simulated in "
             f"{self.seconds_taken:.1f} s",
             f"per rank and step, mean of {steps}; a2a: bytes sent/received, the pooled one "
-            f"backward in reverse; counts a2a: {format_bytes(counts)} each way",
+            f"backward in reverse; counts a2a: {format_bytes(counts)} each way; inside host "
+            "and across hosts: the ids, pooled and gradient a2a's bytes sent/received",
             f"{'rank':>5} {'ids in':>9} {'bags in':>8} {'looked up':>10} {'ids a2a':>21} "
-            f"{'pooled a2a':>21} {'weights':>10} {'opt state':>10} {'buffers':>10} {'est ms':>7}",
+            f"{'pooled a2a':>21} {'inside host':>21} {'across hosts':>21} {'weights':>10} "
+            f"{'opt state':>10} {'buffers':>10} {'est ms':>7}",
         ]
         for r in self.ranks[:max_ranks]:
             lines.append(
                 f"{r.rank:>5} {r.ids_received // steps:>9} {r.bags_received // steps:>8} "
                 f"{format_bytes(r.lookup_bytes / steps):>10} {_pair(r.ids, steps):>21} "
-                f"{_pair(r.pooled, steps):>21} {format_bytes(r.weights):>10} "
+                f"{_pair(r.pooled, steps):>21} {_pair(r.inside, steps):>21} "
+                f"{_pair(r.across, steps):>21} {format_bytes(r.weights):>10} "
                 f"{format_bytes(r.optimizer_state):>10} {format_bytes(r.buffers):>10} "
                 f"{1e3 * r.seconds:>7.3f}"
             )
         if len(self.ranks) > max_ranks:
             lines.append(f"  ... {len(self.ranks) - max_ranks} more ranks")
+        inside = sum(r.inside.sent for r in self.ranks) / steps
+        across = sum(r.across.sent for r in self.ranks) / steps
+        lines.append(
+            f"all ranks together send {format_bytes(inside)} a step inside hosts and "
+            f"{format_bytes(across)} across hosts"
+        )
         lines.append(f"slowest: {self.why_slowest()}")
         if self.check is not None:
             c = self.check
@@ -271,10 +311,16 @@ def _pair(traffic: Traffic, steps: int) -> str:
 
 
 def _step_report(
-    routes: Routes, rank: int, counts: Counts, offsets: torch.Tensor, own: LocalBatch
+    routes: Routes,
+    rank: int,
+    counts: Counts,
+    offsets: torch.Tensor,
+    own: LocalBatch,
+    ranks_per_host: int,
 ) -> RankReport:
     """What one step moved through ``rank``, from the counts exchange, the TBE offsets
-    its ids unpacked into and its own batch (the lookups in copies)."""
+    its ids unpacked into and its own batch (the lookups in copies); the part of it to
+    and from ranks of other hosts (``ranks_per_host`` ranks a host, in rank order)."""
     world, batch = routes.world_size, sum(counts.batch_sizes)
     local = counts.batch_sizes[rank]
     dims = routes.slot_dims(rank)
@@ -303,10 +349,22 @@ def _step_report(
         pooled_grad=Traffic(pooled.received, pooled.sent),
     )
     step.buffers = sum(t.both for t in (step.counts, step.ids, step.pooled, step.pooled_grad))
+    away = [p for p in range(world) if p // ranks_per_host != rank // ranks_per_host]
+    step.ids_across = Traffic(
+        sum(counts.send_sizes[p] for p in away) * id_bytes,
+        sum(counts.recv_sizes[p] for p in away) * id_bytes,
+    )
+    step.pooled_across = Traffic(
+        sum(counts.batch_sizes[p] for p in away) * sum(dims) * _WEIGHT_BYTES,
+        local * sum(sum(routes.slot_dims(p)) for p in away) * _WEIGHT_BYTES,
+    )
+    step.pooled_grad_across = Traffic(step.pooled_across.received, step.pooled_across.sent)
     return step
 
 
-def _simulate_rank(config: TrainConfig, routes: Routes, batches: int) -> RankReport:
+def _simulate_rank(
+    config: TrainConfig, routes: Routes, batches: int, ranks_per_host: int
+) -> RankReport:
     """One rank's input stage over ``batches`` of its own data (a thread's work)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     input_dist = InputDistribution(routes, rank, Scratch(), torch.device("cpu"))
@@ -318,11 +376,16 @@ def _simulate_rank(config: TrainConfig, routes: Routes, batches: int) -> RankRep
         if in_flight.error is not None:
             raise in_flight.error
         _, offsets, _ = input_dist.arrived(in_flight)
-        report.add_step(_step_report(routes, rank, in_flight.counts, offsets, in_flight.batch))
+        step = _step_report(
+            routes, rank, in_flight.counts, offsets, in_flight.batch, ranks_per_host
+        )
+        report.add_step(step)
     return report
 
 
-def _plan(config: TrainConfig, world_size: int, plan_path: str | None) -> tuple[ShardingPlan, str]:
+def _plan(
+    config: TrainConfig, world_size: int, plan_path: str | None, ranks_per_host: int
+) -> tuple[ShardingPlan, str]:
     """The plan to simulate and where it came from: the file, the config's, the planner's."""
     tables = config.embedding_bag_configs()
     if plan_path is not None:  # its errors name the file
@@ -330,7 +393,7 @@ def _plan(config: TrainConfig, world_size: int, plan_path: str | None) -> tuple[
     plan = config.sharding_plan()
     if plan is not None:
         return plan, "the config's"
-    return plan_config(config, world_size)[0], "the planner's"
+    return plan_config(config, world_size, ranks_per_host=ranks_per_host)[0], "the planner's"
 
 
 def _fill_memory(
@@ -346,9 +409,9 @@ def _fill_memory(
 
 def _estimate(r: RankReport, topology: Topology, steps: int) -> None:
     """Seconds per step at the planner's prices: every looked-up byte read forward and
-    read and written backward, and the bytes moved."""
+    read and written backward, and the bytes moved, inside the host and across."""
     r.lookup_seconds = r.lookup_bytes * LOOKUP_PASSES / topology.lookup_bandwidth / steps
-    r.moving_seconds = r.moved * topology.seconds_per_byte() / steps
+    r.moving_seconds = topology.seconds(r.moved - r.moved_across, r.moved_across) / steps
 
 
 def simulate(
@@ -357,24 +420,28 @@ def simulate(
     plan_path: str | None = None,
     batches: int = 8,
     check: bool = False,
+    ranks_per_host: int | None = None,
 ) -> Simulation:
     """Run ``batches`` steps of the input distribution of CONFIG's model on
-    ``world_size`` simulated ranks, each on its own part of the config's data; with
-    ``check``, the numerics of a small copy of the model too."""
+    ``world_size`` simulated ranks, each on its own part of the config's data, the
+    ranks ``ranks_per_host`` a host (default: the config's topology); with ``check``,
+    the numerics of a small copy of the model too."""
     if world_size < 1 or batches < 1:
         raise SimulationError(f"need at least 1 rank and 1 batch, got {world_size} and {batches}")
     config = load_config(config_path, use="simulate")
     if check:  # the small copy trains on the CPU
         check_sparse_optimizer(config, config_path, "cpu")
-    plan, source = _plan(config, world_size, plan_path)
+    topology = topology_for(config, world_size, ranks_per_host=ranks_per_host)
+    plan, source = _plan(config, world_size, plan_path, topology.ranks_per_host)
     configs = config.embedding_bag_configs()
     routes = build_routes(configs, plan.resolve(configs, world_size), world_size, weighted=False)
     start = time.perf_counter()
     with _single_threaded_ops():
-        ranks = run_ranks(world_size, _simulate_rank, config, routes, batches)
+        ranks = run_ranks(
+            world_size, _simulate_rank, config, routes, batches, topology.ranks_per_host
+        )
         taken = time.perf_counter() - start
         checked = _check(config, plan, world_size, batches) if check else None
-    topology = topology_for(config, world_size)
     _fill_memory(ranks, plan, config, topology)
     for r in ranks:
         _estimate(r, topology, batches)
@@ -386,6 +453,7 @@ def simulate(
         batch_size=config.batch_size,
         data="synthetic data" if data.type == "synthetic" else f"Criteo data from {data.path}",
         plan_source=source,
+        ranks_per_host=topology.ranks_per_host,
         ranks=ranks,
         seconds_taken=taken,
         check=checked,

@@ -330,7 +330,8 @@ def _sharded_model(
     device, its dense optimizer, and the step to start from (checkpoint ``found``'s, if
     any)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    plan = plan_config(config, world)[0]
+    hosts = job_ranks_per_host()  # the config's own wins
+    plan = plan_config(config, world, ranks_per_host=config.topology.ranks_per_host or hosts)[0]
     torch.manual_seed(config.seed)  # the dense layers' init: runs are reproducible
     model = shard_model(
         build_model(config),
@@ -350,6 +351,27 @@ def _sharded_model(
         if rank == 0:
             print(f"embshard: resumed from {found} at step {start}", flush=True)
     return model, optimizer, start
+
+
+def job_ranks_per_host() -> int | None:
+    """The ranks on each host, as torchrun's ``LOCAL_WORLD_SIZE`` gives them, for the
+    planner's topology; None where it is not set. Collective: every rank raises the
+    same TrainingError where hosts differ, since the planner prices traffic by the host
+    each rank is on."""
+    given = os.environ.get("LOCAL_WORLD_SIZE")
+    mine = int(given) if given and given.isdigit() else None
+    found: list[int | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, mine)
+    if len(set(found)) > 1:
+        ranks: dict[int | None, list[int]] = {}
+        for rank, value in enumerate(found):
+            ranks.setdefault(value, []).append(rank)
+        got = "; ".join(f"{value} on ranks {held}" for value, held in ranks.items())
+        raise TrainingError(
+            "LOCAL_WORLD_SIZE must be the same on every host (the planner's ranks per "
+            f"host), got {got}"
+        )
+    return found[0]
 
 
 def _read_data(config: TrainConfig) -> tuple[SyntheticData | CriteoData, list[Batch]]:

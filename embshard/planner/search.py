@@ -24,7 +24,9 @@ and in memory on the least-loaded ranks that may take them, else in row blocks c
 to the room ranks have. With no target that is LPT table-wise, the obvious plan;
 bisection then finds the lowest target that packs, down to the lower bound. Last,
 each split table is placed again in its cheapest sharding that fits under the
-slowest rank: whole, where it can be.
+slowest rank: whole, where it can be. Across hosts, bytes to a rank's own host and to
+others are priced apart (``Topology.seconds``), and with measured traffic the search
+also tries grids whose column blocks are each row-split over one host's ranks.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from embshard.plan.specs import (
     TableShard,
     column_wise,
     data_parallel,
+    grid,
     plural,
     row_wise,
     table_wise,
@@ -169,14 +172,15 @@ class Topology:
 
     @classmethod
     def gpu(cls, world_size: int, **overrides: Any) -> Topology:
-        """8 x 80 GiB GPUs per host (H100-like): NVLink inside, 400 Gb/s between;
+        """8 x 80 GiB GPUs per host (H100-like): NVLink inside (about 370 GB/s of
+        all-to-all a GPU), a 400 Gb/s InfiniBand NIC a GPU between (about 45 GB/s);
         4 GiB of each reserved (a quarter where a GPU has less than 16 GiB)."""
         values = {
             "ranks_per_host": 8,
             "memory_per_rank": 80 * GiB,
-            "intra_bandwidth": 300e9,
+            "intra_bandwidth": 370e9,
             "intra_latency": 5e-6,
-            "inter_bandwidth": 50e9,
+            "inter_bandwidth": 45e9,
             "inter_latency": 10e-6,
             "lookup_bandwidth": 1e12,
         } | overrides
@@ -188,19 +192,32 @@ class Topology:
         """What the tables and their optimizer state may use of a rank."""
         return self.memory_per_rank - self.reserved_memory
 
+    def host_ranks(self, host: int) -> range:
+        """The ranks of ``host``: ranks ``host * ranks_per_host`` onwards, as torchrun
+        numbers them."""
+        start = host * self.ranks_per_host
+        return range(start, min(start + self.ranks_per_host, self.world_size))
+
+    def seconds(self, inside: float, across: float) -> float:
+        """Moving ``inside`` bytes between ranks of a host (a rank's bytes to itself
+        among them) and ``across`` bytes between hosts; each rank has its own link
+        across hosts (a NIC a GPU), not shared with the others of its host."""
+        return inside / self.intra_bandwidth + across / self.inter_bandwidth
+
     def seconds_per_byte(self) -> float:
-        """All-to-all traffic spread evenly over peers: some of it leaves the host."""
+        """A shard's all-to-all bytes: every rank's batch asks for it alike, so they go
+        to every rank evenly, those of its own host (itself included) inside it."""
+        if self.world_size <= 1:
+            return 0.0
+        inside = min(self.ranks_per_host, self.world_size) / self.world_size
+        return self.seconds(inside, 1 - inside)
+
+    def collective_latency(self) -> float:
+        """An all-to-all's latency: one message to each other rank, of its host or not."""
         if self.world_size <= 1:
             return 0.0
         local = min(self.ranks_per_host, self.world_size)
-        leaving = (self.world_size - local) / (self.world_size - 1)
-        return (1 - leaving) / self.intra_bandwidth + leaving / self.inter_bandwidth
-
-    def collective_latency(self) -> float:
-        if self.world_size <= 1:
-            return 0.0
-        inter = self.world_size > self.ranks_per_host
-        return (self.world_size - 1) * (self.inter_latency if inter else self.intra_latency)
+        return (local - 1) * self.intra_latency + (self.world_size - local) * self.inter_latency
 
 
 @dataclass(frozen=True)
@@ -515,6 +532,20 @@ class _Option:
     piece_cost: float
     piece_memory: int
     waste: int  # the memory its pieces need beyond the table whole
+    grid: _GridCut | None = None  # a grid's cut, for Kind.GRID
+
+
+@dataclass(frozen=True)
+class _GridCut:
+    """A grid over whole hosts: ``columns`` column blocks, each row-split over the ranks
+    of its own host in ``sizes`` (rows cut by the measured lookups); its pieces' cost
+    and memory, in that row order, the same in every column block."""
+
+    columns: int
+    cols: int  # each column block's width
+    sizes: tuple[int, ...]
+    costs: tuple[float, ...]
+    memory: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -538,6 +569,7 @@ class _Piece:
     cols: int
     cost: float
     memory: int
+    block: int = 0  # a grid's column block
 
 
 @dataclass
@@ -647,10 +679,124 @@ def _table(
     if constraint.ranks:
         allowed = np.zeros(world, dtype=bool)
         allowed[list(constraint.ranks)] = True
-    options.sort(key=lambda o: (o.total, o.blocks, o.kind))
+    options.sort(key=_cheapest_first)
     return _Table(
         table, kinds, linear, tuple(options), allowed, model.whole_cost(table), whole, traffic
     )
+
+
+def _cheapest_first(option: _Option) -> tuple[float, int, str]:
+    return option.total, option.blocks, option.kind
+
+
+def _with_grids(
+    tables: Sequence[_Table], model: CostModel, constraints: Mapping[str, TableConstraint]
+) -> list[_Table] | None:
+    """The tables with their host grids among their options, those no option of theirs
+    matches or beats (``_undominated``); None where no table has one."""
+    free, found, out = TableConstraint(), False, []
+    for table in tables:
+        spec, constraint = table.spec, constraints.get(table.spec.name, free)
+        grids = []
+        if _griddable(spec, model, constraint, table.traffic):
+            grids = _grid_options(spec, model, table.traffic, table.whole_memory)
+            grids = _undominated(grids, table.options)
+        if grids:
+            found = True
+            options = tuple(sorted((*table.options, *grids), key=_cheapest_first))
+            table = dataclasses.replace(table, options=options)
+        out.append(table)
+    return out if found else None
+
+
+def _griddable(
+    table: PlannedTable,
+    model: CostModel,
+    constraint: TableConstraint,
+    traffic: TableTraffic | None,
+) -> bool:
+    """Whether the search tries host grids for ``table``: a pooled table free of
+    constraints, in a world of two whole hosts or more, with measured lookups to cut
+    its rows by (an even cut of skewed ids would load each host's first rank)."""
+    hosts = model.topology.world_size // model.topology.ranks_per_host
+    return (
+        hosts >= 2
+        and traffic is not None
+        and not table.sequence
+        and constraint == TableConstraint()
+        and table.num_embeddings >= model.topology.ranks_per_host
+    )
+
+
+def _grid_columns(table: PlannedTable, topology: Topology) -> list[int]:
+    """Column block counts a host grid may have: 1 (row-wise over one host's ranks) up
+    to one a whole host, each block a multiple of 4 columns wide."""
+    hosts = topology.world_size // topology.ranks_per_host
+    return [c for c in range(1, hosts + 1) if table.embedding_dim % (4 * c) == 0]
+
+
+def _grid_options(
+    table: PlannedTable, model: CostModel, traffic: TableTraffic, whole: int
+) -> list[_Option]:
+    """Host grids of ``table``: ``c`` column blocks, each row-wise over the ranks of
+    its own host, rows cut so each gets an even share of the measured lookups."""
+    per_host = model.topology.ranks_per_host
+    sizes = tuple(balanced_sizes(traffic, per_host))
+    if not all(sizes):  # too few rows, or too hot a row, for a block on every rank
+        return []
+    shares = _row_shares(traffic, sizes)
+    options = []
+    for columns in _grid_columns(table, model.topology):
+        cols = table.embedding_dim // columns
+        costs = tuple(
+            model.shard_cost(table, Kind.GRID, share * table.num_embeddings, cols)
+            for share in shares
+        )
+        memory = tuple(model.memory(table, rows, cols) for rows in sizes)
+        cut = _GridCut(columns, cols, sizes, costs, memory)
+        waste = columns * sum(memory) - whole
+        options.append(
+            _Option(
+                Kind.GRID,
+                columns * per_host,
+                columns * sum(costs),
+                max(costs),
+                max(memory),
+                max(waste, 0),
+                cut,
+            )
+        )
+    return options
+
+
+def _undominated(candidates: list[_Option], options: Sequence[_Option]) -> list[_Option]:
+    """The ``candidates`` that no option matches or beats in total, per piece, in
+    memory a piece and in memory beyond the table whole: only those can help a packing."""
+    return [
+        c
+        for c in candidates
+        if not any(
+            o.total <= c.total
+            and o.piece_cost <= c.piece_cost
+            and o.piece_memory <= c.piece_memory
+            and o.waste <= c.waste
+            for o in options
+        )
+    ]
+
+
+def _grid_ways(table: PlannedTable, model: CostModel) -> list[tuple[float, float, int]]:
+    """``_ways`` of the host grids: ``c`` column blocks over ``N`` ranks each, ``c N``
+    pieces that cost ``c K + c N L`` in all (``K`` what a piece's cost grows by with
+    all the rows, ``L`` the cost it has with none: ``shard_cost`` is linear in rows),
+    on any number of ranks up to ``c N``, like a fixed number of column blocks."""
+    per_host, ways = model.topology.ranks_per_host, []
+    for columns in _grid_columns(table, model.topology):
+        cols = table.embedding_dim / columns
+        fixed = model.shard_cost(table, Kind.GRID, 0, cols)
+        growing = model.shard_cost(table, Kind.GRID, table.num_embeddings, cols) - fixed
+        ways.append((columns * (growing + per_host * fixed), 0.0, columns * per_host))
+    return ways
 
 
 def _row_shares(traffic: TableTraffic, sizes: Sequence[int]) -> list[float]:
@@ -719,7 +865,11 @@ def _check_memory(tables: Sequence[PlannedTable], model: CostModel) -> None:
 
 
 def _ways(
-    table: PlannedTable, model: CostModel, constraint: TableConstraint, copies: bool
+    table: PlannedTable,
+    model: CostModel,
+    constraint: TableConstraint,
+    copies: bool,
+    grids: bool = False,
 ) -> list[tuple[float, float, int]]:
     """``(a, b, most)`` for each way the table may be cut: over m ranks, m from 1 to
     ``most``, its pieces cost at least ``a + b m`` in all and the busiest of those
@@ -727,7 +877,8 @@ def _ways(
     ``b >= 0``), and the busiest of the m <= k ranks they are on carries at least
     ``(a + b k) / m >= (a + b m) / m``. Row blocks: one per rank, at most one a row;
     column blocks: at least 4 columns wide, ranks may repeat; a fixed number of
-    column blocks costs what it costs on any number of ranks up to it."""
+    column blocks costs what it costs on any number of ranks up to it. With ``grids``,
+    host grids too (``_grid_ways``)."""
     limit = _limit(constraint, model.topology.world_size)
     if constraint.column_blocks:
         blocks = constraint.column_blocks
@@ -742,7 +893,7 @@ def _ways(
     if _copied(table, model, constraint, copies):  # a copy costing less than 0: _bound_with
         world = model.topology.world_size  # one piece on each rank, like fixed column blocks
         ways.append((world * max(0.0, model.replica_cost(table)), 0.0, world))
-    return ways
+    return ways + (_grid_ways(table, model) if grids else [])
 
 
 def _copied(
@@ -757,31 +908,43 @@ def _copied(
 
 
 def _lower_bound(
-    tables: Sequence[PlannedTable], constraints: Mapping[str, TableConstraint], model: CostModel
+    tables: Sequence[PlannedTable],
+    constraints: Mapping[str, TableConstraint],
+    model: CostModel,
+    grids: frozenset[str] = frozenset(),
 ) -> float:
     """No plan's slowest rank costs less than this (the base apart): the lower of
-    ``_bound_with`` plans without optional copies and with them."""
+    ``_bound_with`` plans without optional copies and with them; the tables named in
+    ``grids`` may be host grids."""
     free = TableConstraint()
     kept = [constraints.get(t.name, free) for t in tables]
-    plain = _bound_with(tables, kept, model, copies=False)
+    plain = _bound_with(tables, kept, model, False, grids)
     if not any(
         _copied(t, model, c, True) != _copied(t, model, c, False) for t, c in zip(tables, kept)
     ):
         return plain
-    return min(plain, _bound_with(tables, kept, model, copies=True))
+    return min(plain, _bound_with(tables, kept, model, True, grids))
 
 
 def _bound_with(
-    tables: Sequence[PlannedTable], kept: Sequence[TableConstraint], model: CostModel, copies: bool
+    tables: Sequence[PlannedTable],
+    kept: Sequence[TableConstraint],
+    model: CostModel,
+    copies: bool,
+    grids: frozenset[str] = frozenset(),
 ) -> float:
     """``_copied_bound``, plus the copies' all-reduce latency where any may be copied."""
     copied = any(_copied(t, model, c, copies) for t, c in zip(tables, kept))
     latency = model.topology.collective_latency() if copied else 0.0
-    return _copied_bound(tables, kept, model, copies) + latency
+    return _copied_bound(tables, kept, model, copies, grids) + latency
 
 
 def _copied_bound(
-    tables: Sequence[PlannedTable], kept: Sequence[TableConstraint], model: CostModel, copies: bool
+    tables: Sequence[PlannedTable],
+    kept: Sequence[TableConstraint],
+    model: CostModel,
+    copies: bool,
+    grids: frozenset[str] = frozenset(),
 ) -> float:
     """``_cut_bound`` less all that copies could save each rank (a copy's negative
     ``replica_cost``): no rank of a packing carries less, the all-reduce apart."""
@@ -790,7 +953,7 @@ def _copied_bound(
         for t, c in zip(tables, kept)
         if _copied(t, model, c, copies)
     )
-    return _cut_bound(tables, kept, model, copies) - saving
+    return _cut_bound(tables, kept, model, copies, grids) - saving
 
 
 def _cut_bound(
@@ -798,6 +961,7 @@ def _cut_bound(
     kept: Sequence[TableConstraint],
     model: CostModel,
     copies: bool,
+    grids: frozenset[str] = frozenset(),
 ) -> float:
     """A plan whose slowest rank costs S cuts every table some way (``_ways``) that puts
     no more than S on a rank, so each table costs at least its least total at S, and
@@ -807,8 +971,9 @@ def _cut_bound(
     found by bisection, upward from the cheapest the costliest table can be cut to.
     """
     world = model.topology.world_size
-    ways = [_ways(t, model, c, copies) for t, c in zip(tables, kept)]
-    padded = [w + [(0.0, 0.0, 0)] * (len(_SHARDINGS) - len(w)) for w in ways]  # most 0: never
+    ways = [_ways(t, model, c, copies, t.name in grids) for t, c in zip(tables, kept)]
+    widest = max(map(len, ways))
+    padded = [w + [(0.0, 0.0, 0)] * (widest - len(w)) for w in ways]  # most 0: never
     a, b, most = np.array(padded, dtype=float).transpose(2, 0, 1)
     groups = [(world, np.ones(len(tables), dtype=bool))] + [
         (len(ranks), np.array([bool(c.ranks) and set(c.ranks) <= ranks for c in kept]))
@@ -866,6 +1031,11 @@ def _place(
         )
         if table.allowed is not None:
             ok &= table.allowed
+        if option.grid is not None:
+            pieces = _grid_pieces(option.grid, packing, ok, model.topology)
+            if pieces is None:
+                continue
+            return option.kind, pieces
         if option.blocks == 1:
             ranks = [int(np.where(ok, packing.cost, np.inf).argmin())]
             if not ok[ranks[0]]:
@@ -880,6 +1050,28 @@ def _place(
     if Kind.ROW_WISE in table.kinds:
         return _rows_to_room(table, packing, model, target)
     return None
+
+
+def _grid_pieces(
+    cut: _GridCut, packing: _Packing, ok: np.ndarray, topology: Topology
+) -> list[_Piece] | None:
+    """A grid's pieces on the least-loaded hosts whose every rank may take a piece
+    (``ok``), one column block a host; None where too few hosts may."""
+    per_host = topology.ranks_per_host
+    hosts = topology.world_size // per_host
+    whole = slice(0, hosts * per_host)
+    fits = ok[whole].reshape(hosts, per_host).all(axis=1)
+    if np.count_nonzero(fits) < cut.columns:
+        return None
+    busiest = packing.cost[whole].reshape(hosts, per_host).max(axis=1)
+    chosen = np.sort(np.argsort(np.where(fits, busiest, np.inf), kind="stable")[: cut.columns])
+    return [
+        _Piece(rank, rows, cut.cols, cost, memory, block)
+        for block, host in enumerate(chosen.tolist())
+        for rank, rows, cost, memory in zip(
+            topology.host_ranks(host), cut.sizes, cut.costs, cut.memory
+        )
+    ]
 
 
 def _rows_to_room(
@@ -1072,6 +1264,10 @@ def _rank_loads(packing: _Packing, tables: Sequence[_Table]) -> list[RankLoad]:
 def _spec(kind: str, pieces: list[_Piece], world: int):
     if kind == Kind.TABLE_WISE:
         return table_wise(pieces[0].rank)
+    if kind == Kind.GRID:
+        blocks = range(pieces[-1].block + 1)
+        ranks = [[p.rank for p in pieces if p.block == b] for b in blocks]
+        return grid(len(ranks), ranks, [[p.rows for p in pieces if p.block == b] for b in blocks])
     if kind == Kind.DATA_PARALLEL:
         return data_parallel()
     if kind == Kind.COLUMN_WISE:
@@ -1082,18 +1278,17 @@ def _spec(kind: str, pieces: list[_Piece], world: int):
     return row_wise(sizes)
 
 
-def _packed(
+def _prepared(
     specs: Sequence[PlannedTable],
     constraints: Mapping[str, TableConstraint],
     model: CostModel,
     measured: Mapping[str, TableTraffic],
     copies: bool,
-) -> tuple[_Packing, list[_Table], dict[str, str]]:
-    """The searched packing (data-parallel copies among the options with ``copies``),
-    its tables and why each is sharded as it is. A packing with copies carries their
-    all-reduce's latency on every rank."""
+) -> list[_Table]:
+    """Every table with its options (data-parallel copies among them with ``copies``),
+    in the packing's order: those kept to the fewest ranks first, then costliest first."""
     world, free = model.topology.world_size, TableConstraint()
-    prepared = sorted(  # the tables kept to the fewest ranks first, then costliest first
+    return sorted(
         (
             _table(t, model, constraints.get(t.name, free), world, measured.get(t.name), copies)
             for t in specs
@@ -1105,12 +1300,43 @@ def _packed(
             t.spec.name,
         ),
     )
+
+
+def _packed(
+    prepared: list[_Table],
+    specs: Sequence[PlannedTable],
+    constraints: Mapping[str, TableConstraint],
+    model: CostModel,
+    copies: bool,
+    grids: frozenset[str] = frozenset(),
+) -> tuple[_Packing, list[_Table], dict[str, str]]:
+    """The searched packing of the ``prepared`` tables (with data-parallel copies among
+    their options with ``copies``; ``grids`` the tables with host grids among them),
+    the tables and why each is sharded as it is. A packing with copies carries their
+    all-reduce's latency on every rank."""
+    free = TableConstraint()
     kept = [constraints.get(t.name, free) for t in specs]
-    packing = _search(prepared, model, max(_copied_bound(specs, kept, model, copies), 1e-12))
+    bound = _copied_bound(specs, kept, model, copies, grids)
+    packing = _search(prepared, model, max(bound, 1e-12))
     reasons = _unsplit(packing, prepared, model)
     if any(kind == Kind.DATA_PARALLEL for kind, _ in packing.layouts.values()):
         packing.cost += model.topology.collective_latency()
     return packing, prepared, reasons
+
+
+def _grid_tables(
+    specs: Sequence[PlannedTable],
+    constraints: Mapping[str, TableConstraint],
+    model: CostModel,
+    measured: Mapping[str, TableTraffic],
+) -> frozenset[str]:
+    """The tables the search may make host grids (``_griddable``)."""
+    free = TableConstraint()
+    return frozenset(
+        t.name
+        for t in specs
+        if _griddable(t, model, constraints.get(t.name, free), measured.get(t.name))
+    )
 
 
 def plan_tables(
@@ -1136,7 +1362,9 @@ def plan_tables(
     tables are priced by their measured ids, row blocks are cut so each gets an even
     share of its table's lookups, and each is priced by the lookups landing in it; a
     row-wise table whose hottest rows no cut can balance gets them copied on every rank
-    (``_copy_hot_rows``) where that lowers the slowest rank.
+    (``_copy_hot_rows``) where that lowers the slowest rank; and where the world spans
+    two whole hosts or more, the search also tries host grids (``_grid_options``),
+    kept where they lower the slowest rank.
     """
     specs = planned_tables(tables, mean_pooling, stats)
     measured = stats.tables if stats is not None else {}
@@ -1156,14 +1384,26 @@ def plan_tables(
             f"fused optimizer {optimizer} cannot update (a copy's rows not looked up take a "
             "zero gradient, and it moves them)"
         )
-    packing, prepared, reasons = _packed(specs, constraints, model, measured, copies=False)
+    # The search without copies, and again with copies, host grids or both among the
+    # options where a table may have them: the best of them.
+    searches = [(_prepared(specs, constraints, model, measured, False), False, frozenset())]
     if copies and any(Kind.DATA_PARALLEL in _kinds(constraints.get(t.name, free)) for t in specs):
-        try:  # the same search with copies among the options, and the better of the two
-            copied = _packed(specs, constraints, model, measured, copies=True)
-        except PlanningError:  # the copies took the room some table needed
-            copied = None
-        if copied is not None and copied[0].slowest < packing.slowest / _SAME:
-            packing, prepared, reasons = copied
+        searches.append((_prepared(specs, constraints, model, measured, True), True, frozenset()))
+    gridded = _grid_tables(specs, constraints, model, measured)
+    if gridded:
+        searches += [
+            (with_grids, with_copies, gridded)
+            for searched, with_copies, _ in searches
+            if (with_grids := _with_grids(searched, model, constraints))
+        ]
+    packing, prepared, reasons = _packed(searches[0][0], specs, constraints, model, False)
+    for searched, with_copies, grids in searches[1:]:
+        try:
+            found = _packed(searched, specs, constraints, model, with_copies, grids)
+        except PlanningError:  # the copies or grids took the room some table needed
+            continue
+        if found[0].slowest < packing.slowest / _SAME:
+            packing, prepared, reasons = found
     layouts = packing.layouts
     report = PlanReport(
         ranks=_rank_loads(packing, prepared),
@@ -1174,7 +1414,7 @@ def plan_tables(
             for t in specs
         ],
         base_cost=model.base_cost(specs),
-        lower_bound=_lower_bound(specs, constraints, model),
+        lower_bound=_lower_bound(specs, constraints, model, gridded),
         topology=topology,
     )
     plan = ShardingPlan({t.name: _spec(*layouts[t.name], world) for t in specs})
@@ -1297,6 +1537,7 @@ def plan_report(
     resolved = plan.resolve([_as_config(t) for t in tables], topology.world_size)
     specs = planned_tables(tables, stats=stats)
     loads = plan_loads(plan, tables, topology, batch_size, optimizer, stats=stats)
+    measured = stats.tables if stats is not None else {}
     return PlanReport(
         ranks=loads,
         tables=[  # the plan resolved in the tables' order
@@ -1310,6 +1551,8 @@ def plan_report(
             for r, t in zip(resolved.values(), specs)
         ],
         base_cost=model.base_cost(specs),
-        lower_bound=_lower_bound(specs, _kept(specs, {}), model),
+        lower_bound=_lower_bound(
+            specs, _kept(specs, {}), model, _grid_tables(specs, {}, model, measured)
+        ),
         topology=topology,
     )
