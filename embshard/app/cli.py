@@ -344,19 +344,23 @@ def export(directory: str, out: str, module: str | None) -> None:
     click.echo(f"wrote {plural(len(keys), 'tensor')} to {out}")
 
 
-@main.command()
-@click.argument("config", type=click.Path(dir_okay=False))
-@click.option(
-    "--world-size", "-w", type=click.IntRange(min=1), required=True, help="Ranks to plan for."
-)
-@click.option("--memory-per-rank", default=None, help="Like 80GiB; default: the config's topology.")
-@click.option(
+# Shared by ``plan`` and ``simulate``.
+_RANKS_PER_HOST = click.option(
     "--ranks-per-host",
     type=click.IntRange(min=1),
     default=None,
     help="Ranks on each host (ranks h*N to h*N+N-1 on host h); default: the config's "
     "topology, else its kind's (gpu: 8; cpu: the world).",
 )
+
+
+@main.command()
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.option(
+    "--world-size", "-w", type=click.IntRange(min=1), required=True, help="Ranks to plan for."
+)
+@click.option("--memory-per-rank", default=None, help="Like 80GiB; default: the config's topology.")
+@_RANKS_PER_HOST
 @click.option("--out", type=OutputFile(), help="Write the plan (YAML) here.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @click.option(
@@ -441,13 +445,7 @@ def plan(
     help="A plan (YAML); default: the config's, else the planner's.",
 )
 @click.option("--batches", default=8, show_default=True, help="Batches (steps) per rank.")
-@click.option(
-    "--ranks-per-host",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Ranks on each host (ranks h*N to h*N+N-1 on host h); default: the config's "
-    "topology, else its kind's (gpu: 8; cpu: the world).",
-)
+@_RANKS_PER_HOST
 @click.option(
     "--check", is_flag=True, help="Also check a small copy's numerics against the oracle."
 )
