@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
@@ -119,6 +119,11 @@ class Traffic:
     @property
     def both(self) -> int:
         return self.sent + self.received
+
+    @property
+    def reversed(self) -> Traffic:
+        """The same all-to-all run backward: what was sent is received."""
+        return Traffic(self.received, self.sent)
 
 
 @dataclass
@@ -327,15 +332,31 @@ def _step_report(
     # Slot s holds bags s * batch ... (s + 1) * batch - 1 of the TBE's input.
     slot_ids = offsets[::batch].diff().tolist() if batch else [0] * len(dims)
     id_bytes = routes.id_dtype.itemsize
-    blocks = sum(sum(routes.slot_dims(r)) for r in range(world))
+
+    def ids_with(peers: Sequence[int]) -> Traffic:
+        """The payload this rank sends ``peers`` and gets from them."""
+        sent, received = (
+            sum(sizes[p] for p in peers) for sizes in (counts.send_sizes, counts.recv_sizes)
+        )
+        return Traffic(sent * id_bytes, received * id_bytes)
+
+    def pooled_with(peers: Sequence[int]) -> Traffic:
+        """The pooled rows this rank sends ``peers`` (their samples, its slots' widths)
+        and gets from them (its samples, their slots' widths)."""
+        samples = sum(counts.batch_sizes[p] for p in peers)
+        widths = sum(sum(routes.slot_dims(p)) for p in peers)
+        return Traffic(samples * sum(dims) * _WEIGHT_BYTES, local * widths * _WEIGHT_BYTES)
+
     pooled, exchanged = Traffic(), Traffic()  # on one rank nothing travels
     if world > 1:
-        pooled = Traffic(batch * sum(dims) * _WEIGHT_BYTES, local * blocks * _WEIGHT_BYTES)
+        pooled = pooled_with(range(world))
         exchanged = Traffic(world * _COUNTS_BYTES, world * _COUNTS_BYTES)
     ids = own.values.split(own.lengths.sum(1).tolist())
     copies = [
         (int((ids[e.feature] < e.replicated_rows).sum()), e.dim) for e in routes.local_embeddings
     ]
+    away = [p for p in range(world) if p // ranks_per_host != rank // ranks_per_host]
+    pooled_across = pooled_with(away)
     step = RankReport(
         rank,
         samples=local,
@@ -344,21 +365,14 @@ def _step_report(
         bags_received=batch * len(dims),
         lookup_bytes=sum(n * d for n, d in [*zip(slot_ids, dims), *copies]) * _WEIGHT_BYTES,
         counts=exchanged,
-        ids=Traffic(sum(counts.send_sizes) * id_bytes, sum(counts.recv_sizes) * id_bytes),
+        ids=ids_with(range(world)),
         pooled=pooled,
-        pooled_grad=Traffic(pooled.received, pooled.sent),
+        pooled_grad=pooled.reversed,
+        ids_across=ids_with(away),
+        pooled_across=pooled_across,
+        pooled_grad_across=pooled_across.reversed,
     )
     step.buffers = sum(t.both for t in (step.counts, step.ids, step.pooled, step.pooled_grad))
-    away = [p for p in range(world) if p // ranks_per_host != rank // ranks_per_host]
-    step.ids_across = Traffic(
-        sum(counts.send_sizes[p] for p in away) * id_bytes,
-        sum(counts.recv_sizes[p] for p in away) * id_bytes,
-    )
-    step.pooled_across = Traffic(
-        sum(counts.batch_sizes[p] for p in away) * sum(dims) * _WEIGHT_BYTES,
-        local * sum(sum(routes.slot_dims(p)) for p in away) * _WEIGHT_BYTES,
-    )
-    step.pooled_grad_across = Traffic(step.pooled_across.received, step.pooled_across.sent)
     return step
 
 
