@@ -1,5 +1,6 @@
 """The id map against a plain reference written here: Python lists of slots per bucket,
-the same policies and tie rules, and the splitmix64 hash on Python ints."""
+the same policies and tie rules, and the hashes on Python ints (with the key hash's
+inverse, to show it is one-to-one)."""
 
 from __future__ import annotations
 
@@ -14,26 +15,55 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from embshard.errors import CheckpointError, InputError, PlanError
-from embshard.storage.id_map import IdMap, IdMapSpec, bucket_of, initial_rows
+from embshard.storage.id_map import IdMap, IdMapSpec, bucket_of, hash_ids, initial_rows
 
-M64 = (1 << 64) - 1
-EXTREMES = [0, 1, -1, 2, -2, 2**63 - 1, -(2**63), 2**62, -(2**62), 2**32, -(2**32) - 1]
+M64, M63 = (1 << 64) - 1, (1 << 63) - 1
+EXTREMES = [0, 1, 2, 3, 2**63 - 1, 2**63 - 2, 2**62, 2**62 - 1, 2**32, 2**32 - 1]
+GAMMA, MUL1, MUL2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
 def splitmix64(x: int) -> int:
-    z = (x + 0x9E3779B97F4A7C15) & M64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    z = (x + GAMMA) & M64
+    z = ((z ^ (z >> 30)) * MUL1) & M64
+    z = ((z ^ (z >> 27)) * MUL2) & M64
     return z ^ (z >> 31)
 
 
-def ref_bucket(raw: int, buckets: int) -> int:
-    return (splitmix64(raw & M64) >> 1) % buckets
+def ref_key(raw: int) -> int:
+    """splitmix64's steps modulo 2**63."""
+    z = (raw + GAMMA) & M63
+    z = ((z ^ (z >> 30)) * (MUL1 & M63)) & M63
+    z = ((z ^ (z >> 27)) * (MUL2 & M63)) & M63
+    return z ^ (z >> 31)
 
 
-def ref_initial(raw: int, dim: int, seed: int, table: str, low: float, high: float) -> list[float]:
+def unshift(z: int, bits: int) -> int:
+    """The x with x ^ (x >> bits) == z, for 63-bit values."""
+    x = z
+    for _ in range(63 // bits + 1):
+        x = z ^ (x >> bits)
+    return x
+
+
+def ref_raw(key: int) -> int:
+    """ref_key's inverse: odd multipliers invert modulo 2**63."""
+    z = unshift(key, 31)
+    z = unshift((z * pow(MUL2 & M63, -1, 1 << 63)) & M63, 27)
+    z = unshift((z * pow(MUL1 & M63, -1, 1 << 63)) & M63, 30)
+    return (z - GAMMA) & M63
+
+
+def ref_bucket(key: int, buckets: int) -> int:
+    return key // -(-(2**63) // buckets)
+
+
+def keys_of(raws: list[int]) -> list[int]:
+    return [ref_key(raw) for raw in raws]
+
+
+def ref_initial(key: int, dim: int, seed: int, table: str, low: float, high: float) -> list[float]:
     digest = hashlib.blake2b(f"{seed}/{table}".encode(), digest_size=8).digest()
-    key = splitmix64((raw & M64) ^ int.from_bytes(digest, "little"))
+    key = splitmix64(key ^ int.from_bytes(digest, "little"))
     units = [(splitmix64((key + c) & M64) >> 40) / 2**24 for c in range(dim)]
     return [float(torch.tensor(u * (high - low) + low, dtype=torch.float32)) for u in units]
 
@@ -57,27 +87,27 @@ class Reference:
     def remap(self, ids: list[int], step: int):
         spec, counts = self.spec, Counter(ids)
         by_bucket: dict[int, list[int]] = {}
-        for raw in sorted(counts):
-            by_bucket.setdefault(ref_bucket(raw, spec.buckets), []).append(raw)
+        for key in sorted(counts):
+            by_bucket.setdefault(ref_bucket(key, spec.buckets), []).append(key)
         rows, admitted, evicted, overflow = {}, [], 0, 0
         for b in sorted(by_bucket):
             slots, probation, base = self.slots[b], self.probation[b], (b - self.first)
             base *= spec.rows_per_bucket
             where = {e.key: i for i, e in enumerate(slots) if e is not None}
             seen = set()
-            for raw in by_bucket[b]:
-                if raw in where:
-                    e = slots[where[raw]]
-                    e.last, e.hits = step, e.hits + counts[raw]
-                    rows[raw] = base + where[raw]
-                    seen.add(where[raw])
-            new = [raw for raw in by_bucket[b] if raw not in where]
+            for key in by_bucket[b]:
+                if key in where:
+                    e = slots[where[key]]
+                    e.last, e.hits = step, e.hits + counts[key]
+                    rows[key] = base + where[key]
+                    seen.add(where[key])
+            new = [key for key in by_bucket[b] if key not in where]
             waiting = {e.key: i for i, e in enumerate(probation) if e is not None}
             total = {
-                raw: counts[raw] + (probation[waiting[raw]].hits if raw in waiting else 0)
-                for raw in new
+                key: counts[key] + (probation[waiting[key]].hits if key in waiting else 0)
+                for key in new
             }
-            due = [raw for raw in new if total[raw] >= spec.admit_after]
+            due = [key for key in new if total[key] >= spec.admit_after]
 
             def evictable(i: int, e: Entry, seen=seen) -> bool:
                 if spec.policy == "none":
@@ -96,37 +126,37 @@ class Reference:
                 (i for i, e in enumerate(slots) if e is None or evictable(i, e)), key=order
             )
             got = set()
-            for raw, i in zip(due, victims):
+            for key, i in zip(due, victims):
                 evicted += slots[i] is not None
-                slots[i] = Entry(raw, step, total[raw])
-                rows[raw] = base + i
-                admitted.append((base + i, raw))
-                got.add(raw)
+                slots[i] = Entry(key, step, total[key])
+                rows[key] = base + i
+                admitted.append((base + i, key))
+                got.add(key)
             overflow += len(due) - len(got)
             if spec.admit_after == 1:
                 continue
-            for raw in got & set(waiting):
-                probation[waiting[raw]] = None
+            for key in got & set(waiting):
+                probation[waiting[key]] = None
             kept = set()
-            for raw in new:
-                if raw not in got and raw in waiting:
-                    e = probation[waiting[raw]]
-                    e.last, e.hits = step, total[raw]
-                    kept.add(waiting[raw])
+            for key in new:
+                if key not in got and key in waiting:
+                    e = probation[waiting[key]]
+                    e.last, e.hits = step, total[key]
+                    kept.add(waiting[key])
 
             def porder(i: int, probation=probation) -> tuple:
                 e = probation[i]
                 return (0, i) if e is None else (1, e.last, e.key)
 
             free = sorted((i for i in range(len(probation)) if i not in kept), key=porder)
-            entering = [raw for raw in new if raw not in got and raw not in waiting]
-            for raw, i in zip(entering, free):
-                probation[i] = Entry(raw, step, total[raw])
-        return [rows.get(raw, -1) for raw in ids], admitted, evicted, overflow
+            entering = [key for key in new if key not in got and key not in waiting]
+            for key, i in zip(entering, free):
+                probation[i] = Entry(key, step, total[key])
+        return [rows.get(key, -1) for key in ids], admitted, evicted, overflow
 
 
 def slot_states(idmap: IdMap, prefix: str = "") -> list[tuple[int, int, int] | None]:
-    """Every slot as (raw id, last step seen, sightings), None where empty."""
+    """Every slot as (key, last step seen, sightings), None where empty."""
     state = {k: v.flatten().tolist() for k, v in idmap.state_dict().items()}
     return [
         (key, last, hits) if live else None
@@ -146,24 +176,29 @@ def in_range(pool: list[int], buckets: int, first: int, last: int) -> list[int]:
     return [raw for raw in pool if first <= ref_bucket(raw, buckets) < last]
 
 
-def test_bucket_of_matches_python_splitmix64() -> None:
+def test_keys_are_one_to_one_and_buckets_are_ranges_of_keys() -> None:
     generator = torch.Generator().manual_seed(0)
-    ids = torch.cat(
+    raws = torch.cat(
         [
             torch.tensor(EXTREMES, dtype=torch.int64),
-            torch.randint(-(2**63), 2**63 - 1, (3000,), generator=generator, dtype=torch.int64),
-            torch.arange(-500, 500),
+            torch.randint(0, 2**63 - 1, (3000,), generator=generator, dtype=torch.int64),
+            torch.arange(1000),
         ]
     )
+    keys = hash_ids(raws)
+    assert keys.tolist() == keys_of(raws.tolist())
+    assert [ref_raw(key) for key in keys.tolist()] == raws.tolist()
+    assert keys.min() >= 0
     for buckets in (1, 7, 1024, 1000003):
-        got = bucket_of(ids, buckets).tolist()
-        assert got == [ref_bucket(raw, buckets) for raw in ids.tolist()]
-    spread = Counter(bucket_of(torch.arange(8192), 8).tolist())
+        got = bucket_of(keys, buckets)
+        assert got.tolist() == [ref_bucket(key, buckets) for key in keys.tolist()]
+        assert got.max() < buckets
+    spread = Counter(bucket_of(hash_ids(torch.arange(8192)), 8).tolist())
     assert min(spread.values()) > 900
 
 
 def test_initial_rows_per_id_whatever_the_batch() -> None:
-    ids = torch.tensor([*EXTREMES, 12345, -98765], dtype=torch.int64)
+    ids = torch.tensor([*EXTREMES, 12345, 98765], dtype=torch.int64)
     bounds = (-0.25, 0.25)
     rows = initial_rows(ids, 5, 7, "t0", bounds)
     assert rows.dtype == torch.float32 and rows.shape == (len(ids), 5)
@@ -211,14 +246,14 @@ def id_stream(pool: list[int], seed: int, steps: int = 25) -> list[tuple[int, li
 @given(
     spec=SPECS,
     first=st.integers(0, 2),
-    pool=st.lists(st.integers(-(2**63), 2**63 - 1), max_size=8, unique=True),
+    pool=st.lists(st.integers(0, 2**63 - 1), max_size=8, unique=True),
     seed=st.integers(0, 2**32),
 )
 def test_remap_matches_reference(spec: IdMapSpec, first: int, pool: list[int], seed: int) -> None:
     """After every step of a stream fed in shuffled order: the same rows, admitted rows,
     evictions, overflow and slots (probation included) as the reference."""
     last = first + 3
-    pool = in_range(sorted(set(pool) | set(range(-12, 12))), spec.buckets, first, last)
+    pool = in_range(keys_of(sorted(set(pool) | set(range(24)))), spec.buckets, first, last)
     idmap, ref = IdMap(spec, first, last), Reference(spec, first, last)
     shuffle = random.Random(seed + 1)
     for step, ids in id_stream(pool, seed):
@@ -226,7 +261,7 @@ def test_remap_matches_reference(spec: IdMapSpec, first: int, pool: list[int], s
         order = shuffle.sample(range(len(ids)), len(ids))
         got = idmap.remap(torch.tensor([ids[i] for i in order], dtype=torch.int64), step)
         assert got.rows.tolist() == [rows[i] for i in order]
-        assert list(zip(got.admitted.tolist(), got.admitted_ids.tolist())) == admitted
+        assert list(zip(got.admitted.tolist(), got.admitted_keys.tolist())) == admitted
         assert (got.evicted.item(), got.overflow.item()) == (evicted, overflow)
         assert slot_states(idmap) == ref_states(ref.slots)
         if spec.admit_after > 1:
@@ -247,7 +282,7 @@ def test_any_split_of_buckets_gives_the_same_map(policy: str, admit_after: int) 
     parts = [IdMap(spec, 0, 1), IdMap(spec, 1, 4), IdMap(spec, 4, 6)]
     generator = torch.Generator().manual_seed(5)
     for step in range(30):
-        ids = torch.randint(-40, 40, (25,), generator=generator)
+        ids = hash_ids(torch.randint(0, 80, (25,), generator=generator))
         want = whole.remap(ids, step)
         buckets = bucket_of(ids, spec.buckets)
         for part in parts:
@@ -309,23 +344,28 @@ def test_bad_input() -> None:
     with pytest.raises(PlanError, match=r"bucket range \[2, 5\) is not inside \[0, 4\)"):
         IdMap(spec, 2, 5)
     idmap = IdMap(spec, 1, 3)
-    pool = list(range(-20, 20))
-    other = next(raw for raw in pool if ref_bucket(raw, 4) == 3)
+    pool = keys_of(list(range(40)))
+    other = next(key for key in pool if ref_bucket(key, 4) == 3)
     mine = in_range(pool, 4, 1, 3)[:3]
     with pytest.raises(
-        InputError, match=rf"\[1, 3\): 1 ids hash to other buckets, e.g. id {other} to bucket 3$"
+        InputError,
+        match=rf"\[1, 3\): 1 keys are outside its buckets, e.g. key {other} \(bucket 3\)$",
     ):
         idmap.remap(torch.tensor([*mine, other]), 0)
     with pytest.raises(
-        InputError, match=r"ids must be a 1-D int64 tensor, got torch\.int32 of 1 dims$"
+        InputError, match=r"1 keys are outside its buckets, e.g. key -5 \(bucket -1\)$"
     ):
-        idmap.remap(torch.tensor(mine, dtype=torch.int32), 0)
+        idmap.remap(torch.tensor([*mine, -5]), 0)
     with pytest.raises(
-        InputError, match=r"ids must be a 1-D int64 tensor, got torch\.int64 of 2 dims$"
+        InputError, match=r"keys must be a 1-D int64 tensor, got torch\.int32 of 1 dims$"
+    ):
+        idmap.remap(torch.tensor(mine).int(), 0)
+    with pytest.raises(
+        InputError, match=r"keys must be a 1-D int64 tensor, got torch\.int64 of 2 dims$"
     ):
         idmap.remap(torch.tensor([mine]), 0)
     idmap.remap(torch.tensor(mine), 4)
-    with pytest.raises(InputError, match="step must be an int >= 4, got 3"):
+    with pytest.raises(InputError, match=r"step must be an int in \[4, 2\*\*61\), got 3"):
         idmap.remap(torch.tensor(mine), 3)
     assert idmap.remap(torch.tensor([], dtype=torch.int64), 4).rows.numel() == 0
 
@@ -334,7 +374,8 @@ def test_bad_input() -> None:
 def test_cuda_gives_the_cpu_map() -> None:
     """Hash, initial rows and every remap result are the same bits on CUDA as on CPU."""
     generator = torch.Generator().manual_seed(2)
-    ids = torch.randint(-(2**63), 2**63 - 1, (5000,), generator=generator, dtype=torch.int64)
+    ids = hash_ids(torch.randint(0, 2**63 - 1, (5000,), generator=generator, dtype=torch.int64))
+    assert torch.equal(hash_ids(ids.cuda()).cpu(), hash_ids(ids))
     assert torch.equal(bucket_of(ids.cuda(), 1024).cpu(), bucket_of(ids, 1024))
     rows = initial_rows(ids, 16, 3, "t", (-0.01, 0.01))
     assert torch.equal(initial_rows(ids.cuda(), 16, 3, "t", (-0.01, 0.01)).cpu(), rows)
@@ -348,9 +389,9 @@ def test_cuda_gives_the_cpu_map() -> None:
         )
         cpu, cuda = IdMap(spec), IdMap(spec, device="cuda")
         for step in range(40):
-            batch = torch.randint(-100, 100, (60,), generator=generator)
+            batch = hash_ids(torch.randint(0, 200, (60,), generator=generator))
             want, got = cpu.remap(batch, step), cuda.remap(batch.cuda(), step)
-            for name in ("rows", "admitted", "admitted_ids", "evicted", "overflow"):
+            for name in ("rows", "admitted", "admitted_keys", "evicted", "overflow"):
                 assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), name
         for name, tensor in cpu.state_dict().items():
             assert torch.equal(cuda.state_dict()[name].cpu(), tensor), name

@@ -1,11 +1,12 @@
-"""A collision-free map from raw 64-bit ids to the rows of a bounded table.
+"""A collision-free map from raw ids to the rows of a bounded table.
 
-Raw ids hash to one of a fixed number of buckets (``bucket_of``); a bucket owns
-``rows_per_bucket`` consecutive rows. An ``IdMap`` holds a contiguous range of buckets
-on one rank: a live id owns one row of its bucket alone until it is evicted. Every
-decision (which slot, which victim, which candidate waits) depends only on the ids a
-bucket receives at each step, never on their order within a call, on the other buckets
-or on which rank holds the bucket: any split of the buckets over ranks gives the same map.
+A raw id in ``[0, 2**63)`` hashes one-to-one to a key (``hash_ids``); a bucket is a
+contiguous range of keys (``bucket_of``) and owns ``rows_per_bucket`` consecutive rows.
+An ``IdMap`` holds a contiguous range of buckets on one rank: a live key owns one row
+of its bucket alone until it is evicted. Every decision (which slot, which victim,
+which candidate waits) depends only on the keys a bucket receives at each step, never
+on their order within a call, on the other buckets or on which rank holds the bucket:
+any split of the buckets over ranks gives the same map.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from embshard.errors import CheckpointError, InputError, PlanError
 POLICIES = ("lru", "lfu", "ttl", "none")
 
 _MASK64 = (1 << 64) - 1
+KEY_LIMIT = 1 << 63  # keys, and the raw ids they come from, are in [0, KEY_LIMIT)
+_MASK63 = KEY_LIMIT - 1
+_STEP_LIMIT = 1 << 61  # victims sort on a step or a count with two bits above it
 
 
 def _signed(value: int) -> int:
@@ -48,10 +52,32 @@ def mix64(x: torch.Tensor) -> torch.Tensor:
     return z ^ _shr(z, 31)
 
 
-def bucket_of(ids: torch.Tensor, buckets: int) -> torch.Tensor:
-    """The bucket in ``[0, buckets)`` of each raw int64 id: the top 63 bits of its
-    splitmix64, modulo ``buckets``. Fixed: the same on every device, run and world size."""
-    return _shr(mix64(ids), 1) % buckets
+def hash_ids(raw_ids: torch.Tensor) -> torch.Tensor:
+    """The key of each raw id in ``[0, 2**63)``: splitmix64's steps on 63 bits (add, then
+    xor-shifts and odd multiplies, all modulo 2**63), so a bijection of ``[0, 2**63)``.
+
+    Keys, not raw ids, are what travels and what maps hold: one is as good as the other
+    (no two ids share a key), and contiguous ranges of keys are the buckets, so ranks
+    owning ranges of buckets route keys as they route rows. Negative raw ids have no
+    key; the caller refuses them."""
+    z = (raw_ids + (_GAMMA & _MASK63)) & _MASK63
+    z = ((z ^ (z >> 30)) * (_MUL1 & _MASK63)) & _MASK63
+    z = ((z ^ (z >> 27)) * (_MUL2 & _MASK63)) & _MASK63
+    return z ^ (z >> 31)
+
+
+def bucket_width(buckets: int) -> int:
+    """How many keys a bucket spans: bucket ``b`` holds keys ``[b * width, (b + 1) * width)``
+    (the last one fewer when ``buckets`` does not divide 2**63)."""
+    return -(-KEY_LIMIT // buckets)
+
+
+def bucket_of(keys: torch.Tensor, buckets: int) -> torch.Tensor:
+    """The bucket in ``[0, buckets)`` of each key (``hash_ids``): its range of keys, so
+    the same on every device, run and world size; negative for a negative key."""
+    if buckets == 1:  # a width of 2**63 is no int64
+        return torch.where(keys < 0, -1, 0)
+    return torch.div(keys, bucket_width(buckets), rounding_mode="floor")
 
 
 @dataclass(frozen=True)
@@ -114,16 +140,16 @@ def _table_key(seed: int, table: str) -> int:
 
 
 def initial_rows(
-    raw_ids: torch.Tensor, dim: int, seed: int, table: str, bounds: tuple[float, float]
+    keys: torch.Tensor, dim: int, seed: int, table: str, bounds: tuple[float, float]
 ) -> torch.Tensor:
-    """The initial float32 rows ``(len(raw_ids), dim)`` of admitted ids, uniform in
+    """The initial float32 rows ``(len(keys), dim)`` of admitted keys, uniform in
     ``bounds`` (``init.init_bounds`` gives TorchRec's default for a config).
 
-    Value ``[i, c]`` is a counter-based hash of (seed, table, raw id, column): it does not
-    depend on the row the id got, the batch, the device or the world size."""
+    Value ``[i, c]`` is a counter-based hash of (seed, table, key, column): it does not
+    depend on the row the key got, the batch, the device or the world size."""
     low, high = bounds
-    key = mix64(raw_ids.to(torch.int64) ^ _table_key(seed, table))
-    columns = torch.arange(dim, dtype=torch.int64, device=raw_ids.device)
+    key = mix64(keys.to(torch.int64) ^ _table_key(seed, table))
+    columns = torch.arange(dim, dtype=torch.int64, device=keys.device)
     bits = mix64(key[:, None] + columns)
     unit = _shr(bits, 40).to(torch.float64) * 2.0**-24  # 24 bits: exact in [0, 1)
     return (unit * (high - low) + low).to(torch.float32)
@@ -133,23 +159,23 @@ def initial_rows(
 class RemapResult:
     """What one ``IdMap.remap`` call did.
 
-    ``rows``: each input id's local row, -1 where it has none (not admitted yet, or its
-    bucket had no free slot). ``admitted`` / ``admitted_ids``: the rows that got a new id
-    this call and those ids, in bucket then id order (initialize those rows from
-    ``initial_rows(admitted_ids, ...)``). ``evicted``: live ids that lost their row;
-    ``overflow``: ids due a row that found none in their bucket. The counts are 0-d
+    ``rows``: each input key's local row, -1 where it has none (not admitted yet, or its
+    bucket had no free slot). ``admitted`` / ``admitted_keys``: the rows that got a new
+    key this call and those keys, in key order (initialize those rows from
+    ``initial_rows(admitted_keys, ...)``). ``evicted``: live keys that lost their row;
+    ``overflow``: keys due a row that found none in their bucket. The counts are 0-d
     int64 tensors, so reading them is the caller's choice of host sync."""
 
     rows: torch.Tensor
     admitted: torch.Tensor
-    admitted_ids: torch.Tensor
+    admitted_keys: torch.Tensor
     evicted: torch.Tensor
     overflow: torch.Tensor
 
 
 class _Slots:
     """A table of ``(buckets, rows_per_bucket)`` slots: key, occupied, last step seen and
-    sightings. Used for the map and for the probation of ids not admitted yet."""
+    sightings. Used for the map and for the probation of keys not admitted yet."""
 
     names = ("keys", "occupied", "last_seen", "hits")
 
@@ -161,37 +187,35 @@ class _Slots:
         self.hits = torch.zeros(shape, dtype=torch.int64, device=device)
 
     def find(self, touched: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The flat slot (``bucket * rows + slot``) of each unique id, -1 where absent;
-        ``touched``: the ids' buckets. A sort-join over the touched buckets' slots only."""
+        """The flat slot (``bucket * rows + slot``) of each unique key ``ids``, -1 where
+        absent; ``touched``: their buckets. A sort-join over the touched buckets' slots only."""
         rows = self.keys.shape[1]
-        keys = self.keys[touched].flatten()
-        occupied = self.occupied[touched].flatten()
-        flat = (touched[:, None] * rows + torch.arange(rows, device=ids.device)).flatten()
-        # Among equal keys the one live slot (at most one) comes first.
-        order = torch.argsort(~occupied, stable=True)
-        order = order[torch.argsort(keys[order], stable=True)]
-        sorted_keys = keys[order]
+        # Empty slots hold -1, which no key equals: live keys are distinct, so one
+        # unstable sort orders them.
+        keys = torch.where(self.occupied[touched], self.keys[touched], -1).flatten()
+        sorted_keys, order = torch.sort(keys)
         pos = torch.searchsorted(sorted_keys, ids).clamp_(max=len(sorted_keys) - 1)
-        hit = (sorted_keys[pos] == ids) & occupied[order[pos]]
-        return torch.where(hit, flat[order[pos]], -1)
+        slot = order[pos]
+        flat = touched[torch.div(slot, rows, rounding_mode="floor")] * rows + slot % rows
+        return torch.where(sorted_keys[pos] == ids, flat, -1)
 
     def victims(
         self, touched: torch.Tensor, evictable: torch.Tensor, by_hits: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each touched bucket's slots in the order new ids take them, and how many may
         be taken: empty slots (by slot), then the evictable live ones by (sightings if
-        ``by_hits``,) last step seen, smaller raw id (signed); ``evictable`` is
+        ``by_hits``,) last step seen, smaller key; ``evictable`` is
         ``(len(touched), rows)``."""
         occupied = self.occupied[touched]
         slot = torch.arange(occupied.shape[1], device=touched.device).expand_as(occupied)
         live = occupied.long()
         kind = torch.where(occupied, 1 + (~evictable).long(), 0)  # empty, evictable, kept
-        keys = [
-            torch.where(occupied, self.keys[touched], slot),
-            self.last_seen[touched] * live,
-            *([self.hits[touched] * live] if by_hits else []),
-            kind,
-        ]
+        # The most significant key carries the kind in its top bits (steps stay
+        # below _STEP_LIMIT, and so do sightings in any real stream).
+        keys = [torch.where(occupied, self.keys[touched], slot), self.last_seen[touched] * live]
+        if by_hits:
+            keys.append(self.hits[touched] * live)
+        keys[-1] = keys[-1] | (kind << 61)
         order = slot
         for key in keys:  # least significant first; stable sorts keep the earlier order
             order = order.gather(1, torch.sort(key.gather(1, order), dim=1, stable=True)[1])
@@ -207,7 +231,7 @@ class _Slots:
     ) -> torch.Tensor:
         """The flat slot each wanting id takes (-1: none left, or not wanting).
 
-        Ids come in bucket then id order, ``group``: their index into ``touched``; the
+        Keys come in order, ``group``: their index into ``touched``; the
         r-th wanting id of a bucket takes that bucket's r-th victim."""
         order, free = self.victims(touched, evictable, by_hits)
         taken = torch.cumsum(wants.long(), 0)
@@ -235,12 +259,12 @@ class _Slots:
 class IdMap:
     """The id map of buckets ``[first, last)`` of ``spec``, on ``device``.
 
-    State: per bucket ``rows_per_bucket`` slots holding a raw id (``keys``), whether it
-    is live (``occupied``), the last step it was seen and its sightings (``hits``: every
+    State: per bucket ``rows_per_bucket`` slots holding a key (``keys``), whether it is
+    live (``occupied``), the last step it was seen and its sightings (``hits``: every
     occurrence counts, from its first sighting). With ``admit_after`` k > 1 a probation
-    table of the same shape holds the ids seen but not admitted yet and their sightings;
+    table of the same shape holds the keys seen but not admitted yet and their sightings;
     when a bucket's probation is full, a newcomer takes the slot of the candidate seen
-    least recently (then the smaller raw id); candidates seen this call are kept.
+    least recently (then the smaller key); candidates seen this call are kept.
     """
 
     def __init__(
@@ -261,46 +285,48 @@ class IdMap:
             else None
         )
 
-    def _check(self, ids: torch.Tensor, step: int) -> None:
+    def _check(self, keys: torch.Tensor, step: int) -> None:
         """Raises on bad input (one host sync: ``.item()``)."""
         where = f"IdMap of buckets [{self.first}, {self.last})"
-        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
+        if not isinstance(keys, torch.Tensor) or keys.dtype != torch.int64 or keys.dim() != 1:
             got = (
-                f"{ids.dtype} of {ids.dim()} dims"
-                if isinstance(ids, torch.Tensor)
-                else type(ids).__name__
+                f"{keys.dtype} of {keys.dim()} dims"
+                if isinstance(keys, torch.Tensor)
+                else type(keys).__name__
             )
-            raise InputError(f"{where}: ids must be a 1-D int64 tensor, got {got}")
-        if ids.device != self.device:
-            raise InputError(f"{where}: ids are on {ids.device}, the map on {self.device}")
-        if not isinstance(step, int) or (self.step is not None and step < self.step):
-            raise InputError(f"{where}: step must be an int >= {self.step or 0}, got {step!r}")
-        local = bucket_of(ids, self.spec.buckets) - self.first
-        outside = (local < 0) | (local >= self.last - self.first)
+            raise InputError(f"{where}: keys must be a 1-D int64 tensor, got {got}")
+        if keys.device != self.device:
+            raise InputError(f"{where}: keys are on {keys.device}, the map on {self.device}")
+        lowest = self.step or 0
+        if not isinstance(step, int) or not lowest <= step < _STEP_LIMIT:
+            raise InputError(f"{where}: step must be an int in [{lowest}, 2**61), got {step!r}")
+        width = bucket_width(self.spec.buckets)
+        highest = min(self.last * width, KEY_LIMIT) - 1
+        outside = (keys < self.first * width) | (keys > highest)
         if outside.any().item():
-            bad = ids[outside]
+            bad = keys[outside]
             raise InputError(
-                f"{where}: {len(bad)} ids hash to other buckets, e.g. id {bad[0].item()} "
-                f"to bucket {bucket_of(bad[:1], self.spec.buckets).item()}"
+                f"{where}: {len(bad)} keys are outside its buckets, e.g. key {bad[0].item()} "
+                f"(bucket {bucket_of(bad[:1], self.spec.buckets).item()})"
             )
 
-    def remap(self, ids: torch.Tensor, step: int) -> RemapResult:
-        """Each id's local row (-1: none) at ``step`` (non-decreasing over calls), admitting
-        and evicting by the spec. Depends on the set of ids and their counts, not their order.
+    def remap(self, keys: torch.Tensor, step: int) -> RemapResult:
+        """Each key's local row (-1: none) at ``step`` (non-decreasing over calls), admitting
+        and evicting by the spec. Depends on the set of keys and their counts, not their
+        order.
 
-        Within a call: live ids are seen first (last step, sightings); then ids due a row
-        (k sightings, probation included) take their bucket's victims in raw id order; live
-        ids seen in this call are never victims. Ids due a row that find no victim get -1
+        Within a call: live keys are seen first (last step, sightings); then keys due a row
+        (k sightings, probation included) take their bucket's victims in key order; live
+        keys seen in this call are never victims. Keys due a row that find no victim get -1
         and count as ``overflow``; they wait in probation if there is one."""
-        self._check(ids, step)
+        self._check(keys, step)
         self.step = step
-        empty = ids.new_empty(0)
-        if len(ids) == 0:
+        empty = keys.new_empty(0)
+        if len(keys) == 0:
             zero = torch.zeros((), dtype=torch.int64, device=self.device)
             return RemapResult(empty, empty, empty, zero, zero)
-        uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
-        by_bucket = torch.argsort(bucket_of(uniq, self.spec.buckets), stable=True)
-        uniq, counts = uniq[by_bucket], counts[by_bucket]  # bucket then raw id order
+        # Sorted keys are in bucket order: a bucket is a range of keys.
+        uniq, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
         touched, group = torch.unique_consecutive(
             bucket_of(uniq, self.spec.buckets) - self.first, return_inverse=True
         )
@@ -330,13 +356,10 @@ class IdMap:
         if self.probation is not None and waiting is not None:
             self._wait(touched, group, uniq, total, waiting, admit, new & ~admit, step)
 
-        rows_out = torch.where(live, found, taken)
-        position = torch.empty_like(by_bucket)
-        position[by_bucket] = torch.arange(len(by_bucket), device=self.device)
         return RemapResult(
-            rows=rows_out[position[inverse]],
+            rows=torch.where(live, found, taken)[inverse],
             admitted=taken[got],
-            admitted_ids=uniq[got],
+            admitted_keys=uniq[got],
             evicted=evicted,
             overflow=(due & ~admit).sum(),
         )
