@@ -120,7 +120,7 @@ class Reference:
                 e = slots[i]
                 if e is None:
                     return (0, i)
-                return (1, e.hits, e.last, e.key) if spec.policy == "lfu" else (1, e.last, e.key)
+                return (1, e.hits, e.last, i) if spec.policy == "lfu" else (1, e.last, i)
 
             victims = sorted(
                 (i for i, e in enumerate(slots) if e is None or evictable(i, e)), key=order
@@ -146,7 +146,7 @@ class Reference:
 
             def porder(i: int, probation=probation) -> tuple:
                 e = probation[i]
-                return (0, i) if e is None else (1, e.last, e.key)
+                return (0, i) if e is None else (1, e.last, i)
 
             free = sorted((i for i in range(len(probation)) if i not in kept), key=porder)
             entering = [key for key in new if key not in got and key not in waiting]

@@ -192,7 +192,7 @@ class _Slots:
         rows = self.keys.shape[1]
         # Empty slots hold -1, which no key equals: live keys are distinct, so one
         # unstable sort orders them.
-        keys = torch.where(self.occupied[touched], self.keys[touched], -1).flatten()
+        keys = torch.where(_of(self.occupied, touched), _of(self.keys, touched), -1).flatten()
         sorted_keys, order = torch.sort(keys)
         pos = torch.searchsorted(sorted_keys, ids).clamp_(max=len(sorted_keys) - 1)
         slot = order[pos]
@@ -202,22 +202,21 @@ class _Slots:
     def victims(
         self, touched: torch.Tensor, evictable: torch.Tensor, by_hits: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each touched bucket's slots in the order new ids take them, and how many may
-        be taken: empty slots (by slot), then the evictable live ones by (sightings if
-        ``by_hits``,) last step seen, smaller key; ``evictable`` is
-        ``(len(touched), rows)``."""
-        occupied = self.occupied[touched]
-        slot = torch.arange(occupied.shape[1], device=touched.device).expand_as(occupied)
+        """Each touched bucket's slots in the order new keys take them, and how many may
+        be taken: empty slots, then the evictable live ones by (sightings if ``by_hits``,)
+        last step seen, ties by slot; ``evictable`` is ``(len(touched), rows)``. Slots
+        are the same wherever a bucket is held, so the order is too."""
+        occupied = _of(self.occupied, touched)
         live = occupied.long()
         kind = torch.where(occupied, 1 + (~evictable).long(), 0)  # empty, evictable, kept
-        # The most significant key carries the kind in its top bits (steps stay
-        # below _STEP_LIMIT, and so do sightings in any real stream).
-        keys = [torch.where(occupied, self.keys[touched], slot), self.last_seen[touched] * live]
+        # Stable sorts, least significant key first; the last carries the kind in its
+        # top bits (steps stay below _STEP_LIMIT, and so do sightings in any real stream).
+        keys = [_of(self.last_seen, touched) * live]
         if by_hits:
-            keys.append(self.hits[touched] * live)
+            keys.append(_of(self.hits, touched) * live)
         keys[-1] = keys[-1] | (kind << 61)
-        order = slot
-        for key in keys:  # least significant first; stable sorts keep the earlier order
+        order = torch.sort(keys[0], dim=1, stable=True)[1]
+        for key in keys[1:]:
             order = order.gather(1, torch.sort(key.gather(1, order), dim=1, stable=True)[1])
         return order, (kind < 2).sum(1)
 
@@ -264,7 +263,7 @@ class IdMap:
     occurrence counts, from its first sighting). With ``admit_after`` k > 1 a probation
     table of the same shape holds the keys seen but not admitted yet and their sightings;
     when a bucket's probation is full, a newcomer takes the slot of the candidate seen
-    least recently (then the smaller key); candidates seen this call are kept.
+    least recently (then the lower slot); candidates seen this call are kept.
     """
 
     def __init__(
@@ -346,7 +345,7 @@ class IdMap:
         due = new & (total >= self.spec.admit_after)
 
         seen_now = _marked(touched, rows, group[seen], found[seen])
-        evictable = self.spec.evictable(seen_now, slots.last_seen[touched], step)
+        evictable = self.spec.evictable(seen_now, _of(slots.last_seen, touched), step)
         taken = slots.take(touched, evictable, self.spec.policy == "lfu", group, due)
         admit = taken >= 0
         got = admit.nonzero()[:, 0]
@@ -411,6 +410,12 @@ class IdMap:
                 )
         for name, tensor in mine.items():
             tensor.copy_(state[name])
+
+
+def _of(table: torch.Tensor, touched: torch.Tensor) -> torch.Tensor:
+    """The rows of ``table`` (a row a bucket) of the buckets ``touched`` (distinct, in
+    order): the table itself, uncopied, where they are all of its buckets."""
+    return table if len(touched) == len(table) else table[touched]
 
 
 def _marked(
