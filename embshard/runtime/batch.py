@@ -70,11 +70,11 @@ class LocalBatch:
         return self.lengths.sum(1)
 
 
-class IdBounds:
-    """What FBGEMM's bounds check takes to check a batch's ids: every key's rows less
-    one (of the smallest table its feature feeds; no bound for keys the model does
-    not use) in the batch's key order, and a stand-in lengths table. Both are kept
-    for the last key order and batch shape seen, as they rarely change."""
+class CheckInputs:
+    """The constant tensors a batch's check takes: for FBGEMM's bounds check, every
+    key's rows less one (of the smallest table its feature feeds; no bound for keys
+    the model does not use) in the batch's key order, and the stand-in lengths table.
+    Both are kept for the last key order and batch shape seen, as they rarely change."""
 
     def __init__(self, features: tuple[str, ...], feature_rows: tuple[int, ...], device) -> None:
         self._rows = dict(zip(features, feature_rows))
@@ -99,7 +99,7 @@ class IdBounds:
         return self._unit[1]
 
 
-def check_batch(features: object, routes: Routes, bounds: IdBounds) -> LocalBatch | str:
+def check_batch(features: object, routes: Routes, inputs: CheckInputs) -> LocalBatch | str:
     """The batch in model order with its bounds check's count, or a message saying
     what is wrong with its structure. Features the model does not use are left out,
     as TorchRec's modules ignore them; that costs one host read (of the kept ids'
@@ -111,9 +111,9 @@ def check_batch(features: object, routes: Routes, bounds: IdBounds) -> LocalBatc
     values, lengths, keys = features.values(), features.lengths(), features.keys()
     lengths = lengths.view(len(keys), lengths.numel() // len(keys))
     offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths.view(-1))
-    problems = _bounds_check(offsets, values, bounds.rows_less_one(keys))
+    problems = _bounds_check(offsets, values, inputs.rows_less_one(keys))
     weights = features.weights_or_none() if routes.weighted else None
-    given = LocalBatch(lengths, values, weights, problems, offsets, bounds.first_bag(lengths))
+    given = LocalBatch(lengths, values, weights, problems, offsets, inputs.first_bag(lengths))
     if list(keys) == list(routes.features):
         return given
     return LocalBatch(*_in_model_order(features, routes, given.routable_lengths), problems)

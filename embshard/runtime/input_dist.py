@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embshard.errors import InputError
-from embshard.runtime.batch import IdBounds, LocalBatch, check_batch, describe_problem
+from embshard.runtime.batch import CheckInputs, LocalBatch, check_batch, describe_problem
 from embshard.runtime.routes import Routes
 from embshard.runtime.scratch import Scratch
 
@@ -121,7 +121,7 @@ class InputDistribution:
         self.world = routes.world_size
         self.scratch = scratch
         self.device = device
-        self.id_bounds = IdBounds(routes.features, routes.feature_rows, device)
+        self.check_inputs = CheckInputs(routes.features, routes.feature_rows, device)
         self.slots_per_rank = [len(s) for s in routes.slots]
         # On one rank without hot rows every bucketizing pass keeps each feature whole
         # in bucket 0 (its own rows, none rebased): the TBE's bags are rows of the
@@ -552,7 +552,7 @@ def _route(
     empty route). Never raises: a rank that failed here must still tell the others
     in the counts exchange."""
     try:
-        batch = check_batch(features, stage.bags.routes, stage.bags.id_bounds)
+        batch = check_batch(features, stage.bags.routes, stage.bags.check_inputs)
         if isinstance(batch, str):
             return None, stage.nothing(), batch
         return batch, stage.route(batch), None
