@@ -1,0 +1,165 @@
+"""2-D sharding groups: 4 ranks as 2 sharding groups of 2 (and 4 of 1), each group
+holding a copy of the plan, the copies averaged once a step (``sync_replicas``).
+
+The oracle follows the same definition with TorchRec's unsharded module and the
+plain optimizers of tests/oracle.py: each replica's copy steps on its sharding
+group's batches (its ranks' batches concatenated, the loss averaged over the group's
+ranks), then the copies' weights and optimizer state are averaged."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from oracle import (
+    Case,
+    Table,
+    global_batch,
+    local_batches,
+    max_diff,
+    oracle_step,
+    tables_of,
+    unsharded,
+    upstream,
+)
+
+import embshard
+from embshard import ShardingPlan, column_wise, data_parallel, row_wise, table_wise
+from embshard import checkpoint as ckpt
+from embshard.modules.mesh import sharding_mesh, world_mesh
+
+WORLD = 4
+TOL = 1e-5
+TABLES = (
+    Table("tw", 30, 8, ("f_tw",)),
+    Table("rw", 40, 8, ("f_rw",), mean=True),
+    Table("cw", 24, 12, ("f_cw",)),
+    Table("dp", 16, 4, ("f_dp", "f_tw")),
+    Table("hot", 36, 8, ("f_hot",)),
+)
+# A plan for each sharding group size: every layout, data-parallel and hot rows included.
+PLANS = {
+    4: {
+        "tw": table_wise(3),
+        "rw": row_wise([0, 10, 20, 10]),
+        "cw": column_wise([2, 0, 3]),
+        "dp": data_parallel(),
+        "hot": row_wise(hot_rows=4),
+    },
+    2: {
+        "tw": table_wise(1),
+        "rw": row_wise(),
+        "cw": column_wise([1, 0, 1]),
+        "dp": data_parallel(),
+        "hot": row_wise(hot_rows=6),
+    },
+    1: {
+        "tw": table_wise(0),
+        "rw": row_wise(),
+        "cw": column_wise([0, 0, 0]),
+        "dp": data_parallel(),
+        "hot": row_wise(hot_rows=6),
+    },
+}
+OPTIMIZERS = [
+    embshard.SGD(lr=0.1),
+    embshard.RowWiseAdagrad(lr=0.1, eps=1e-4),
+    embshard.Adagrad(lr=0.1, eps=1e-4),
+]
+
+
+def case_for(group_size: int, optimizer) -> Case:
+    return Case(TABLES, ShardingPlan(PLANS[group_size]), (5, 3, 1, 6), optimizer=optimizer)
+
+
+def mesh_of(group_size: int):
+    """The 2-D mesh of sharding groups of ``group_size`` ranks; the 1-D world mesh for
+    one group of every rank."""
+    return world_mesh() if group_size == WORLD else sharding_mesh(group_size)
+
+
+def blocks(case: Case, group_size: int) -> dict[str, list[tuple[int, int]]]:
+    """Each table's column blocks under the plan, for row-wise Adagrad's accumulators."""
+    tables = case.plan.resolve([t.config() for t in case.tables], group_size)
+    return {n: sorted({(s.col_offset, s.cols) for s in t.shards}) for n, t in tables.items()}
+
+
+def replicas_oracle(case: Case, group_size: int) -> tuple[list[list[torch.Tensor]], dict]:
+    """Every step's expected output of every rank, and the final tables: one unsharded
+    copy per sharding group stepping on its group's batches, then the copies' weights
+    and optimizer state averaged, each step."""
+    module = unsharded(case)
+    replicas = WORLD // group_size
+    copies = [copy.deepcopy(module) for _ in range(replicas)]
+    states: list[dict] = [{} for _ in range(replicas)]
+    table_blocks = blocks(case, group_size)
+    expected: list[list[torch.Tensor]] = [[] for _ in range(WORLD)]
+    for step in range(case.steps):
+        batches = local_batches(case, step)
+        for g, (ebc, state) in enumerate(zip(copies, states)):
+            ranks = range(g * group_size, (g + 1) * group_size)
+            out = ebc(global_batch([batches[r] for r in ranks])).values()
+            parts = out.split([case.batch_sizes[r] for r in ranks])
+            loss = sum(
+                (part * upstream(case, step, len(part), part.shape[1], r)).sum()
+                for r, part in zip(ranks, parts)
+            )
+            (loss / group_size).backward()
+            oracle_step(ebc, case, table_blocks, state)
+            for r, part in zip(ranks, parts):
+                expected[r].append(part.detach())
+        _average(copies, states)
+    return expected, {n: t.weight.detach() for n, t in tables_of(copies[0]).items()}
+
+
+def _average(copies: list, states: list[dict]) -> None:
+    """Every copy's weights and optimizer state set to their mean over the copies."""
+    with torch.no_grad():
+        for name, table in tables_of(copies[0]).items():
+            mean = torch.stack([tables_of(c)[name].weight for c in copies]).mean(0)
+            for c in copies:
+                tables_of(c)[name].weight.copy_(mean)
+        for key in states[0]:
+            mean = torch.stack([s[key] for s in states]).mean(0)
+            for s in states:
+                s[key] = mean.clone()
+
+
+def run_twod(optimizer, group_size: int) -> dict[str, float]:
+    """The sharded model on sharding groups of ``group_size`` against the replicas'
+    oracle: the largest output and final weight differences; and the largest
+    difference of that oracle from one group of all 4 ranks (the 1-D run)."""
+    rank = dist.get_rank()
+    case = case_for(group_size, optimizer)
+    expected, final = replicas_oracle(case, group_size)
+    sharded = embshard.shard(
+        copy.deepcopy(unsharded(case)), case.plan, mesh=mesh_of(group_size), optimizer=optimizer
+    )
+    worst = {"forward": 0.0}
+    for step in range(case.steps):
+        out = sharded(local_batches(case, step)[rank]).values()
+        worst["forward"] = max(worst["forward"], max_diff(out, expected[rank][step]))
+        (out * upstream(case, step, len(out), out.shape[1], rank)).sum().backward()
+        sharded.sync_replicas()
+    worst["weights"] = max(
+        max_diff(embshard.gather_table(w), final[n]) for n, w in sharded.weights.items()
+    )
+    one_d = replicas_oracle(case_for(WORLD, optimizer), WORLD)[1]
+    worst["from_1d"] = max(max_diff(final[n], one_d[n]) for n in final)
+    worst["update"] = max(max_diff(final[n], tables_of(unsharded(case))[n].weight) for n in final)
+    return worst
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: o.KIND)
+@pytest.mark.parametrize("group_size", [2, 1])
+def test_sharding_groups_match_the_averaged_replicas(world, optimizer, group_size):
+    for worst in world(WORLD).run(run_twod, optimizer, group_size):
+        assert worst["forward"] < TOL and worst["weights"] < TOL, worst
+        assert worst["update"] > 100 * TOL, worst  # the steps moved the tables
+        if isinstance(optimizer, embshard.SGD):  # one step on the global batch, averaged
+            assert worst["from_1d"] < TOL, worst
+        else:  # Adagrad's accumulators see each group's gradient, not the global one
+            assert worst["from_1d"] > 100 * TOL, worst
