@@ -25,6 +25,7 @@ from oracle import (
     unsharded,
     upstream,
 )
+from torchrec import EmbeddingBagCollection
 
 import embshard
 from embshard import ShardingPlan, column_wise, data_parallel, row_wise, table_wise
@@ -118,7 +119,7 @@ def replicas_oracle(case: Case, group_size: int) -> tuple[list[list[torch.Tensor
 def _average(copies: list, states: list[dict]) -> None:
     """Every copy's weights and optimizer state set to their mean over the copies."""
     with torch.no_grad():
-        for name, table in tables_of(copies[0]).items():
+        for name in tables_of(copies[0]):
             mean = torch.stack([tables_of(c)[name].weight for c in copies]).mean(0)
             for c in copies:
                 tables_of(c)[name].weight.copy_(mean)
@@ -163,3 +164,127 @@ def test_sharding_groups_match_the_averaged_replicas(world, optimizer, group_siz
             assert worst["from_1d"] < TOL, worst
         else:  # Adagrad's accumulators see each group's gradient, not the global one
             assert worst["from_1d"] > 100 * TOL, worst
+
+
+COLLECTIVES = (
+    "all_to_all_single",
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_object",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "barrier",
+)
+
+
+def count_collectives(group_size: int) -> dict:
+    """The collectives of one training step (forward and backward, then the sync) by
+    name and the ranks of their group; with this rank's sharding and replica groups."""
+    rank = dist.get_rank()
+    case = case_for(group_size, embshard.SGD(lr=0.1))
+    ebc = unsharded(case)
+    sharded = embshard.shard(ebc, case.plan, mesh=mesh_of(group_size), optimizer=case.optimizer)
+    mesh = sharded.sharding_mesh
+    batch = local_batches(case, 0)[rank]
+    sharded(batch).values().sum().backward()  # a first step: anything done once is done
+    calls: list[tuple[str, tuple[int, ...]]] = []
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def recording(name):
+        def call(*args, **kwargs):
+            group = kwargs.get("group")
+            calls.append((name, tuple(dist.get_process_group_ranks(group or dist.group.WORLD))))
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in COLLECTIVES:
+        setattr(dist, name, recording(name))
+    try:
+        sharded(batch).values().sum().backward()
+        step = list(calls)
+        sharded.sync_replicas()
+        sync = calls[len(step) :]
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+    def ranks(group):
+        return tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+
+    return {
+        "step": step,
+        "sync": sync,
+        "sharding": ranks(mesh.sharding_group),
+        "replica": ranks(mesh.replica_group) if mesh.replica_group else None,
+    }
+
+
+def test_collectives_stay_in_the_sharding_group_and_one_all_reduce_syncs(world):
+    one_d = world(WORLD).run(count_collectives, WORLD)
+    for rank, counted in enumerate(world(WORLD).run(count_collectives, 2)):
+        group = (0, 1) if rank < 2 else (2, 3)
+        assert counted["sharding"] == group and counted["replica"] == (rank % 2, rank % 2 + 2)
+        # The step's collectives are the 1-D step's, each inside the sharding group:
+        # the counts exchange, the ids, the pooled rows and their gradients, and the
+        # data-parallel tables' gradient all-reduce.
+        assert [name for name, _ in counted["step"]] == [name for name, _ in one_d[rank]["step"]]
+        assert sorted(name for name, _ in counted["step"]) == [
+            "all_reduce",
+            *["all_to_all_single"] * 4,
+        ]
+        assert all(ranks == group for _, ranks in counted["step"]), counted["step"]
+        assert counted["sync"] == [("all_reduce", counted["replica"])]
+        assert one_d[rank]["sync"] == []  # one group: no copies to sync
+
+
+def build(group_size: int, optimizer, seed: int):
+    """The tables sharded over groups of ``group_size`` with the seeded initialization."""
+    ebc = EmbeddingBagCollection(tables=[t.config() for t in TABLES], device="meta")
+    plan = ShardingPlan(PLANS[group_size])
+    return embshard.shard(ebc, plan, mesh=mesh_of(group_size), optimizer=optimizer, seed=seed)
+
+
+def whole(sharded) -> dict[str, torch.Tensor]:
+    """Every table and optimizer state tensor, gathered whole."""
+    tables = {f"weight.{n}": embshard.gather_table(w) for n, w in sharded.weights.items()}
+    return tables | {k: embshard.gather_table(v) for k, v in sharded.optimizer_state().items()}
+
+
+def save_trained(root: str, group_size: int, optimizer) -> dict[str, torch.Tensor]:
+    sharded = build(group_size, optimizer, seed=0)
+    case = case_for(group_size, optimizer)
+    for step in range(2):
+        batch = local_batches(case, step)[dist.get_rank()]
+        sharded(batch).values().pow(2).sum().backward()
+        sharded.sync_replicas()
+    ckpt.save(root, sharded, step=2)
+    return whole(sharded)
+
+
+def load_into(root: str, group_size: int, optimizer) -> dict[str, torch.Tensor]:
+    sharded = build(group_size, optimizer, seed=9)
+    assert ckpt.load(ckpt.latest(root), sharded) == 2
+    return whole(sharded)
+
+
+@pytest.mark.parametrize(
+    ("saved", "loaded"), [(2, WORLD), (WORLD, 2), (2, 1), (1, 2)], ids=lambda g: f"g{g}"
+)
+def test_checkpoints_reshard_between_group_sizes_bit_exact(world, tmp_path, saved, loaded):
+    optimizer = embshard.RowWiseAdagrad(lr=0.1, eps=1e-4)
+    expected = world(WORLD).run(save_trained, str(tmp_path), saved, optimizer)[0]
+    for got in world(WORLD).run(load_into, str(tmp_path), loaded, optimizer):
+        assert got.keys() == expected.keys()
+        for key, value in expected.items():
+            assert torch.equal(got[key], value), key
+    # One copy saved: every table's and state's chunks cover it exactly once.
+    metadata = dcp.FileSystemReader(str(ckpt.latest(tmp_path))).read_metadata()
+    for key, entry in metadata.state_dict_metadata.items():
+        if key.startswith(("model.", "sparse_optimizer.")):
+            assert sum(c.sizes.numel() for c in entry.chunks) == entry.size.numel(), key
+    replicas = {2: 2, 1: 4, WORLD: 1}[saved]
+    described = ckpt.describe(ckpt.latest(tmp_path))
+    assert (described["world_size"], described["sharding_group_size"]) == (WORLD, saved), described
+    assert described["replicas"] == replicas
