@@ -9,11 +9,13 @@ ranks), then the copies' weights and optimizer state are averaged."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import yaml
 from oracle import (
     Case,
     Table,
@@ -30,7 +32,11 @@ from torchrec import EmbeddingBagCollection
 import embshard
 from embshard import ShardingPlan, column_wise, data_parallel, row_wise, table_wise
 from embshard import checkpoint as ckpt
+from embshard.app.config import load_config
+from embshard.app.train import train
 from embshard.modules.mesh import sharding_mesh, world_mesh
+
+ROOT = Path(__file__).resolve().parents[1]
 
 WORLD = 4
 TOL = 1e-5
@@ -288,3 +294,42 @@ def test_checkpoints_reshard_between_group_sizes_bit_exact(world, tmp_path, save
     described = ckpt.describe(ckpt.latest(tmp_path))
     assert (described["world_size"], described["sharding_group_size"]) == (WORLD, saved), described
     assert described["replicas"] == replicas
+
+
+def train_small(tmp: str, name: str, group_size: int) -> dict:
+    """``configs/small.yaml`` trained a few steps with SGD on sharding groups of
+    ``group_size``, checkpointed at the end."""
+    data = yaml.safe_load((ROOT / "configs" / "small.yaml").read_text())
+    data.update(steps=4, batch_size=32, sharding_group_size=group_size)
+    data["sparse_optimizer"] = {"type": "sgd", "lr": 5.0}
+    data["dense_optimizer"] = {"type": "sgd", "lr": 0.1}
+    data["eval"] = {"every": 0}
+    data["logging"] = {"progress": False}
+    data["checkpoint"] = {"dir": f"{tmp}/{name}", "every": 2}
+    path = Path(tmp) / f"{name}.yaml"
+    if dist.get_rank() == 0:
+        path.write_text(yaml.safe_dump(data))
+    dist.barrier()
+    return train(load_config(path))
+
+
+def test_training_on_sharding_groups_with_sgd_takes_the_1d_steps(world, tmp_path):
+    """With SGD the groups' averaged step is the step on the global batch: the 2-D job
+    ends where the 1-D one does, dense layers and tables alike."""
+    one_d = world(WORLD).run(train_small, str(tmp_path), "one_d", WORLD)[0]
+    two_d = world(WORLD).run(train_small, str(tmp_path), "two_d", 2)[0]
+    assert two_d["steps"] == one_d["steps"] == 4
+    assert abs(two_d["loss"] - one_d["loss"]) < 1e-5
+    for step in ("step_00000002", "step_00000004"):
+        expected = ckpt.read_tensors(tmp_path / "one_d" / step)
+        got = ckpt.read_tensors(tmp_path / "two_d" / step)
+        assert got.keys() == expected.keys()
+        for key, value in expected.items():
+            if value.is_floating_point():
+                assert max_diff(got[key], value) < 1e-5, (step, key)
+    before = ckpt.read_tensors(tmp_path / "two_d" / "step_00000002")
+    tables = [k for k in got if k.startswith("model.") and ".embedding_bags." in k]
+    assert len(tables) == 5
+    assert max(max_diff(got[k], before[k]) for k in tables) > 1e-3  # the steps moved them
+    described = ckpt.describe(ckpt.latest(tmp_path / "two_d"))
+    assert (described["sharding_group_size"], described["replicas"]) == (2, 2)
