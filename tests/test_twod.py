@@ -23,6 +23,7 @@ from oracle import (
     local_batches,
     max_diff,
     oracle_step,
+    run_sequence_case,
     tables_of,
     unsharded,
     upstream,
@@ -333,3 +334,18 @@ def test_training_on_sharding_groups_with_sgd_takes_the_1d_steps(world, tmp_path
     assert max(max_diff(got[k], before[k]) for k in tables) > 1e-3  # the steps moved them
     described = ckpt.describe(ckpt.latest(tmp_path / "two_d"))
     assert (described["sharding_group_size"], described["replicas"]) == (2, 2)
+
+
+def run_sequence_on_groups() -> dict[str, float]:
+    tables = tuple(Table(t.name, t.rows, 12, t.features) for t in TABLES[:3])
+    plan = ShardingPlan({n: PLANS[2][n] for n in ("tw", "rw", "cw")})
+    case = Case(tables, plan, (4, 0, 3, 5), sequence=True, group_size=2)
+    return run_sequence_case(case)
+
+
+def test_embedding_collections_shard_on_sharding_groups(world):
+    """An EmbeddingCollection on 2 groups of 2, with SGD against the global batch's
+    oracle (which the groups' averaged SGD step equals)."""
+    for worst in world(WORLD).run(run_sequence_on_groups):
+        assert worst["forward"] < TOL and worst["weights"] < TOL, worst
+        assert worst["update"] > 100 * TOL, worst
