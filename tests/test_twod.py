@@ -349,3 +349,34 @@ def test_embedding_collections_shard_on_sharding_groups(world):
     for worst in world(WORLD).run(run_sequence_on_groups):
         assert worst["forward"] < TOL and worst["weights"] < TOL, worst
         assert worst["update"] > 100 * TOL, worst
+
+
+def shards_of_a_module_built_per_rank() -> dict[str, list[tuple[tuple[int, ...], torch.Tensor]]]:
+    """This rank's shards, by offset, of a module whose weights are the case's plus the
+    rank's number, sharded on 2 groups of 2."""
+    case = case_for(2, embshard.SGD(lr=0.1))
+    module = unsharded(case)
+    with torch.no_grad():
+        for table in tables_of(module).values():
+            table.weight += dist.get_rank()
+    sharded = embshard.shard(module, case.plan, mesh=mesh_of(2))
+    held = {}
+    for name, weight in sharded.weights.items():
+        local = weight.to_local()  # a plain empty tensor off the table's ranks
+        shards = zip(local.local_shards(), local.local_offsets()) if local.numel() else []
+        held[name] = [(tuple(o), s.clone()) for s, o in shards]
+    return held
+
+
+def test_copies_of_a_module_built_per_rank_start_as_the_first_groups(world):
+    """Each rank copies its own module's rows; then every group's copy is the first
+    group's, and the copies inside a group (data-parallel, hot rows) its first rank's."""
+    base = {n: t.weight.detach() for n, t in tables_of(unsharded(case_for(2, None))).items()}
+    for rank, shards in enumerate(world(WORLD).run(shards_of_a_module_built_per_rank)):
+        for name, held in shards.items():
+            for (row, col), shard in held:
+                copied = name == "dp" or (name == "hot" and row == 0)
+                added = 0 if copied else rank % 2  # rank 0's, or the first group's rank
+                rows, cols = shard.shape
+                expected = base[name][row : row + rows, col : col + cols] + added
+                assert torch.equal(shard, expected), (rank, name, row, col)
