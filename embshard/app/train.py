@@ -140,12 +140,15 @@ def local_loss(logits: torch.Tensor, labels: torch.Tensor, global_samples: int) 
 
     DDP averages the dense gradients over the ranks, and embshard divides the tables'
     gradients by the world size, so both come out as the gradients of the mean BCE
-    over the global batch's real samples, whatever each rank holds (with sharding
-    groups the tables' by the group's size: each group's copy steps on its own batch
-    as if it were the global one, and with SGD their average is that same step): a rank with no
+    over the global batch's real samples, whatever each rank holds: a rank with no
     samples adds zero (a mean over its own samples would be NaN), one with a partial
     batch its share. The all-reduced sum of these over the ranks, divided by the world
     size, is that mean.
+
+    With sharding groups embshard divides the tables' gradients by the group's size:
+    each group's copy steps on its own batches scaled as the global batch (their mean,
+    where the groups hold equal samples), and with SGD the average of the groups'
+    steps (``sync_replicas``) is the global batch's.
     """
     summed = F.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
     return summed * (dist.get_world_size() / global_samples)
