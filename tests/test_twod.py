@@ -79,14 +79,25 @@ OPTIMIZERS = [
 ]
 
 
-def case_for(group_size: int, optimizer) -> Case:
-    return Case(TABLES, ShardingPlan(PLANS[group_size]), (5, 3, 1, 6), optimizer=optimizer)
+COPIES = ("dp", "hot")  # the tables with copies, which Adam and LAMB refuse
 
 
-def mesh_of(group_size: int):
+def case_for(group_size: int, optimizer, device: str | None = None) -> Case:
+    """The tables on ``device`` (the default group's), those with copies left out for
+    an optimizer that refuses them."""
+    keep = [
+        t
+        for t in TABLES
+        if optimizer is None or optimizer.ZERO_GRADIENT_KEEPS or t.name not in COPIES
+    ]
+    plan = ShardingPlan({t.name: PLANS[group_size][t.name] for t in keep})
+    return Case(tuple(keep), plan, (5, 3, 1, 6), optimizer=optimizer, device=device)
+
+
+def mesh_of(group_size: int, device: str | None = None):
     """The 2-D mesh of sharding groups of ``group_size`` ranks; the 1-D world mesh for
     one group of every rank."""
-    return world_mesh() if group_size == WORLD else sharding_mesh(group_size)
+    return world_mesh(device) if group_size == WORLD else sharding_mesh(group_size, device)
 
 
 def blocks(case: Case, group_size: int) -> dict[str, list[tuple[int, int]]]:
@@ -130,32 +141,39 @@ def _average(copies: list, states: list[dict]) -> None:
             mean = torch.stack([tables_of(c)[name].weight for c in copies]).mean(0)
             for c in copies:
                 tables_of(c)[name].weight.copy_(mean)
-        for key in states[0]:
+        for key, state in states[0].items():
+            if isinstance(state, tuple):  # Adam's and LAMB's: both moments, the steps
+                moments = [torch.stack([s[key][i] for s in states]).mean(0) for i in (0, 1)]
+                for s in states:
+                    s[key] = (*[m.clone() for m in moments], state[2])
+                continue
             mean = torch.stack([s[key] for s in states]).mean(0)
             for s in states:
                 s[key] = mean.clone()
 
 
-def run_twod(optimizer, group_size: int) -> dict[str, float]:
+def run_twod(optimizer, group_size: int, device: str | None = None) -> dict[str, float]:
     """The sharded model on sharding groups of ``group_size`` against the replicas'
     oracle: the largest output and final weight differences; and the largest
     difference of that oracle from one group of all 4 ranks (the 1-D run)."""
     rank = dist.get_rank()
-    case = case_for(group_size, optimizer)
+    case = case_for(group_size, optimizer, device)
     expected, final = replicas_oracle(case, group_size)
+    mesh = mesh_of(group_size, device)
     sharded = embshard.shard(
-        copy.deepcopy(unsharded(case)), case.plan, mesh=mesh_of(group_size), optimizer=optimizer
+        copy.deepcopy(unsharded(case)), case.plan, mesh=mesh, optimizer=optimizer
     )
     worst = {"forward": 0.0}
     for step in range(case.steps):
-        out = sharded(local_batches(case, step)[rank]).values()
+        out = sharded(local_batches(case, step)[rank].to(mesh.device_type)).values()
         worst["forward"] = max(worst["forward"], max_diff(out, expected[rank][step]))
-        (out * upstream(case, step, len(out), out.shape[1], rank)).sum().backward()
+        grad = upstream(case, step, len(out), out.shape[1], rank).to(out.device)
+        (out * grad).sum().backward()
         sharded.sync_replicas()
     worst["weights"] = max(
         max_diff(embshard.gather_table(w), final[n]) for n, w in sharded.weights.items()
     )
-    one_d = replicas_oracle(case_for(WORLD, optimizer), WORLD)[1]
+    one_d = replicas_oracle(case_for(WORLD, optimizer, device), WORLD)[1]
     worst["from_1d"] = max(max_diff(final[n], one_d[n]) for n in final)
     worst["update"] = max(max_diff(final[n], tables_of(unsharded(case))[n].weight) for n in final)
     return worst
@@ -164,7 +182,23 @@ def run_twod(optimizer, group_size: int) -> dict[str, float]:
 @pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: o.KIND)
 @pytest.mark.parametrize("group_size", [2, 1])
 def test_sharding_groups_match_the_averaged_replicas(world, optimizer, group_size):
-    for worst in world(WORLD).run(run_twod, optimizer, group_size):
+    check_against_replicas(world(WORLD).run(run_twod, optimizer, group_size), optimizer)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "optimizer",
+    [embshard.Adam(lr=0.01, eps=1e-4), embshard.Lamb(lr=0.1, eps=1e-4)],
+    ids=lambda o: o.KIND,
+)
+def test_cuda_only_optimizers_on_sharding_groups(cuda_world, optimizer):
+    """Adam and LAMB (FBGEMM's CUDA kernels only): 4 ranks sharing the GPU as 2 groups
+    of 2, their moments averaged with the weights."""
+    check_against_replicas(cuda_world(WORLD).run(run_twod, optimizer, 2, "cuda"), optimizer)
+
+
+def check_against_replicas(results: list[dict[str, float]], optimizer) -> None:
+    for worst in results:
         assert worst["forward"] < TOL and worst["weights"] < TOL, worst
         assert worst["update"] > 100 * TOL, worst  # the steps moved the tables
         if isinstance(optimizer, embshard.SGD):  # one step on the global batch, averaged
