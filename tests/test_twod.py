@@ -9,6 +9,7 @@ ranks), then the copies' weights and optimizer state are averaged."""
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import pytest
@@ -33,8 +34,9 @@ from torchrec import EmbeddingBagCollection
 import embshard
 from embshard import ShardingPlan, column_wise, data_parallel, row_wise, table_wise
 from embshard import checkpoint as ckpt
-from embshard.app.config import load_config
+from embshard.app.config import check_launch, load_config
 from embshard.app.train import train
+from embshard.errors import ConfigError
 from embshard.modules.mesh import sharding_mesh, world_mesh
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -414,3 +416,15 @@ def test_copies_of_a_module_built_per_rank_start_as_the_first_groups(world):
                 rows, cols = shard.shape
                 expected = base[name][row : row + rows, col : col + cols] + added
                 assert torch.equal(shard, expected), (rank, name, row, col)
+
+
+@pytest.mark.parametrize(
+    ("size", "problem"),
+    [(3, "3 does not divide the job's 4 ranks"), (0, "must be at least 1")],
+)
+def test_a_group_size_the_world_cannot_take_is_refused_before_the_job(tmp_path, size, problem):
+    data = yaml.safe_load((ROOT / "configs" / "small.yaml").read_text())
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(data | {"sharding_group_size": size}))
+    with pytest.raises(ConfigError, match=re.escape(f"{path}.sharding_group_size: {problem}")):
+        check_launch(load_config(path), str(path), WORLD, resume=False)
