@@ -29,6 +29,7 @@ from oracle import (
     unsharded,
     upstream,
 )
+from torch import nn
 from torchrec import EmbeddingBagCollection
 
 import embshard
@@ -428,3 +429,46 @@ def test_a_group_size_the_world_cannot_take_is_refused_before_the_job(tmp_path, 
     path.write_text(yaml.safe_dump(data | {"sharding_group_size": size}))
     with pytest.raises(ConfigError, match=re.escape(f"{path}.sharding_group_size: {problem}")):
         check_launch(load_config(path), str(path), WORLD, resume=False)
+
+
+class StepLoss(nn.Module):
+    """The test's loss on a sharded collection's output, for ``TrainPipeline``: a batch
+    is (step, local KeyedJaggedTensor)."""
+
+    def __init__(self, sharded, case: Case) -> None:
+        super().__init__()
+        self.sharded, self.case = sharded, case
+        self.unused = nn.Parameter(torch.zeros(1))  # the dense optimizer needs one
+
+    def forward(self, batch):
+        step, features = batch
+        out = self.sharded(features).values()
+        grad = upstream(self.case, step, len(out), out.shape[1], dist.get_rank())
+        return (out * grad).sum() + 0 * self.unused.sum(), out
+
+
+def pipelined_on_groups(optimizer) -> dict[str, float]:
+    """``TrainPipeline`` over 2 groups of 2: its outputs and final tables against the
+    replicas' oracle."""
+    rank, case = dist.get_rank(), case_for(2, optimizer)
+    expected, final = replicas_oracle(case, 2)
+    sharded = embshard.shard(
+        copy.deepcopy(unsharded(case)), case.plan, mesh=mesh_of(2), optimizer=optimizer
+    )
+    model = StepLoss(sharded, case)
+    batches = [(step, local_batches(case, step)[rank]) for step in range(case.steps)]
+    dense = torch.optim.SGD(model.parameters(), lr=0.1)
+    outputs = list(embshard.TrainPipeline(model, dense, batches))
+    return {
+        "forward": max(max_diff(out, want) for out, want in zip(outputs, expected[rank])),
+        "weights": max(
+            max_diff(embshard.gather_table(w), final[n]) for n, w in sharded.weights.items()
+        ),
+        "steps": len(outputs),
+    }
+
+
+def test_the_training_pipeline_syncs_the_groups_each_step(world):
+    for worst in world(WORLD).run(pipelined_on_groups, OPTIMIZERS[2]):
+        assert worst["steps"] == 3
+        assert worst["forward"] < TOL and worst["weights"] < TOL, worst
