@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
+import test_teardown as teardown
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -472,3 +473,21 @@ def test_the_training_pipeline_syncs_the_groups_each_step(world):
     for worst in world(WORLD).run(pipelined_on_groups, OPTIMIZERS[2]):
         assert worst["steps"] == 3
         assert worst["forward"] < TOL and worst["weights"] < TOL, worst
+
+
+def test_a_script_on_sharding_groups_ending_with_shutdown_exits_cleanly(tmp_path):
+    """test_teardown's user script on 2 sharding groups of 1 rank (their process groups
+    made by embshard), synced each step: it ends cleanly on slow gloo threads."""
+    script = tmp_path / "user_script.py"
+    on_groups = teardown.SCRIPT.replace(
+        "plan, optimizer=", "plan, mesh=embshard.sharding_mesh(1), optimizer="
+    ).replace(
+        "    dense_optimizer.zero_grad()\n",
+        "    dense_optimizer.zero_grad()\n    embshard.sync_replicas(model)\n",
+    )
+    assert on_groups.count("sharding_mesh") == 1 and on_groups.count("sync_replicas") == 1
+    script.write_text(on_groups + "embshard.shutdown()\n")
+    for i in range(2):
+        ended, output = teardown.launch(script, tmp_path / f"checkpoints_{i}")
+        assert ended == "exited 0", output[-3000:]
+        assert teardown.ranks_done(output) == ["0", "1"], output[-3000:]
