@@ -27,7 +27,8 @@ _MODULES = {
         "Lamb",
         "RowWiseAdagrad",
     ],
-    "embshard.modules.shard_model": ["shard_model"],
+    "embshard.modules.shard_model": ["shard_model", "sync_replicas"],
+    "embshard.modules.mesh": ["sharding_mesh"],
     "embshard.modules.collection": ["ShardedEmbeddingBagCollection"],
     "embshard.modules.shard": ["shard"],
     "embshard.plan.specs": [

@@ -493,7 +493,7 @@ def shard_over_meshes_it_cannot_use() -> list[str]:
     module = EmbeddingBagCollection(tables=[t.config() for t in TABLES], device="meta")
     plan = ShardingPlan({t.name: table_wise(0) for t in TABLES})
     meshes = [
-        DeviceMesh("cpu", torch.arange(2).view(1, 2), _init_backend=False),
+        DeviceMesh("cpu", torch.arange(2).view(1, 1, 2), _init_backend=False),
         DeviceMesh("cpu", torch.arange(1), _init_backend=False),
     ]
     errors = []
@@ -504,10 +504,10 @@ def shard_over_meshes_it_cannot_use() -> list[str]:
     return errors
 
 
-def test_a_mesh_that_is_not_the_whole_world_in_one_dimension_is_refused(world):
+def test_a_mesh_that_is_not_the_whole_world_in_one_or_two_dimensions_is_refused(world):
     for errors in world(2).run(shard_over_meshes_it_cannot_use):
         assert errors == [
-            "embshard shards over a 1-D mesh, got a 2-D mesh",
+            "embshard shards over a 1-D mesh or a 2-D (replicate, shard) mesh, got a 3-D mesh",
             "the mesh has 1 ranks but the world has 2; embshard needs a mesh over the whole world",
         ]
 

@@ -108,6 +108,14 @@ def main() -> None:
     help="Where the ranks train, in place of the config's device (default auto: cuda when "
     "this host has a CUDA device for each rank, else cpu); cuda runs NCCL, cpu gloo.",
 )
+@click.option(
+    "--sharding-group-size",
+    type=click.IntRange(min=1),
+    metavar="G",
+    help="Ranks of one sharding group, in place of the config's sharding_group_size: the "
+    "plan is made for G ranks, every G consecutive ranks hold a copy of it, and the copies "
+    "are averaged each step (default: one group of every rank).",
+)
 def train(
     config: str,
     nproc: int,
@@ -119,14 +127,18 @@ def train(
     node_rank: int | None,
     local_addr: str | None,
     device: str | None,
+    sharding_group_size: int | None,
 ) -> None:
     """Train the DLRM that CONFIG (YAML) describes, with NPROC ranks on this host.
 
     The same as: torchrun --standalone --nproc-per-node NPROC --max-restarts K
-    -m embshard.app.train --config CONFIG [--resume] [--device D]. With --rdzv-endpoint (a job
+    -m embshard.app.train --config CONFIG [--resume] [--device D]
+    [--sharding-group-size G]. With --rdzv-endpoint (a job
     across hosts: run it on every host), torchrun's c10d rendezvous replaces
     --standalone; docs/multihost.md.
     """
+    from dataclasses import replace
+
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser, run
@@ -141,6 +153,8 @@ def train(
     world_size = fewest * nproc if fewest == most else None  # elastic: checked by the ranks
     try:  # fail here, before any process starts
         model = load_config(config)
+        if sharding_group_size is not None:
+            model = replace(model, sharding_group_size=sharding_group_size)
         check_launch(model, config, world_size, resume)
         launch_device(model, config, nproc, device)
     except ConfigError as e:
@@ -160,6 +174,7 @@ def train(
         ]
     job = ["-m", "embshard.app.train", "--config", config, *(["--resume"] if resume else [])]
     job += ["--device", device] if device else []
+    job += ["--sharding-group-size", str(sharding_group_size)] if sharding_group_size else []
     args = get_args_parser().parse_args([*hosts, *counts, *job])
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
     # Rank 0 hosts each rendezvous round's store (see embshard.app.train.init_process_group).

@@ -178,6 +178,9 @@ class TrainConfig:
     timeout_s: int = 120  # process group timeout
     comm_precision: Literal["fp32", "fp16", "bf16"] = "fp32"  # of the pooled all-to-alls
     device: Device = "auto"  # cuda: NCCL, one GPU per rank; cpu: gloo
+    # Ranks of one sharding group (2-D: the plan is made for them, every group holds a
+    # copy and the copies are averaged each step); None: one group of every rank.
+    sharding_group_size: int | None = None
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -314,12 +317,26 @@ def check_launch(config: TrainConfig, where: str, world_size: int | None, resume
     any process starts: its own plan fits that world (any world, for an elastic job:
     None), and ``resume`` has a checkpoint directory to look in. Problems are
     ConfigErrors naming the file."""
-    _check_plan(config, where, world_size)
+    _check_plan(config, where, group_size(config, world_size, where))
     if resume and config.checkpoint.dir is None:
         raise ConfigError(
             f"{where}: --resume continues from the latest checkpoint under checkpoint.dir, "
             "and the config has no checkpoint: section"
         )
+
+
+def group_size(config: TrainConfig, world_size: int | None, where: str = "config") -> int | None:
+    """The ranks of a sharding group in a ``world_size`` job (None: unknown, an elastic
+    job's): the config's ``sharding_group_size``, else the whole world. A size that does
+    not divide the world is a ConfigError."""
+    size = config.sharding_group_size
+    if size is None or world_size is None:
+        return size or world_size
+    if world_size % size:
+        raise ConfigError(
+            f"{where}.sharding_group_size: {size} does not divide the job's {world_size} ranks"
+        )
+    return size
 
 
 def launch_device(
@@ -386,7 +403,7 @@ def _check(config: TrainConfig, where: str, use: Use, check_files: bool) -> None
                 f"{where}.tables[{i}].pooling: none makes {t.name!r} a sequence table, which "
                 f"{why}; `embshard plan` and `embshard show` take it"
             )
-    for key in ("batch_size", "steps", "timeout_s"):
+    for key in ("batch_size", "steps", "timeout_s", "sharding_group_size"):
         value = getattr(config, key)
         if value is not None and value < 1:
             raise ConfigError(f"{where}.{key}: must be at least 1")

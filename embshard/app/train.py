@@ -24,7 +24,7 @@ import sys
 import time
 import typing
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -44,6 +44,7 @@ from embshard.app.config import (
     OptimizerConfig,
     TrainConfig,
     check_launch,
+    group_size,
     launch_device,
     load_config,
 )
@@ -51,9 +52,9 @@ from embshard.app.data import Batch, CriteoData, Feed, SyntheticData, build_data
 from embshard.app.planning import plan_config, topology_for
 from embshard.checkpoint.store import first_line, rank_failures
 from embshard.errors import CheckpointError, ConfigError, EmbshardError, InputError
-from embshard.modules.mesh import default_device
+from embshard.modules.mesh import default_device, sharding_mesh
 from embshard.modules.pipeline import drain, prefetch
-from embshard.modules.shard_model import shard_model
+from embshard.modules.shard_model import shard_model, sync_replicas
 from embshard.plan.specs import ShardingPlan, plural
 from embshard.planner.search import format_bytes, plan_loads
 from embshard.runtime.teardown import shutdown
@@ -143,6 +144,11 @@ def local_loss(logits: torch.Tensor, labels: torch.Tensor, global_samples: int) 
     samples adds zero (a mean over its own samples would be NaN), one with a partial
     batch its share. The all-reduced sum of these over the ranks, divided by the world
     size, is that mean.
+
+    With sharding groups embshard divides the tables' gradients by the group's size:
+    each group's copy steps on its own batches scaled as the global batch (their mean,
+    where the groups hold equal samples), and with SGD the average of the groups'
+    steps (``sync_replicas``) is the global batch's.
     """
     summed = F.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
     return summed * (dist.get_world_size() / global_samples)
@@ -330,19 +336,24 @@ def _sharded_model(
     device, its dense optimizer, and the step to start from (checkpoint ``found``'s, if
     any)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    hosts = job_ranks_per_host()  # the config's own wins
-    plan = plan_config(config, world, ranks_per_host=config.topology.ranks_per_host or hosts)[0]
+    group = group_size(config, world)  # the plan's ranks: a sharding group's
+    hosts = job_ranks_per_host()  # collective: first, on every rank
+    hosts = config.topology.ranks_per_host or hosts  # the config's own wins
+    plan = plan_config(config, group, ranks_per_host=min(hosts, group) if hosts else None)[0]
     torch.manual_seed(config.seed)  # the dense layers' init: runs are reproducible
     model = shard_model(
         build_model(config),
         plan,
+        mesh=sharding_mesh(group) if group < world else None,
         optimizer=fused_optimizer(config.sparse_optimizer),
         seed=config.seed,
         comm_precision=config.comm_precision,
     )
     if rank == 0:
-        layout = describe_plan(plan, config, world)
+        layout = describe_plan(plan, config, group)
         ranks = f"{plural(world, 'rank')}, {default_device().type} ({dist.get_backend()})"
+        if group < world:
+            ranks += f", as {world // group} sharding groups of {group}"
         print(f"embshard: {config.model.kind} on {ranks}, plan:\n{layout}", flush=True)
     optimizer = dense_optimizer(config.dense_optimizer, model.parameters())
     start = 0
@@ -552,7 +563,8 @@ def _take_next_batch(job: _Job, loop: _LoopState) -> None:
 
 def _forward_backward(job: _Job, loop: _LoopState) -> torch.Tensor:
     """The step's forward, loss, backward and dense optimizer step (the fused optimizer
-    updates the tables in the backward); its local loss."""
+    updates the tables in the backward), then, with sharding groups, the tables'
+    copies averaged (one all-reduce across the groups); its local loss."""
     batch = loop.batch
     loop.phase = f"step {loop.step + 1}: forward (ids and pooled all-to-alls)"
     logits = job.model(batch.dense, batch.sparse).squeeze(1)
@@ -561,6 +573,8 @@ def _forward_backward(job: _Job, loop: _LoopState) -> torch.Tensor:
     loss.backward()
     job.optimizer.step()
     job.optimizer.zero_grad()
+    loop.phase = f"step {loop.step + 1}: averaging the tables over the sharding groups"
+    sync_replicas(job.model)
     return loss
 
 
@@ -673,9 +687,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--device", choices=typing.get_args(Device), help="in place of the config's device"
     )
+    parser.add_argument(
+        "--sharding-group-size",
+        type=int,
+        help="in place of the config's sharding_group_size",
+    )
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config)
+        if args.sharding_group_size is not None:
+            config = replace(config, sharding_group_size=args.sharding_group_size)
         check_launch(config, args.config, int(os.environ["WORLD_SIZE"]), args.resume)
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         device = launch_device(config, args.config, local_ranks, args.device)

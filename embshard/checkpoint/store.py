@@ -9,7 +9,8 @@ Inside, DCP's files hold one state dict:
                                 ``...momentum2``) and its step count (``...step``:
                                 Adam's and LAMB's, an int64 scalar)
     dense_optimizer.*           the dense optimizer (FQN-keyed, DCP's state_dict API)
-    embshard                    JSON: step, world size, each table's shards and optimizer
+    embshard                    JSON: step, world size, sharding group size and replicas
+                                (2-D meshes), each table's shards and optimizer
 
 and beside them ``embshard_checksums.json``: the crc32 of every saved chunk's bytes
 (file, offset, length) and of DCP's ``.metadata``, written after DCP's save and before
@@ -109,7 +110,17 @@ def _describe(model: nn.Module, step: int, job: str | None) -> dict[str, Any]:
                 "optimizer": _optimizer_kind(module),
                 "blocks": [list(b) for b in column_blocks(table)],
             }
-    return {"step": step, "world_size": dist.get_world_size(), "job": job, "tables": tables}
+    world = dist.get_world_size()
+    meshes = [module.sharding_mesh for module in _sharded(model).values()]
+    group = meshes[0].size if meshes else world  # shard_model gives every collection one mesh
+    return {
+        "step": step,
+        "world_size": world,
+        "sharding_group_size": group,
+        "replicas": world // group,
+        "job": job,
+        "tables": tables,
+    }
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -813,6 +824,9 @@ def describe(path: str | Path) -> dict[str, Any]:
         "path": str(path),
         "step": info["step"],
         "world_size": info.get("world_size"),
+        # Checkpoints saved before 2-D sharding groups: one group of the whole world.
+        "sharding_group_size": info.get("sharding_group_size", info.get("world_size")),
+        "replicas": info.get("replicas", 1 if info.get("world_size") else None),
         "bytes_on_disk": sum(f.stat().st_size for f in path.iterdir() if f.is_file()),
         "tables": tables,
         "dense_tensors": len(dense),

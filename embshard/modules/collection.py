@@ -273,8 +273,9 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
         """Write each local shard: from ``weights`` (full tables) or the seeded init.
 
         Copies (data-parallel tables, hot rows) filled from ``weights`` then take
-        rank 0's: a module built differently on each rank still has one value per
-        replicated row, as DDP makes of its parameters."""
+        the sharding group's first rank's, and on a 2-D mesh every shard takes the
+        first replica's: a module built differently on each rank still has one value
+        per row, as DDP makes of its parameters."""
         configs = {c.name: c for c in self._configs}
         for name, s, view in self._storage.weight_views():
             if weights is None:
@@ -284,6 +285,35 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
                 view.copy_(source[:, s.col_offset : s.col_offset + s.cols])
         if weights is not None and self._storage.replicated is not None:
             self._storage.replicated.broadcast(src=0)
+        if weights is not None:
+            self._exchange_with_replicas(average=False)
+
+    def sync_replicas(self) -> None:
+        """Average this rank's shards, and the fused optimizer's state, with their
+        copies in the other sharding groups: one all-reduce over the replica group
+        (collective there; every rank calls it once a step, after the backward). Each
+        sharding group's fused optimizer updated its own copy from its own batch; after
+        this every copy is their mean, as TorchRec's ``DMPCollection.sync()`` makes it.
+        On a 1-D mesh there are no copies, and nothing runs."""
+        self._exchange_with_replicas(average=True)
+
+    def _exchange_with_replicas(self, average: bool) -> None:
+        """One collective over the replica group on every local weight and state
+        tensor, flattened into one float32 buffer: an all-reduce averaging them, or
+        (not ``average``) the first replica's broadcast to the others."""
+        group = self._mesh.replica_group
+        tensors = self._storage.replica_tensors()
+        if group is None or not tensors:  # a replica group's ranks hold the same shards
+            return
+        flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
+        if average:
+            dist.all_reduce(flat, group=group)
+            flat.div_(self._mesh.replicas)
+        else:
+            dist.broadcast(flat, group=group, group_src=0)
+        with torch.no_grad():
+            for tensor, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+                tensor.copy_(part.view_as(tensor))
 
     @property
     def feature_names(self) -> set[str]:
@@ -301,8 +331,13 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
 
     @property
     def rank(self) -> int:
-        """This rank's position in the mesh: the rank numbers plans use."""
+        """This rank's position in its sharding group: the rank numbers plans use."""
         return self._rank
+
+    @property
+    def sharding_mesh(self) -> ShardingMesh:
+        """The ranks it spans: its sharding group and, on a 2-D mesh, its replicas."""
+        return self._mesh
 
     @property
     def fused_optimizer(self) -> FusedOptimizer:

@@ -105,6 +105,10 @@ class TrainPipeline:
     trained. An InputError of the next batch is raised by the step that uses it, on
     every rank. Every sharded collection of the model must find its features in each
     batch, so that all ranks start the same input distributions.
+
+    On a 2-D mesh each step ends with ``sync_replicas``, and "every rank" is every
+    rank of the sharding group: give every rank the same number of batches, or a group
+    that stops first leaves the others waiting in that all-reduce.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterable):
@@ -127,6 +131,8 @@ class TrainPipeline:
         _check_consumed(self._model, prefetched)
         loss.backward()
         self._optimizer.step()
+        for _, module in _sharded(self._model):
+            module.sync_replicas()  # on a 2-D mesh; nothing on a 1-D one
         self._steps += 1
         return output
 
@@ -148,7 +154,7 @@ class TrainPipeline:
         if not ended:
             return batch, started
         drain(self._model)
-        if len(ended) < torch.distributed.get_world_size():
+        if len(ended) < _sharded(self._model)[0][1].sharding_mesh.size:
             steps = self._steps + (self._next is not None)
             warnings.warn(
                 f"TrainPipeline: every rank stops after {steps} steps: ranks {list(ended)} "

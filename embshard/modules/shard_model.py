@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from embshard.modules.collection import ShardedCollection
-from embshard.modules.mesh import world_mesh
+from embshard.modules.mesh import ShardingMesh, world_mesh
 from embshard.modules.shard import shard
 from embshard.plan.specs import ShardingPlan
 from embshard.storage.lookup import LookupBackend, TrainingTBE
@@ -94,6 +94,10 @@ def shard_model(
 
     ``lookup`` builds every sharded collection's per-rank lookup: see ``shard``.
 
+    A 2-D ``mesh`` (``sharding_mesh(group_size)``) shards the tables by ``plan``, made
+    for ``group_size`` ranks, inside every sharding group; DDP still averages the dense
+    gradients over the whole world. Call ``sync_replicas(model)`` after every step.
+
     End the script with ``embshard.shutdown()``: DDP keeps a gloo process group and its
     threads alive after ``destroy_process_group``, and with torch 2.13 they can abort
     the process at exit (docs/faults.md).
@@ -119,11 +123,11 @@ def shard_model(
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         raise ValueError(f"table names {repeated} appear in more than one embedding collection")
-    plan.resolve(configs, dist.get_world_size())  # one error naming every problem
     device = _device(device, mesh)
     mesh = world_mesh(device.type) if mesh is None else mesh
     if mesh.device_type != device.type:
         raise ValueError(f"device {device} does not match the mesh's {mesh.device_type!r}")
+    plan.resolve(configs, ShardingMesh.of(mesh).size)  # one error naming every problem
     for path, collection in collections.items():
         own = {c.name for c in _configs(collection)}
         sub_plan = ShardingPlan({n: s for n, s in plan.tables.items() if n in own})
@@ -167,6 +171,15 @@ def _device(device: torch.device | str | None, mesh: DeviceMesh | None) -> torch
 
 def sharded_collections(model: nn.Module) -> dict[str, ShardedCollection]:
     return {path: m for path, m in model.named_modules() if isinstance(m, ShardedCollection)}
+
+
+def sync_replicas(model: nn.Module) -> None:
+    """Average every sharded collection of ``model`` with its copies in the other
+    sharding groups (``ShardedCollection.sync_replicas``: one all-reduce over the
+    replica group each): on a 2-D mesh, once a step, after the backward, on every
+    rank, as TorchRec's ``DMPCollection.sync()``. On a 1-D mesh nothing runs."""
+    for collection in sharded_collections(model).values():
+        collection.sync_replicas()
 
 
 def _ddp_settings(ddp_kwargs: Mapping[str, Any], ddp: type) -> tuple[dict[str, Any], bool]:

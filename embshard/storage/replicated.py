@@ -117,14 +117,14 @@ class ReplicatedTables:
         ]
 
     def broadcast(self, src: int = 0) -> None:
-        """Give every rank ``src``'s copies, in one broadcast: copies filled from each
-        rank's own module only agree after it (DDP broadcasts its parameters alike).
-        On one rank there is nothing to give."""
+        """Give every rank of the group the copies of its rank ``src``, in one
+        broadcast: copies filled from each rank's own module only agree after it (DDP
+        broadcasts its parameters alike). On one rank there is nothing to give."""
         if dist.get_world_size(self.group) == 1:
             return
         weights = self.tbe.split_embedding_weights()
         flat = torch.cat([w.reshape(-1) for w in weights])
-        dist.broadcast(flat, src=src, group=self.group)
+        dist.broadcast(flat, group=self.group, group_src=src)
         with torch.no_grad():
             for weight, part in zip(weights, flat.split([w.numel() for w in weights])):
                 weight.copy_(part.view_as(weight))

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from embshard.plan.specs import (
     ShardedTable,
@@ -204,8 +204,10 @@ def table_dtensor(
     ``Replicate()`` on ``mesh``. Row-wise: ``Shard(0)`` on ``mesh``. Column-wise and
     grid: ``Shard(1)`` on the mesh of its owners (as TorchRec places grid tables; each
     rank's row blocks are in its wrapper's offsets). ``submesh(ranks)`` gives the mesh
-    of plan ranks ``ranks``. ``shape`` overrides the global shape, for optimizer state
-    laid out like the table's rows.
+    of plan ranks ``ranks``. On a 2-D mesh (replicas x sharding group) that placement
+    is the second, after ``Replicate()`` over the replicas: DCP saves one copy.
+    ``shape`` overrides the global shape, for optimizer state laid out like the
+    table's rows.
     """
     ranks, placement = table.spec.placement(table.shards)
     table_mesh = mesh if ranks is None else submesh(ranks)
@@ -213,7 +215,7 @@ def table_dtensor(
     return DTensor.from_local(
         local,
         table_mesh,
-        [placement],
+        [Replicate()] * (table_mesh.ndim - 1) + [placement],
         run_check=False,
         shape=torch.Size((rows, cols)),
         stride=(cols, 1),
@@ -227,14 +229,16 @@ def gather_table(table: DTensor, group: dist.ProcessGroup | None = None) -> torc
     that owns part of the table. Each rank writes its shards at their offsets into a
     zero tensor and the ranks sum; a rectangle several ranks hold (hot rows copied on
     every rank) is written by the first of them only, so the sum is exact. A table
-    replicated over several ranks is already whole on each.
+    replicated over every rank of ``group`` is already whole on each.
     """
     local = table.to_local()
     if local.numel() and not hasattr(local, "local_shards"):
         raise TypeError("gather_table needs a DTensor whose local tensor is a LocalShardsWrapper")
     full = torch.zeros(table.shape, dtype=table.dtype, device=local.device)
     chunks = list(zip(local.local_shards(), local.local_offsets())) if local.numel() else []
-    whole = table.device_mesh.size() > 1 and all(p.is_replicate() for p in table.placements)
+    whole = table.device_mesh.size() == dist.get_world_size(group) > 1 and all(
+        p.is_replicate() for p in table.placements
+    )
     if not whole:
         layouts: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(layouts, [(tuple(o), tuple(s.shape)) for s, o in chunks], group)
@@ -269,6 +273,14 @@ class LocalStorage:
     def weight_views(self) -> list[tuple[str, TableShard, torch.Tensor]]:
         """Every local shard with its view of the TBE weights, copies included."""
         return _local_views(self, _weights)
+
+    def replica_tensors(self) -> list[torch.Tensor]:
+        """Every local weight and optimizer state tensor (views, both lookups): what the
+        copies of these shards in other sharding groups average."""
+        tensors = [view for _, _, view in self.weight_views()]
+        for lookup in self._lookups():
+            tensors += [state for states in lookup.split_optimizer_states() for state in states]
+        return tensors
 
     def optimizer_steps(self) -> int:
         """The steps this rank's lookups have counted (each forward counts one, in every

@@ -26,7 +26,7 @@ from torchrec import (
 )
 from torchrec.modules.embedding_configs import DataType, PoolingType
 
-from embshard.modules.mesh import ShardingMesh, world_mesh
+from embshard.modules.mesh import ShardingMesh, sharding_mesh, world_mesh
 from embshard.modules.shard import shard
 from embshard.plan.specs import ShardingPlan
 from embshard.storage.optimizers import SGD, Adagrad, Adam, Lamb
@@ -75,6 +75,9 @@ class Case:
     comm_precision: str | None = None
     sequence: bool = False  # an EmbeddingCollection: one row per id, no pooling
     device: str | None = None  # the shards' device type; None: the default group's
+    # Sharding groups of this many ranks (a 2-D mesh, the copies synced each step); the
+    # oracle stays the global batch's, which only SGD's averaged step equals.
+    group_size: int | None = None
 
 
 def features_of(tables) -> list[str]:
@@ -189,10 +192,17 @@ def oracle_step(ebc, case: Case, table_blocks, states) -> None:
                 weight[:, start : start + width] -= torch.where(touched[:, None], step, 0)
 
 
+def case_mesh(case: Case) -> ShardingMesh:
+    """The whole world, or sharding groups of ``case.group_size``."""
+    if case.group_size is None:
+        return ShardingMesh.of(world_mesh(case.device))
+    return ShardingMesh.of(sharding_mesh(case.group_size, case.device))
+
+
 def column_blocks(case: Case) -> dict[str, list[tuple[int, int]]]:
     """Each table's column blocks (start, width) under the case's plan: row-wise
     Adagrad keeps an accumulator per row of each (one block unless column-wise or grid)."""
-    world = len(case.batch_sizes)
+    world = case.group_size or len(case.batch_sizes)
     tables = case.plan.resolve([t.config(case.sequence) for t in case.tables], world)
     return {name: sorted({(s.col_offset, s.cols) for s in t.shards}) for name, t in tables.items()}
 
@@ -250,7 +260,7 @@ def run_case(case: Case) -> dict[str, float]:
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == len(case.batch_sizes)
     module = unsharded(case)
-    mesh = ShardingMesh.of(world_mesh(case.device))
+    mesh = case_mesh(case)
     sharded = shard(
         copy.deepcopy(module),
         case.plan,
@@ -281,6 +291,7 @@ def run_case(case: Case) -> dict[str, float]:
         cols = mine.shape[1]
         grad = upstream(case, step, len(mine), cols, rank).to(mesh.device)
         (out.values() * grad).sum().backward()
+        sharded.sync_replicas()
         loss = sum(
             (
                 expected.values()[offsets[r] : offsets[r + 1]] * upstream(case, step, b, cols, r)
@@ -303,7 +314,7 @@ def run_sequence_case(case: Case) -> dict[str, float]:
     rank, world = dist.get_rank(), dist.get_world_size()
     assert case.sequence and world == len(case.batch_sizes)
     module = unsharded(case)
-    mesh = ShardingMesh.of(world_mesh(case.device))
+    mesh = case_mesh(case)
     sharded = shard(copy.deepcopy(module), case.plan, mesh=mesh.mesh, optimizer=case.optimizer)
     oracle = float32_twin(module)
     initial = {n: t.weight.detach().clone() for n, t in tables_of(oracle).items()}
@@ -329,6 +340,7 @@ def run_sequence_case(case: Case) -> dict[str, float]:
                     worst["output"] = max(worst["output"], max_abs(part))
                     mine = mine + (out[name].values() * grad.to(mesh.device)).sum()
         mine.backward()  # collective: every rank's sum holds its (maybe empty) outputs
+        sharded.sync_replicas()
         (sum(loss) / world).backward()
         oracle_step(oracle, case, blocks, states)
         round_to_storage(oracle, module)
