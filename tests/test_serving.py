@@ -4,14 +4,30 @@ process that does not import embshard, and the commands."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+import yaml
+from click.testing import CliRunner
 from torch.ao import quantization as quant
+from torchmetrics.functional.classification import binary_auroc
+from torchrec.models.dlrm import DLRM
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.quant.embedding_modules import EmbeddingBagCollection as TorchRecQuantEBC
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from embshard import checkpoint as ckpt
+from embshard.app.cli import main as cli
+from embshard.app.config import load_config
+from embshard.app.data import CriteoData
+from embshard.app.serve import serving_model
+from embshard.app.train import train
 from embshard.errors import ConfigError, InputError
 from embshard.serving.collection import QuantizedEmbeddingBagCollection
 from embshard.serving.precision import Precision
@@ -168,3 +184,160 @@ def test_unknown_precision():
         match=r"^unknown precision 'int3': FBGEMM's inference TBE serves fp16, int8, int4$",
     ):
         Precision.parse("int3")
+
+
+# --- From a training job's checkpoint: export and predict -----------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from make_criteo_sample import sample_lines  # noqa: E402
+
+
+def _train(path: str) -> dict:
+    return train(load_config(path))
+
+
+@pytest.fixture(scope="module")
+def trained(world, tmp_path_factory) -> dict[str, Path]:
+    """The Criteo sample's DLRM trained a few steps by 2 ranks under its mixed plan
+    (row-, column- and table-wise), checkpointed."""
+    tmp = tmp_path_factory.mktemp("trained")
+    data = yaml.safe_load((ROOT / "configs" / "criteo_sample.yaml").read_text())
+    (tmp / "train.tsv").write_text("\n".join(sample_lines(2000, seed=0)) + "\n")
+    (tmp / "eval.tsv").write_text("\n".join(sample_lines(700, seed=1)) + "\n")
+    data["data"].update(path=str(tmp / "train.tsv"), eval_path=str(tmp / "eval.tsv"))
+    data.update(steps=8, batch_size=64)
+    data["eval"] = {"every": 0}
+    data["logging"] = {"progress": False}
+    data["checkpoint"] = {"dir": str(tmp / "ckpt")}
+    config = tmp / "criteo.yaml"
+    config.write_text(yaml.safe_dump(data))
+    world(2).run(_train, str(config))
+    return {"config": config, "ckpt": tmp / "ckpt", "eval": tmp / "eval.tsv", "tmp": tmp}
+
+
+def _export(trained: dict[str, Path], out: Path, precision: str, config: Path | None = None):
+    """``embshard export`` of the trained checkpoint."""
+    config = config or trained["config"]
+    args = ["export", str(trained["ckpt"]), str(out), "--config", str(config)]
+    return CliRunner().invoke(cli, [*args, "--quantize", precision])
+
+
+def _eval_batches(trained: dict[str, Path], size: int = 128) -> list:
+    config = load_config(trained["config"], check_files=False)
+    return list(CriteoData(str(trained["eval"]), None, config.tables, size, 0, 1).epoch_batches())
+
+
+def _torchrec_serving_model(trained: dict[str, Path], precision: str) -> torch.nn.Module:
+    """The oracle: TorchRec's DLRM with the checkpoint's whole tensors, its collection
+    replaced by TorchRec's quantized one."""
+    config = load_config(trained["config"], check_files=False)
+    m = config.model
+    ebc = EmbeddingBagCollection(tables=config.embedding_bag_configs())
+    dense = (m.dense_in_features, m.dense_arch_layer_sizes, m.over_arch_layer_sizes)
+    model = DLRM(ebc, *dense)
+    model.load_state_dict(ckpt.read_tensors(ckpt.latest(trained["ckpt"]), "model."))
+    model.sparse_arch.embedding_bag_collection = torchrec_quantized(ebc, precision)
+    return model.eval()
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_serving_model_from_a_two_rank_checkpoint_equals_torchrec_quantized(trained, precision):
+    config = load_config(trained["config"], check_files=False)
+    ours = serving_model(trained["ckpt"], config, precision)
+    oracle = _torchrec_serving_model(trained, precision)
+    assert not any(p.requires_grad for p in ours.parameters())
+    with torch.no_grad():
+        for batch in _eval_batches(trained):
+            want = oracle(batch.dense, batch.sparse)
+            assert torch.equal(ours(batch.dense, batch.sparse), want)
+
+
+CLEAN_PROCESS = """
+import sys
+
+class Refuse:  # the predictor has no embshard, and needs no TorchRec
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("embshard", "torchrec"):
+            raise ImportError(f"{name} is not importable here")
+
+sys.meta_path.insert(0, Refuse())
+import torch, fbgemm_gpu
+
+program = torch.export.load(sys.argv[1]).module()
+torch.save([program(*inputs) for inputs in torch.load(sys.argv[2])], sys.argv[3])
+"""
+
+
+def test_exported_artifact_runs_without_embshard_and_gives_the_same_outputs(trained):
+    out = trained["tmp"] / "int4_artifact"
+    result = _export(trained, out, "int4")
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(f"wrote {out}: 26 features, tables int4 ")
+    config = load_config(trained["config"], check_files=False)
+    ours = serving_model(trained["ckpt"], config, "int4")
+    batches = _eval_batches(trained, 100)  # 700 lines: 7 batches; then one of one sample
+    batches.append(_eval_batches(trained, 1)[0])
+    inputs = [(b.dense, b.sparse.values(), b.sparse.lengths()) for b in batches]
+    torch.save(inputs, trained["tmp"] / "inputs.pt")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    files = [
+        str(out / "model.pt2"),
+        *(str(trained["tmp"] / f) for f in ("inputs.pt", "outputs.pt")),
+    ]
+    run = subprocess.run(
+        [sys.executable, "-c", CLEAN_PROCESS, *files],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=trained["tmp"],
+    )
+    assert run.returncode == 0, run.stderr
+    outputs = torch.load(trained["tmp"] / "outputs.pt")
+    with torch.no_grad():
+        for batch, got in zip(batches, outputs, strict=True):
+            assert torch.equal(got, ours(batch.dense, batch.sparse))
+    manifest = json.loads((out / "serving.json").read_text())
+    assert manifest["precision"] == "int4" and manifest["extra"]["step"] == 8
+
+
+def test_predict_scores_a_criteo_file(trained):
+    out = trained["tmp"] / "int8_artifact"
+    assert _export(trained, out, "int8").exit_code == 0
+    scores = trained["tmp"] / "scores.txt"
+    args = ["predict", str(out), str(trained["eval"]), "--batch-size", "128"]
+    result = CliRunner().invoke(cli, [*args, "--out", str(scores), "--json"])
+    assert result.exit_code == 0, result.output
+    figures = json.loads(result.stdout)
+    assert "scoring" in result.stderr  # the progress bar
+    config = load_config(trained["config"], check_files=False)
+    ours = serving_model(trained["ckpt"], config, "int8")
+    batches = _eval_batches(trained)
+    with torch.no_grad():
+        logits = torch.cat([ours(b.dense, b.sparse).reshape(-1) for b in batches])
+    labels = torch.cat([b.labels for b in batches])
+    written = torch.tensor([float(v) for v in scores.read_text().split()])
+    assert figures["samples"] == len(labels) == len(written) == 700
+    assert torch.allclose(written, logits, rtol=1e-5, atol=1e-6)  # printed to 6 digits
+    assert figures["auc"] == pytest.approx(
+        float(binary_auroc(torch.sigmoid(logits), labels.long()))
+    )
+    assert figures["samples_per_s"] > 0
+    assert figures["batch_latency_ms_p99"] >= figures["batch_latency_ms_p50"] > 0
+
+
+def test_a_checkpoint_without_a_table_of_the_config_is_named(trained):
+    data = yaml.safe_load(trained["config"].read_text())
+    data["tables"][2]["name"] = "t9"
+    data.pop("plan")
+    renamed = trained["tmp"] / "renamed.yaml"
+    renamed.write_text(yaml.safe_dump(data))
+    out = trained["tmp"] / "never"
+    result = _export(trained, out, "int8", renamed)
+    assert result.exit_code == 1
+    step = ckpt.latest(trained["ckpt"])
+    assert result.output == (
+        f"Error: {step}: the checkpoint has no table 't9' "
+        "(no sparse_arch.embedding_bag_collection.embedding_bags.t9.weight)\n"
+    )
+    assert not out.exists()

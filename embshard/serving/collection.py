@@ -116,7 +116,9 @@ class QuantizedEmbeddingBagCollection(nn.Module):
         while ``torch.export`` traces."""
         features = self._in_order(features)
         ids, lengths = features.values(), features.lengths()
-        if not torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():  # exported: FBGEMM's check, in the program
+            self.bounds_check(ids, lengths)
+        else:
             self.check(ids, lengths)
         pooled = self.pooled(ids, lengths, features.weights_or_none())
         return KeyedTensor(keys=self.features, length_per_key=self.dims, values=pooled)
@@ -182,6 +184,17 @@ class QuantizedEmbeddingBagCollection(nn.Module):
                 f"feature {name!r} (table {self._table_of[name].name!r}): id "
                 f"{int(ids[at])} is out of range [0, {rows})"
             )
+
+    def bounds_check(self, ids: torch.Tensor, lengths: torch.Tensor) -> None:
+        """FBGEMM's id check, which raises on an id outside its table's rows (without
+        naming it): what the exported program runs in place of ``check``."""
+        torch.ops.fbgemm.bounds_check_indices(
+            self.rows,
+            ids,
+            torch.ops.fbgemm.asynchronous_complete_cumsum(lengths),
+            BoundsCheckMode.FATAL.value,
+            torch.zeros(1, dtype=torch.int64, device=ids.device),
+        )
 
     def _in_order(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """``features`` with the collection's features in its order; a one-line error
