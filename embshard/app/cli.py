@@ -360,11 +360,12 @@ def export(directory: str, out: str, module: str | None) -> None:
     help="The tables' stored precision (int8, int4: row-wise scale and bias).",
 )
 def export_serving(checkpoint_dir: str, out: str, config: str, quantize: str) -> None:
-    """Write a serving artifact of CKPT to the folder OUT: tables quantized, the model
-    exported with torch.export, loadable with torch and fbgemm_gpu alone.
+    """Export CKPT's model for serving, tables quantized, to the folder OUT.
 
-    CKPT is a checkpoint (step_*) or a root of them, for the latest, saved by any
-    world size. (`ckpt export` writes a plain float state dict instead.)
+    OUT holds the model exported with torch.export (model.pt2: it loads with torch
+    and fbgemm_gpu alone), serving.json and the config. CKPT is a checkpoint (step_*)
+    or a root of them, for the latest, saved by any world size under any plan.
+    (`ckpt export` writes a plain float state dict instead.)
     """
     from embshard.app.serve import export_checkpoint
     from embshard.errors import EmbshardError
@@ -401,8 +402,10 @@ def predict(
     scores_out: str | None,
     as_json: bool,
 ) -> None:
-    """Score DATA with the serving artifact ARTIFACT (`embshard export`'s): throughput,
-    batch latency and, with labels, AUC and loss. A progress bar goes to stderr.
+    """Score DATA with a serving artifact: throughput, latency, AUC.
+
+    ARTIFACT is what `embshard export` wrote. Prints samples a second, each batch's
+    latency (p50, p99) and, with labels, AUC and loss; a progress bar goes to stderr.
 
     DATA is a file in the training job's Criteo TSV format, or `synthetic` for the
     job's synthetic held-out batches.

@@ -157,7 +157,7 @@ class QuantizedEmbeddingBagCollection(nn.Module):
         # FBGEMM's MEAN: the sum times the float reciprocal of the bag's length (0 if empty)
         bags = lengths.view(len(self.features), -1).t().clamp(min=1).float()
         scale = torch.where(self.mean, 1.0 / bags, torch.ones_like(bags))
-        return pooled * scale[:, self.column_feature]
+        return pooled.mul_(scale.index_select(1, self.column_feature))
 
     def check(self, ids: torch.Tensor, lengths: torch.Tensor) -> None:
         """A one-line InputError naming the first id outside its table's rows, or
@@ -174,9 +174,9 @@ class QuantizedEmbeddingBagCollection(nn.Module):
             )
         per_feature = lengths.view(count, -1).sum(1)
         limit = torch.repeat_interleave(self.rows, per_feature, output_size=ids.numel())
-        bad = ((ids < 0) | (ids >= limit)).nonzero()
-        if len(bad):
-            at = int(bad[0])
+        bad = (ids < 0) | (ids >= limit)
+        if bool(bad.any()):
+            at = int(bad.nonzero()[0])
             feature = int(torch.searchsorted(per_feature.cumsum(0), at, right=True))
             name = self.features[feature]
             rows = self._table_of[name].num_embeddings
