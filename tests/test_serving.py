@@ -178,6 +178,19 @@ def test_int4_cannot_pack_an_odd_dim():
     QuantizedEmbeddingBagCollection.from_float(ebc, "fp16")  # halves need no packing
 
 
+def test_a_device_fbgemm_cannot_serve_on():
+    ebc = _float_ebc(_tables())
+    weights = {n: b.weight for n, b in ebc.embedding_bags.items()}
+    with pytest.raises(
+        ConfigError,
+        match=r"^int8 tables on meta: FBGEMM's inference TBE runs them on cpu and cuda only$",
+    ):
+        QuantizedEmbeddingBagCollection(_tables(), weights, "int8", device="meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"^int4 tables on cuda: torch sees no CUDA device$"):
+            QuantizedEmbeddingBagCollection(_tables(), weights, "int4", device="cuda")
+
+
 def test_unknown_precision():
     with pytest.raises(
         ConfigError,

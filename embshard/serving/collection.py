@@ -65,6 +65,7 @@ class QuantizedEmbeddingBagCollection(nn.Module):
         super().__init__()
         precision = Precision.parse(precision)
         device = torch.device(device)
+        precision.check_device(device)
         _check_tables(tables, weights, precision)
         self.precision = precision
         self.tables = [t.name for t in tables]

@@ -12,6 +12,8 @@ from embshard.errors import ConfigError
 
 # FBGEMM stores an integer row's scale and bias as two fp16 after its packed values.
 SCALE_BIAS_BYTES = 4
+# Where FBGEMM's inference kernels run every precision here.
+DEVICES = ("cpu", "cuda")
 
 
 class Precision(enum.Enum):
@@ -57,6 +59,16 @@ class Precision(enum.Enum):
                 f"table {table!r}: embedding_dim {dim} cannot be packed as {self.value} "
                 f"({per_byte} values a byte): it must be a multiple of {per_byte}"
             )
+
+    def check_device(self, device: torch.device) -> None:
+        """A one-line error where FBGEMM's inference TBE cannot run this precision."""
+        if device.type not in DEVICES:
+            raise ConfigError(
+                f"{self.value} tables on {device.type}: FBGEMM's inference TBE runs them on "
+                f"{' and '.join(DEVICES)} only"
+            )
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"{self.value} tables on cuda: torch sees no CUDA device")
 
     def row_bytes(self, dim: int) -> int:
         """Bytes one row of ``dim`` takes, scale and bias included."""
