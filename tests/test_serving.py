@@ -17,9 +17,10 @@ from click.testing import CliRunner
 from torch.ao import quantization as quant
 from torchmetrics.functional.classification import binary_auroc
 from torchrec.models.dlrm import DLRM
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.quant.embedding_modules import EmbeddingBagCollection as TorchRecQuantEBC
+from torchrec.quant.embedding_modules import EmbeddingCollection as TorchRecQuantEC
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embshard import checkpoint as ckpt
@@ -29,7 +30,10 @@ from embshard.app.data import CriteoData
 from embshard.app.serve import serving_model
 from embshard.app.train import train
 from embshard.errors import ConfigError, InputError
-from embshard.serving.collection import QuantizedEmbeddingBagCollection
+from embshard.serving.collection import (
+    QuantizedEmbeddingBagCollection,
+    QuantizedEmbeddingCollection,
+)
 from embshard.serving.precision import Precision
 
 # TorchRec's quantization config for each precision: float activations (pooled output).
@@ -80,13 +84,13 @@ def _batch(tables: list[EmbeddingBagConfig], size: int, seed: int = 1) -> KeyedJ
     return KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
 
 
-def torchrec_quantized(ebc: EmbeddingBagCollection, precision: str) -> TorchRecQuantEBC:
-    """The oracle: TorchRec's own quantized collection of ``ebc``."""
-    ebc.qconfig = quant.QConfig(
+def torchrec_quantized(module: torch.nn.Module, precision: str, kind=TorchRecQuantEBC):
+    """The oracle: TorchRec's own quantized collection (``kind``) of ``module``."""
+    module.qconfig = quant.QConfig(
         activation=quant.PlaceholderObserver.with_args(dtype=torch.float),
         weight=quant.PlaceholderObserver.with_args(dtype=TORCH_DTYPES[precision]),
     )
-    return TorchRecQuantEBC.from_float(ebc)
+    return kind.from_float(module)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -102,6 +106,26 @@ def test_pooled_rows_equal_torchrec_quantized(precision: str, mean: bool):
         assert list(got) == [f for t in tables for f in t.feature_names]
         for feature, value in want.items():
             assert torch.equal(got[feature], value), (precision, size, feature)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_sequence_rows_equal_torchrec_quantized(precision: str):
+    tables = [
+        EmbeddingConfig(name="s", num_embeddings=40, embedding_dim=16, feature_names=["q", "r"]),
+        EmbeddingConfig(name="t", num_embeddings=25, embedding_dim=16, feature_names=["u"]),
+        EmbeddingConfig(name="v", num_embeddings=9, embedding_dim=16, feature_names=["w"]),
+    ]
+    torch.manual_seed(0)
+    ec = EmbeddingCollection(tables=tables)
+    ours = QuantizedEmbeddingCollection.from_float(ec, precision)
+    oracle = torchrec_quantized(ec, precision, TorchRecQuantEC)
+    for size in (1, 9):
+        batch = _batch(tables, size, seed=size)
+        got, want = ours(batch), oracle(batch)
+        assert sorted(got) == sorted(want) == ["q", "r", "u", "w"]
+        for feature, value in want.items():
+            assert torch.equal(got[feature].values(), value.values()), (precision, feature)
+            assert torch.equal(got[feature].lengths(), value.lengths())
 
 
 def test_weighted_features_equal_torchrec_quantized():
