@@ -10,6 +10,7 @@ quantized EmbeddingBagCollection on the same tables and inputs.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -140,14 +141,39 @@ def lookup_bench(float_ebc: EmbeddingBagCollection, batch: Batch, iters: int, wa
     return found
 
 
+def model_bench(
+    reference: torch.nn.Module, artifact: Path, batch: Batch, iters: int, warmup: int
+) -> dict:
+    """The whole int8 model on one batch: the exported program, against TorchRec's DLRM
+    with TorchRec's quantized collection (dense layers alike)."""
+    program = load_program(artifact)
+    theirs = copy.deepcopy(reference)
+    float_ebc = theirs.sparse_arch.embedding_bag_collection
+    theirs.sparse_arch.embedding_bag_collection = torchrec_quantized(float_ebc, "int8")
+    inputs = (batch.dense, batch.sparse.values(), batch.sparse.lengths())
+    with torch.no_grad():
+        same = torch.equal(program(*inputs), theirs(batch.dense, batch.sparse))
+    calls = {
+        "exported": lambda: program(*inputs),
+        "torchrec": lambda: theirs(batch.dense, batch.sparse),
+    }
+    times = latencies(calls, iters, warmup)
+    rate = {k: batch.size / (v["p50_ms"] / 1e3) for k, v in times.items()}
+    return {
+        "equal_outputs": same,
+        **{f"{k}_{m}": v[m] for k, v in times.items() for m in ("p50_ms", "p99_ms")},
+        "speedup": rate["exported"] / rate["torchrec"],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "small.yaml")
-    parser.add_argument("--steps", type=int, default=600, help="training steps")
+    parser.add_argument("--steps", type=int, default=2000, help="training steps (the demo's)")
     parser.add_argument("--nproc", type=int, default=2, help="training ranks")
     parser.add_argument("--eval-batches", type=int, default=32, help="held-out batches")
     parser.add_argument("--batch", type=int, default=512, help="the timed batch size")
-    parser.add_argument("--iters", type=int, default=300)
+    parser.add_argument("--iters", type=int, default=1000)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1, help="torch threads when timing")
     parser.add_argument("--json", type=Path, help="write the results here")
@@ -191,6 +217,9 @@ def main() -> None:
         timed = held_out(config, 1, args.batch)[0]
         float_ebc = reference.sparse_arch.embedding_bag_collection
         results["lookup"] = lookup_bench(float_ebc, timed, args.iters, args.warmup)
+        results["int8_model"] = model_bench(
+            reference, work / "int8", timed, args.iters, args.warmup
+        )
     results["machine"] = {
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
