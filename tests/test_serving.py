@@ -4,6 +4,7 @@ process that does not import embshard, and the commands."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -34,6 +35,7 @@ from embshard.serving.collection import (
     QuantizedEmbeddingBagCollection,
     QuantizedEmbeddingCollection,
 )
+from embshard.serving.model import quantize_model
 from embshard.serving.precision import Precision
 
 # TorchRec's quantization config for each precision: float activations (pooled output).
@@ -126,6 +128,24 @@ def test_sequence_rows_equal_torchrec_quantized(precision: str):
         for feature, value in want.items():
             assert torch.equal(got[feature].values(), value.values()), (precision, feature)
             assert torch.equal(got[feature].lengths(), value.lengths())
+
+
+def test_quantize_model_swaps_every_collection_and_keeps_the_dense_part():
+    tables = _tables(PoolingType.SUM)
+    for t in tables:
+        t.embedding_dim = 8  # DLRM: one dim
+    torch.manual_seed(4)
+    model = DLRM(_float_ebc(tables), 5, [16, 8], [8, 1])
+    oracle = copy.deepcopy(model)
+    oracle.sparse_arch.embedding_bag_collection = torchrec_quantized(
+        oracle.sparse_arch.embedding_bag_collection, "int4"
+    )
+    served = quantize_model(model, "int4")
+    assert isinstance(served.sparse_arch.embedding_bag_collection, QuantizedEmbeddingBagCollection)
+    assert not served.training and not any(p.requires_grad for p in served.parameters())
+    batch, dense = _batch(tables, 12), torch.randn(12, 5)
+    with torch.no_grad():
+        assert torch.equal(served(dense, batch), oracle.eval()(dense, batch))
 
 
 def test_weighted_features_equal_torchrec_quantized():
