@@ -393,6 +393,11 @@ def export_serving(checkpoint_dir: str, out: str, config: str, quantize: str) ->
 @click.option(
     "--out", "scores_out", type=OutputFile(), help="Write every sample's logit here, one a line."
 )
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    help="Torch threads (default: torch's, one a core); 1 on a busy host.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 def predict(
     artifact: str,
@@ -400,6 +405,7 @@ def predict(
     batch_size: int | None,
     batches: int | None,
     scores_out: str | None,
+    threads: int | None,
     as_json: bool,
 ) -> None:
     """Score DATA with a serving artifact: throughput, latency, AUC.
@@ -412,6 +418,8 @@ def predict(
     """
     import json
 
+    import torch
+
     from embshard.app.data import CriteoFormatError
     from embshard.app.serve import SYNTHETIC, is_artifact
     from embshard.app.serve import predict as score_data
@@ -423,6 +431,8 @@ def predict(
         )
     if data != SYNTHETIC and not Path(data).is_file():
         raise click.ClickException(f"{data}: no such data file (or `synthetic`)")
+    if threads:
+        torch.set_num_threads(threads)
     try:
         scores, logits = score_data(artifact, data, batch_size, batches)
     except (EmbshardError, CriteoFormatError, ValueError) as e:
