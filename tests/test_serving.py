@@ -383,6 +383,17 @@ def test_predict_scores_a_criteo_file(trained):
     assert figures["batch_latency_ms_p99"] >= figures["batch_latency_ms_p50"] > 0
 
 
+def test_predict_refuses_data_of_another_kind_than_the_training_job_read(trained):
+    out = trained["tmp"] / "int8_artifact"
+    if not out.exists():
+        assert _export(trained, out, "int8").exit_code == 0
+    result = CliRunner().invoke(cli, ["predict", str(out), "synthetic"])
+    assert result.exit_code == 1
+    assert result.output == (
+        f"Error: {out}'s model was trained on criteo data: DATA must be a Criteo TSV file\n"
+    )
+
+
 def test_a_checkpoint_without_a_table_of_the_config_is_named(trained):
     data = yaml.safe_load(trained["config"].read_text())
     data["tables"][2]["name"] = "t9"

@@ -55,7 +55,8 @@ def export_checkpoint(
 
 @dataclass(frozen=True)
 class Scores:
-    """What scoring a data file gives: every sample's logit and label, and the time."""
+    """What scoring gives: the samples, the time in the program, each batch's latency,
+    and AUC and loss from the labels."""
 
     samples: int
     seconds: float  # the program's calls only (reading data excluded)
@@ -96,6 +97,11 @@ def artifact_batches(
     default the config's ``eval.batches``)."""
     config = load_config(Path(artifact) / CONFIG, check_files=False)
     size = batch_size or config.batch_size
+    if (data == SYNTHETIC) != (config.data.type == SYNTHETIC):
+        wanted = "`synthetic`" if config.data.type == SYNTHETIC else "a Criteo TSV file"
+        raise ValueError(
+            f"{artifact}'s model was trained on {config.data.type} data: DATA must be {wanted}"
+        )
     if data == SYNTHETIC:
         source = SyntheticData(config.tables, config.dense_in_features, size, config.seed, 0)
         return (source.batch(i, "eval") for i in range(batches or config.eval.batches))
