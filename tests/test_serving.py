@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import yaml
 from click.testing import CliRunner
 from torch.ao import quantization as quant
@@ -27,7 +28,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from embshard import checkpoint as ckpt
 from embshard.app.cli import main as cli
 from embshard.app.config import load_config
-from embshard.app.data import CriteoData
+from embshard.app.data import CriteoData, SyntheticData
 from embshard.app.serve import serving_model
 from embshard.app.train import train
 from embshard.errors import ConfigError, InputError
@@ -409,3 +410,40 @@ def test_a_checkpoint_without_a_table_of_the_config_is_named(trained):
         "(no sparse_arch.embedding_bag_collection.embedding_bags.t9.weight)\n"
     )
     assert not out.exists()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process
+def test_predict_scores_the_synthetic_held_out_batches_of_a_plain_dcp_checkpoint(tmp_path):
+    """A DCP checkpoint of a plain state dict (no embshard description) of the demo's
+    model, served and scored on the job's synthetic held-out batches."""
+    data = yaml.safe_load((ROOT / "configs" / "small.yaml").read_text())
+    data.update(batch_size=256)
+    data["eval"] = {"every": 10, "batches": 3}
+    config_path = tmp_path / "small.yaml"
+    config_path.write_text(yaml.safe_dump(data))
+    config = load_config(config_path, check_files=False)
+    torch.manual_seed(5)
+    model = DLRM(
+        EmbeddingBagCollection(tables=config.embedding_bag_configs()),
+        config.model.dense_in_features,
+        config.model.dense_arch_layer_sizes,
+        config.model.over_arch_layer_sizes,
+    )
+    dcp.save(model.state_dict(), checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    out = tmp_path / "fp16"
+    args = ["export", str(tmp_path / "ckpt"), str(out), "--config", str(config_path)]
+    assert CliRunner().invoke(cli, [*args, "--quantize", "fp16"]).exit_code == 0
+    result = CliRunner().invoke(cli, ["predict", str(out), "synthetic", "--json"])
+    assert result.exit_code == 0, result.output
+    figures = json.loads(result.stdout)
+    batches = [
+        SyntheticData(config.tables, 13, 256, config.seed, 0).batch(i, "eval") for i in range(3)
+    ]
+    served = quantize_model(model, "fp16")
+    with torch.no_grad():
+        logits = torch.cat([served(b.dense, b.sparse).reshape(-1) for b in batches])
+    labels = torch.cat([b.labels for b in batches])
+    assert figures["samples"] == 768
+    assert figures["auc"] == pytest.approx(
+        float(binary_auroc(torch.sigmoid(logits), labels.long()))
+    )
