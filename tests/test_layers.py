@@ -10,7 +10,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "embshard"
 # Bottom to top; a module may import its own layer or those below. The public facade
 # (embshard/__init__.py) sits on everything, beside the application.
-LAYERS = ["errors", "plan", "runtime", "storage", "modules", "checkpoint", "planner",
+LAYERS = ["errors", "plan", "runtime", "storage", "modules", "checkpoint", "serving", "planner",
           "testing", "app"]  # fmt: skip
 FACADE = "embshard"
 

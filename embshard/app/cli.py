@@ -359,6 +359,119 @@ def export(directory: str, out: str, module: str | None) -> None:
     click.echo(f"wrote {plural(len(keys), 'tensor')} to {out}")
 
 
+@main.command("export")
+@click.argument("checkpoint_dir", metavar="CKPT", type=click.Path(exists=True, file_okay=False))
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option(
+    "--config",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False),
+    help="The training config of the job that saved CKPT (its model and tables).",
+)
+@click.option(
+    "--quantize",
+    type=click.Choice(["int8", "int4", "fp16"]),
+    required=True,
+    help="The tables' stored precision (int8, int4: row-wise scale and bias).",
+)
+def export_serving(checkpoint_dir: str, out: str, config: str, quantize: str) -> None:
+    """Export CKPT's model for serving, tables quantized, to the folder OUT.
+
+    OUT holds the model exported with torch.export (model.pt2: it loads with torch
+    and fbgemm_gpu alone), serving.json and the config. CKPT is a checkpoint (step_*)
+    or a root of them, for the latest, saved by any world size under any plan.
+    (`ckpt export` writes a plain float state dict instead.)
+    """
+    from embshard.app.serve import export_checkpoint
+    from embshard.errors import EmbshardError
+
+    try:
+        manifest = export_checkpoint(checkpoint_dir, config, out, quantize)
+    except EmbshardError as e:
+        raise click.ClickException(str(e)) from None
+    ratio = manifest.table_bytes / manifest.float32_bytes
+    click.echo(
+        f"wrote {out}: {len(manifest.features)} features, tables {quantize} "
+        f"{manifest.table_bytes / 2**20:.1f} MiB ({ratio:.3f}x float32)"
+    )
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(exists=True, file_okay=False))
+@click.argument("data")
+@click.option("--batch-size", type=click.IntRange(min=1), help="Default: the config's.")
+@click.option(
+    "--batches",
+    type=click.IntRange(min=1),
+    help="Score only this many batches (synthetic: default the config's eval.batches).",
+)
+@click.option(
+    "--out", "scores_out", type=OutputFile(), help="Write every sample's logit here, one a line."
+)
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    help="Torch threads (default: torch's, one a core); 1 on a busy host.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+def predict(
+    artifact: str,
+    data: str,
+    batch_size: int | None,
+    batches: int | None,
+    scores_out: str | None,
+    threads: int | None,
+    as_json: bool,
+) -> None:
+    """Score DATA with a serving artifact: throughput, latency, AUC.
+
+    ARTIFACT is what `embshard export` wrote. Prints samples a second, each batch's
+    latency (p50, p99) and, with labels, AUC and loss; a progress bar goes to stderr.
+
+    DATA is a file in the training job's Criteo TSV format, or `synthetic` for the
+    job's synthetic held-out batches.
+    """
+    import json
+
+    import torch
+
+    from embshard.app.data import CriteoFormatError
+    from embshard.app.serve import SYNTHETIC, is_artifact
+    from embshard.app.serve import predict as score_data
+    from embshard.errors import EmbshardError
+
+    if not is_artifact(artifact):
+        raise click.ClickException(
+            f"{artifact} is not a serving artifact (embshard export writes one)"
+        )
+    if data != SYNTHETIC and not Path(data).is_file():
+        raise click.ClickException(f"{data}: no such data file (or `synthetic`)")
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        scores, logits = score_data(artifact, data, batch_size, batches)
+    except (EmbshardError, CriteoFormatError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    if scores_out:
+        Path(scores_out).write_text("".join(f"{v:.6g}\n" for v in logits.tolist()))
+    figures = scores.summary()
+    if as_json:
+        click.echo(json.dumps(figures, indent=2))
+        return
+    auc = (
+        "no AUC (labels of one class)"
+        if figures["auc"] is None
+        else f"AUC {figures['auc']:.4f}, loss {figures['loss']:.4f}"
+    )
+    p50, p99 = figures["batch_latency_ms_p50"], figures["batch_latency_ms_p99"]
+    click.echo(
+        f"{figures['samples']} samples, {figures['samples_per_s']:,.0f} samples/s, batch "
+        f"latency p50 {p50:.2f} ms, p99 {p99:.2f} ms; {auc}"
+    )
+    if scores_out:
+        click.echo(f"wrote {scores_out}")
+
+
 # Shared by ``plan`` and ``simulate``.
 _RANKS_PER_HOST = click.option(
     "--ranks-per-host",

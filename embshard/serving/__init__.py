@@ -1,0 +1,22 @@
+"""Serving: trained tables quantized (int8, int4, fp16 rows with FBGEMM's row-wise scale
+and bias) and looked up in FBGEMM's inference TBE, forward only, on one host; the
+model exported with ``torch.export`` for a predictor that does not import embshard.
+``from embshard import serving`` gives the calls below."""
+
+from embshard.serving.collection import (
+    QuantizedEmbeddingBagCollection,
+    QuantizedEmbeddingCollection,
+)
+from embshard.serving.export import Manifest, export_model
+from embshard.serving.model import from_checkpoint, quantize_model
+from embshard.serving.precision import Precision
+
+__all__ = [
+    "Manifest",
+    "Precision",
+    "QuantizedEmbeddingBagCollection",
+    "QuantizedEmbeddingCollection",
+    "export_model",
+    "from_checkpoint",
+    "quantize_model",
+]

@@ -1,0 +1,90 @@
+"""A trained model made a serving one: each TorchRec EmbeddingBagCollection replaced by
+a quantized one, the dense part as it is (float32), forward only. The weights come
+from the model itself or from an embshard checkpoint of any world size and plan."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from embshard import checkpoint
+from embshard.errors import CheckpointError
+from embshard.serving.collection import QuantizedEmbeddingBagCollection
+from embshard.serving.precision import Precision
+
+
+def collections_of(model: nn.Module) -> dict[str, EmbeddingBagCollection]:
+    """The model's float EmbeddingBagCollections by their path in it (``""``: the model)."""
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if type(module) is EmbeddingBagCollection
+    }
+
+
+def table_key(path: str, table: str) -> str:
+    """A table's weight in the float model's state dict."""
+    return f"{path}.embedding_bags.{table}.weight".removeprefix(".")
+
+
+def quantize_model(
+    model: nn.Module,
+    precision: Precision | str,
+    weights: Mapping[str, torch.Tensor] | None = None,
+) -> nn.Module:
+    """``model`` with every EmbeddingBagCollection replaced, in place, by a quantized
+    one, in eval mode without gradients. Table weights come from ``weights`` (by their
+    state dict key) where given, else from the collections themselves."""
+    found = collections_of(model)
+    if not found:
+        raise ValueError("the model has no TorchRec EmbeddingBagCollection to quantize")
+    for path, ebc in found.items():
+        configs = ebc.embedding_bag_configs()
+        source = weights
+        if source is None:
+            source = {table_key(path, n): bag.weight for n, bag in ebc.embedding_bags.items()}
+        tables = {t.name: source[k] for t in configs if (k := table_key(path, t.name)) in source}
+        device = next((w.device for w in tables.values()), torch.device("cpu"))
+        quantized = QuantizedEmbeddingBagCollection(
+            configs,
+            tables,
+            precision,
+            is_weighted=ebc.is_weighted(),
+            device=device,
+        )
+        if path:
+            parent, _, name = path.rpartition(".")
+            setattr(model.get_submodule(parent), name, quantized)
+        else:
+            model = quantized
+    return model.eval().requires_grad_(False)
+
+
+def from_checkpoint(path: str | Path, model: nn.Module, precision: Precision | str) -> nn.Module:
+    """``model`` (its tables may be on ``meta``) as a serving model with the weights of
+    the checkpoint at ``path`` (a step, or a root for its latest), saved by any world
+    size under any plan: its dense tensors loaded as they are, its tables quantized.
+    A one-line CheckpointError names what the checkpoint lacks."""
+    path = checkpoint.resolve(path)
+    entries = checkpoint.read_metadata(path).state_dict_metadata
+    saved = checkpoint.read_tensors(path, "model." if checkpoint.META in entries else "")
+    tables = {
+        table_key(at, t.name): t
+        for at, ebc in collections_of(model).items()
+        for t in ebc.embedding_bag_configs()
+    }
+    missing = [key for key in tables if key not in saved]
+    if missing:
+        names = ", ".join(repr(tables[k].name) for k in missing)
+        raise CheckpointError(f"{path}: the checkpoint has no table {names} (no {missing[0]})")
+    dense = {k: v for k, v in model.state_dict().items() if k not in tables}
+    lacking = [k for k in dense if k not in saved]
+    if lacking:
+        raise CheckpointError(f"{path}: the checkpoint has no dense tensor {lacking[0]!r}")
+    model = quantize_model(model, precision, {k: saved[k] for k in tables})
+    model.load_state_dict({k: saved[k] for k in dense}, strict=False)
+    return model

@@ -1,0 +1,200 @@
+"""Quantized tables in one FBGEMM inference layout, and their lookup: what the served
+collections (pooled and sequence) are built on.
+
+FBGEMM's ``IntNBitTableBatchedEmbeddingBagsCodegen`` lays the tables out (one buffer,
+each table's rows packed with their scale and bias); ``QuantizedTables`` keeps that
+layout's tensors as its own buffers and calls the TBE's lookup op on them, so that
+``torch.export`` traces the lookup (the TBE module itself holds script objects that
+export cannot trace) and every table is looked up in one kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from fbgemm_gpu.split_embedding_configs import SparseType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+    BoundsCheckMode,
+    EmbeddingLocation,
+    PoolingMode,
+)
+from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (
+    IntNBitTableBatchedEmbeddingBagsCodegen,
+)
+from torch import nn
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from embshard.errors import CheckpointError, InputError
+from embshard.serving.precision import Precision
+
+# The lookup op's integer arguments, as the TBE computed them for its layout.
+_LAYOUT_INTS = (
+    "total_D",
+    "max_int2_D",
+    "max_int4_D",
+    "max_int8_D",
+    "max_float16_D",
+    "max_float32_D",
+    "max_float8_D",
+    "row_alignment",
+    "fp8_exponent_bits",
+    "fp8_exponent_bias",
+)
+
+
+class QuantizedTables(nn.Module):
+    """``tables`` quantized to ``precision`` in FBGEMM's inference layout on ``device``,
+    one lookup per feature, in table order, pooled by ``pooling`` (SUM, or NONE: one
+    row per id). Forward only."""
+
+    def __init__(
+        self,
+        tables: Sequence[BaseEmbeddingConfig],
+        weights: Mapping[str, torch.Tensor],
+        precision: Precision,
+        device: torch.device,
+        pooling: PoolingMode,
+    ) -> None:
+        super().__init__()
+        precision.check_device(device)
+        _check_tables(tables, weights, precision)
+        self.pooling = pooling
+        self.features = [f for t in tables for f in t.feature_names]
+        self._table_of = {f: t for t in tables for f in t.feature_names}
+        tbe = _build_tbe(tables, weights, precision, device, pooling)
+        self.register_buffer("weights", tbe.weights_host if tbe.host_size else tbe.weights_dev)
+        for name in ("weights_offsets", "weights_placements", "weights_tys", "D_offsets"):
+            self.register_buffer(name, getattr(tbe, name))
+        self.layout = {name: int(getattr(tbe, name)) for name in _LAYOUT_INTS}
+        rows = [self._table_of[f].num_embeddings for f in self.features]
+        self.register_buffer("rows", torch.tensor(rows, device=device), persistent=False)
+        self.requires_grad_(False)
+
+    def table_bytes(self) -> int:
+        """Bytes the quantized tables take: packed rows, scales and biases, FBGEMM's
+        alignment padding."""
+        return self.weights.numel() * self.weights.element_size()
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        lengths: torch.Tensor,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The rows of a batch laid out feature by feature (``lengths`` is ``[features *
+        batch]``) in float32: pooled ``[batch, sum of dims]``, or one row per id. Ids
+        are checked: a one-line error names the first bad one, and an exported program
+        runs FBGEMM's own check (which names none)."""
+        offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
+        if torch.compiler.is_compiling():
+            self._bounds_check(ids, offsets)
+        else:
+            self.check(ids, lengths)
+        if self.weights.device.type != "cpu":  # the CUDA kernel takes int32 only
+            ids, offsets = ids.int(), offsets.int()
+        else:
+            offsets = offsets.to(ids.dtype)
+        device = self.weights.device
+        return torch.ops.fbgemm.int_nbit_split_embedding_codegen_lookup_function(
+            dev_weights=self.weights,
+            uvm_weights=torch.empty(0, dtype=torch.uint8, device=device),
+            weights_placements=self.weights_placements,
+            weights_offsets=self.weights_offsets,
+            weights_tys=self.weights_tys,
+            D_offsets=self.D_offsets,
+            indices=ids,
+            offsets=offsets,
+            pooling_mode=int(self.pooling),
+            indice_weights=None if per_sample_weights is None else per_sample_weights.float(),
+            output_dtype=SparseType.FP32.as_int(),
+            lxu_cache_weights=torch.empty(0, 0, dtype=torch.uint8, device=device),
+            lxu_cache_locations=torch.empty(0, dtype=torch.int32, device=device),
+            **self.layout,
+        )
+
+    def check(self, ids: torch.Tensor, lengths: torch.Tensor) -> None:
+        """A one-line InputError naming the first id outside its table's rows, or
+        lengths that do not describe ``ids`` for every feature."""
+        count = len(self.features)
+        total = int(lengths.sum())
+        if lengths.numel() % count or total != ids.numel() or bool((lengths < 0).any()):
+            raise InputError(
+                f"lengths ({lengths.numel()} bags summing to {total}) do not describe "
+                f"{ids.numel()} ids in {count} features of equal batch"
+            )
+        per_feature = lengths.view(count, -1).sum(1)
+        limit = torch.repeat_interleave(self.rows, per_feature, output_size=ids.numel())
+        bad = (ids < 0) | (ids >= limit)
+        if bool(bad.any()):
+            at = int(bad.nonzero()[0])
+            name = self.features[int(torch.searchsorted(per_feature.cumsum(0), at, right=True))]
+            table = self._table_of[name]
+            raise InputError(
+                f"feature {name!r} (table {table.name!r}): id {int(ids[at])} is out of "
+                f"range [0, {table.num_embeddings})"
+            )
+
+    def _bounds_check(self, ids: torch.Tensor, offsets: torch.Tensor) -> None:
+        torch.ops.fbgemm.bounds_check_indices(
+            self.rows,
+            ids,
+            offsets,
+            BoundsCheckMode.FATAL.value,
+            torch.zeros(1, dtype=torch.int64, device=ids.device),
+        )
+
+
+def in_order(features: KeyedJaggedTensor, order: list[str]) -> KeyedJaggedTensor:
+    """``features`` with the features ``order`` names, in that order; a one-line error
+    naming those missing."""
+    keys = features.keys()
+    if keys == order:
+        return features
+    missing = [f for f in order if f not in keys]
+    if missing:
+        raise InputError(f"the batch has no feature {', '.join(map(repr, missing))}")
+    return features.permute([keys.index(f) for f in order])
+
+
+def _check_tables(
+    tables: Sequence[BaseEmbeddingConfig],
+    weights: Mapping[str, torch.Tensor],
+    precision: Precision,
+) -> None:
+    """One-line errors for a table without weights, weights of the wrong shape, or a dim
+    the precision cannot pack."""
+    for t in tables:
+        if t.name not in weights:
+            raise CheckpointError(f"no weights for table {t.name!r}")
+        shape = tuple(weights[t.name].shape)
+        if shape != (t.num_embeddings, t.embedding_dim):
+            raise CheckpointError(
+                f"table {t.name!r}: weights of shape {shape}, the model's table is "
+                f"{(t.num_embeddings, t.embedding_dim)}"
+            )
+        precision.check_dim(t.name, t.embedding_dim)
+
+
+def _build_tbe(
+    tables: Sequence[BaseEmbeddingConfig],
+    weights: Mapping[str, torch.Tensor],
+    precision: Precision,
+    device: torch.device,
+    pooling: PoolingMode,
+) -> IntNBitTableBatchedEmbeddingBagsCodegen:
+    """FBGEMM's inference TBE holding every table quantized, one feature per lookup."""
+    location = EmbeddingLocation.HOST if device.type == "cpu" else EmbeddingLocation.DEVICE
+    specs = [
+        (t.name, t.num_embeddings, t.embedding_dim, precision.sparse_type, location) for t in tables
+    ]
+    return IntNBitTableBatchedEmbeddingBagsCodegen(
+        specs,
+        feature_table_map=[i for i, t in enumerate(tables) for _ in t.feature_names],
+        pooling_mode=pooling,
+        device=device,
+        bounds_check_mode=BoundsCheckMode.NONE,
+        output_dtype=SparseType.FP32,
+        weight_lists=[precision.quantize(weights[t.name].to(device)) for t in tables],
+    )
