@@ -38,7 +38,7 @@ HEAVY = ("torch", "torchrec", "fbgemm_gpu", "matplotlib")
 
 def test_help_imports_no_heavy_library():
     commands = [[], ["plan"], ["show"], ["simulate"], ["train"], ["bench"], ["ckpt"]]
-    commands += [["ckpt", "export"], ["ckpt", "verify"]]
+    commands += [["ckpt", "export"], ["ckpt", "verify"], ["export"], ["predict"]]
     script = (
         "import sys\n"
         "from click.testing import CliRunner\n"
