@@ -20,7 +20,13 @@ import embshard
 from embshard import LocalShardsWrapper
 from embshard.app.config import load_config
 from embshard.app.data import Feed, build_data
-from embshard.app.sim_memory import MODES, available_memory, default_mode
+from embshard.app.sim_memory import (
+    MODES,
+    MemoryNeed,
+    available_memory,
+    default_mode,
+    ranks_that_fit,
+)
 from embshard.app.simulate import (
     SimulationError,
     Traffic,
@@ -310,11 +316,19 @@ def test_a_simulation_that_cannot_fit_is_refused_before_it_starts(tmp_path):
     assert simulate(config, 8, batches=1, mode="streamed", memory_limit=600 << 20).ranks
     with pytest.raises(
         SimulationError,
-        match=r"--check runs the small model on 8 threads .* it fits about [0-9]+ ranks",
+        match=r"--check runs the small model on 8 threads .* it fits [0-9]+ ranks",
     ):
         simulate(config, 8, batches=1, check=True, mode="streamed", memory_limit=600 << 20)
     with pytest.raises(SimulationError, match="mode must be one of full, streamed, got 'fast'"):
         simulate(config, 8, mode="fast")
+
+
+def test_ranks_that_fit_are_the_most_whose_need_fits():
+    def need(ranks: int) -> MemoryNeed:  # each rank's share grows with the ranks
+        return MemoryNeed(fixed=10, per_rank=3 + ranks, world_size=ranks)
+
+    assert [ranks_that_fit(need, available, 100) for available in (13, 14, 28, 100)] == [0, 1, 3, 8]
+    assert ranks_that_fit(need, 10**9, 8) == 7  # fewer than asked, always
 
 
 def test_available_memory_is_the_kernels_memavailable(tmp_path):

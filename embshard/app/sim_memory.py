@@ -9,10 +9,12 @@ its slots, and a thread's own allocator arena.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from embshard.app.config import TrainConfig
+from embshard.app.streamed import WORKERS
 from embshard.runtime.routes import Routes
 
 MODES = ("full", "streamed")
@@ -32,9 +34,13 @@ _PER_OWN_ID = 40
 _PER_RECEIVED_ID = 28
 _PER_BAG = 256
 _PER_LENGTH = 24
-_STREAMED_PER_ID = 64  # one rank's batch at a time, routed with a bag per feature
-_CHECK_RANK = 48 << 20  # a --check rank: its thread, model, oracle and optimizer
-_CHECK_PER_WEIGHT = 24  # bytes per value of the small model's tables, on every rank
+_STREAMED_PER_ID = 64  # per id of a sending rank's batch, routed with a bag per feature
+# A --check rank (Criteo 1TB's: 23 MiB a rank at 8 to 16 ranks): its thread, and bytes
+# per value of the small model's tables (its module, sharded copy, oracle, optimizer)
+# and per id of the global batch, which every rank's oracle looks up.
+_CHECK_RANK = 16 << 20
+_CHECK_PER_WEIGHT = 16
+_CHECK_PER_ID = 64
 
 
 @dataclass(frozen=True)
@@ -49,9 +55,15 @@ class MemoryNeed:
     def total(self) -> int:
         return self.fixed + self.per_rank * self.world_size
 
-    def ranks_that_fit(self, available: int) -> int:
-        """About how many ranks would fit in ``available`` bytes."""
-        return max(0, (available - self.fixed) // self.per_rank) if self.per_rank else 0
+
+def ranks_that_fit(need: Callable[[int], MemoryNeed], available: int, world_size: int) -> int:
+    """The most ranks below ``world_size`` whose ``need(ranks)`` fits in ``available``
+    bytes (0: none)."""
+    low, high = 0, world_size  # need(low) fits (or low is 0), need(high) does not
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if need(middle).total <= available else (low, middle)
+    return low
 
 
 def default_mode(world_size: int) -> str:
@@ -61,13 +73,14 @@ def default_mode(world_size: int) -> str:
 def input_need(config: TrainConfig, routes: Routes, mode: str) -> MemoryNeed:
     """What simulating ``routes``' input stage on the config's batches needs: in full
     mode, every rank's batch, routed lengths table, received ids and bags at once;
-    streamed, one rank's batch and a few counters per rank and step. Ids are counted
+    streamed, a few sending ranks' batches and a few counters per rank and step. Ids are counted
     at the tables' mean pooling, spread evenly over a row-wise table's rows."""
     world, batch = routes.world_size, config.batch_size
     pooling = {f: t.mean_pooling for t in config.tables for f in t.features}
     own = batch * sum(pooling[f] for f in routes.features)
     if mode == "streamed":
-        return MemoryNeed(_PROCESS + _STREAMED_PER_ID * round(own) + 256 * world, 0, world)
+        batches = WORKERS * _STREAMED_PER_ID * round(own)
+        return MemoryNeed(_PROCESS + batches + 256 * world, 0, world)
     rows = {t.name: t.num_embeddings for t in config.tables}
     received = 0.0  # by a rank on average: each slot its share of its feature's ids
     for slot in (s for slots in routes.slots for s in slots):
@@ -86,11 +99,14 @@ def input_need(config: TrainConfig, routes: Routes, mode: str) -> MemoryNeed:
     return MemoryNeed(_PROCESS, round(per_rank), world)
 
 
-def check_need(config: TrainConfig, rows: int, world_size: int) -> MemoryNeed:
+def check_need(config: TrainConfig, rows: int, batch: int, world_size: int) -> MemoryNeed:
     """What ``--check`` needs: every rank a thread holding the small model (tables of
-    at most ``rows`` rows), its sharded copy and the oracle."""
+    at most ``rows`` rows), its sharded copy and the oracle, which runs on the global
+    batch (``batch`` samples a rank): so a rank's share grows with the ranks."""
     values = sum(min(t.num_embeddings, rows) * t.embedding_dim for t in config.tables)
-    return MemoryNeed(_PROCESS, _CHECK_RANK + _CHECK_PER_WEIGHT * values, world_size)
+    ids = batch * world_size * sum(t.mean_pooling * len(t.features) for t in config.tables)
+    per_rank = _CHECK_RANK + _CHECK_PER_WEIGHT * values + _CHECK_PER_ID * ids
+    return MemoryNeed(_PROCESS, round(per_rank), world_size)
 
 
 def available_memory(meminfo: str = "/proc/meminfo") -> int | None:

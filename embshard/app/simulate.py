@@ -16,7 +16,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar
 
 import torch
@@ -40,6 +40,7 @@ from embshard.app.sim_memory import (
     check_need,
     default_mode,
     input_need,
+    ranks_that_fit,
 )
 from embshard.app.streamed import stream_ranks
 from embshard.app.train import fused_optimizer
@@ -385,22 +386,25 @@ def _refuse_what_cannot_fit(
     world, have = routes.world_size, format_bytes(available)
     need = input_need(config, routes, mode)
     if need.total > available:
-        fits = (
-            f"the streamed mode needs {format_bytes(input_need(config, routes, 'streamed').total)}"
-            f" (--mode streamed); the full mode fits about {need.ranks_that_fit(available)} ranks"
-            if mode == "full"
-            else "fewer features or a smaller batch_size would fit"
-        )
+        if mode == "full":  # more ranks, more of each rank's: fewer than this would fit
+            full = ranks_that_fit(lambda n: replace(need, world_size=n), available, world)
+            streamed = input_need(config, routes, "streamed").total
+            fits = f"--mode streamed needs {format_bytes(streamed)}; full mode fits {full} ranks"
+        else:
+            fits = "fewer features or a smaller batch_size would fit"
         raise SimulationError(
             f"simulating {world} ranks in {mode} mode needs about {format_bytes(need.total)}, "
             f"more than the {have} available: {fits}"
         )
-    checking = check_need(config, CHECK_ROWS, world)
+    checking = check_need(config, CHECK_ROWS, CHECK_BATCH, world)
     if check and checking.total > available:
+        fits = ranks_that_fit(
+            lambda n: check_need(config, CHECK_ROWS, CHECK_BATCH, n), available, world
+        )
         raise SimulationError(
             f"--check runs the small model on {world} threads and needs about "
-            f"{format_bytes(checking.total)}, more than the {have} available: it fits about "
-            f"{checking.ranks_that_fit(available)} ranks"
+            f"{format_bytes(checking.total)}, more than the {have} available: it fits "
+            f"{fits} ranks"
         )
 
 
