@@ -1,13 +1,17 @@
 """``embshard simulate``: a training step's input distribution for N ranks in one process.
 
-Every rank is a thread of this process and a rank of torch's in-process threaded
-process group, so embshard's own input stage runs unchanged: each rank reads its
-own part of the data (as in training), and the sharded module's input stage
-checks and routes its batch, exchanges counts and sends the ids, real all-to-alls
-between the threads. The tables are never allocated: the pooled all-to-alls' bytes
-follow from the batch sizes and the slot widths, the memory from the planner's
-model. ``check`` runs the whole module (forward, backward, fused update) on a small
-copy of the model against the unsharded oracle, in the same simulated world.
+In the full mode every rank is a thread of this process and a rank of torch's
+in-process threaded process group, so embshard's own input stage runs unchanged: each
+rank reads its own part of the data (as in training), and the sharded module's input
+stage checks and routes its batch, exchanges counts and sends the ids, real
+all-to-alls between the threads. The streamed mode (``embshard.app.streamed``) routes
+one sending rank's batch at a time and counts what each rank would receive, in memory
+that does not grow with the ranks. The tables are never allocated: the pooled
+all-to-alls' bytes follow from the batch sizes and the slot widths, the memory from
+the planner's model. A run that would not fit in memory is refused before it starts
+(``embshard.app.sim_memory``). ``check`` runs the whole module (forward, backward,
+fused update) on a small copy of the model against the unsharded oracle, in a full
+simulated world.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from embshard.app.rank_report import (
 )
 from embshard.app.sim_memory import (
     MODES,
+    MemoryNeed,
     available_memory,
     check_need,
     default_mode,
@@ -386,25 +391,27 @@ def _refuse_what_cannot_fit(
     world, have = routes.world_size, format_bytes(available)
     need = input_need(config, routes, mode)
     if need.total > available:
-        if mode == "full":  # more ranks, more of each rank's: fewer than this would fit
+        if mode == "full":  # at this world's need per rank (smaller in smaller worlds)
             full = ranks_that_fit(lambda n: replace(need, world_size=n), available, world)
             streamed = input_need(config, routes, "streamed").total
-            fits = f"--mode streamed needs {format_bytes(streamed)}; full mode fits {full} ranks"
+            fits = (
+                f"--mode streamed needs {format_bytes(streamed)}; full mode fits about {full} ranks"
+            )
         else:
             fits = "fewer features or a smaller batch_size would fit"
         raise SimulationError(
             f"simulating {world} ranks in {mode} mode needs about {format_bytes(need.total)}, "
             f"more than the {have} available: {fits}"
         )
-    checking = check_need(config, CHECK_ROWS, CHECK_BATCH, world)
-    if check and checking.total > available:
-        fits = ranks_that_fit(
-            lambda n: check_need(config, CHECK_ROWS, CHECK_BATCH, n), available, world
-        )
+
+    def checking(ranks: int) -> MemoryNeed:
+        return check_need(config, CHECK_ROWS, CHECK_BATCH, ranks)
+
+    if check and checking(world).total > available:
         raise SimulationError(
             f"--check runs the small model on {world} threads and needs about "
-            f"{format_bytes(checking.total)}, more than the {have} available: it fits "
-            f"{fits} ranks"
+            f"{format_bytes(checking(world).total)}, more than the {have} available: it fits "
+            f"about {ranks_that_fit(checking, available, world)} ranks"
         )
 
 

@@ -17,9 +17,10 @@ pass, which at 1,024 ranks costs about half a second a batch.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import accumulate
@@ -28,7 +29,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embshard.app.config import TrainConfig
-from embshard.app.data import Feed, build_data
+from embshard.app.data import Batch, build_data
 from embshard.app.rank_report import (
     RankReport,
     Traffic,
@@ -130,6 +131,14 @@ class _StepCounts:
         ]
 
 
+def _batches(config: TrainConfig, rank: int, world: int) -> Iterator[Batch]:
+    """A rank's batches as training's ``Feed`` hands them out in its first pass: its
+    own, then empty ones once its part is used up. Without the ``Feed``'s read-ahead,
+    which would make one batch more than the steps need."""
+    source = build_data(config, rank, world)
+    return itertools.chain(source.epoch_batches(), itertools.repeat(source.empty_batch()))
+
+
 def stream_ranks(
     config: TrainConfig,
     routes: Routes,
@@ -146,10 +155,8 @@ def stream_ranks(
 
     def send_all(sender: int) -> None:
         input_dist = InputDistribution(routes, sender, Scratch(), torch.device("cpu"))
-        feed = Feed(build_data(config, sender, world))
-        feed.next_epoch()
-        for step in steps:
-            sent = _send(sender, feed.take().sparse, input_dist)
+        for step, batch in zip(steps, _batches(config, sender, world)):
+            sent = _send(sender, batch.sparse, input_dist)
             with counting:
                 step.add(sender, sent, ranks_per_host)
                 progress(1)
