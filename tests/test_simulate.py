@@ -146,10 +146,7 @@ def test_simulated_traffic_and_memory_match_real_gloo_runs(
             assert (s.weights, s.optimizer_state) == (r["weights"], r["optimizer_state"]), mode
 
 
-@pytest.mark.parametrize("world_size", range(2, 9))
-@pytest.mark.parametrize("make_config", [synthetic_config, criteo_config])
-def test_the_streamed_mode_reports_what_the_full_mode_does(tmp_path, world_size, make_config):
-    config = make_config(tmp_path, world_size)
+def assert_the_modes_agree(config: str, world_size: int) -> None:
     steps = []
     runs = {
         mode: simulate(
@@ -164,6 +161,16 @@ def test_the_streamed_mode_reports_what_the_full_mode_does(tmp_path, world_size,
     assert any(r["across"]["sent"] for r in full["ranks"]) == (world_size > 3)
     # Each mode told of every rank's every step.
     assert sum(steps) == 2 * world_size * BATCHES
+
+
+@pytest.mark.parametrize("world_size", range(2, 9))
+@pytest.mark.parametrize("make_config", [synthetic_config, criteo_config])
+def test_the_streamed_mode_reports_what_the_full_mode_does(tmp_path, world_size, make_config):
+    assert_the_modes_agree(make_config(tmp_path, world_size), world_size)
+
+
+def test_the_streamed_mode_on_one_rank_moves_nothing_as_the_full_mode(tmp_path):
+    assert_the_modes_agree(criteo_config(tmp_path, 1), 1)
 
 
 def lookups_from_batches(config_path: str, world: int, batches: int) -> list[list[int]]:
