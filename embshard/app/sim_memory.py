@@ -73,8 +73,9 @@ def default_mode(world_size: int) -> str:
 def input_need(config: TrainConfig, routes: Routes, mode: str) -> MemoryNeed:
     """What simulating ``routes``' input stage on the config's batches needs: in full
     mode, every rank's batch, routed lengths table, received ids and bags at once;
-    streamed, a few sending ranks' batches and a few counters per rank and step. Ids are counted
-    at the tables' mean pooling, spread evenly over a row-wise table's rows."""
+    streamed, a few sending ranks' batches and a few counters per rank and step. Ids
+    are counted at the tables' mean pooling, spread evenly over a row-wise table's
+    rows."""
     world, batch = routes.world_size, config.batch_size
     pooling = {f: t.mean_pooling for t in config.tables for f in t.features}
     own = batch * sum(pooling[f] for f in routes.features)
@@ -82,11 +83,13 @@ def input_need(config: TrainConfig, routes: Routes, mode: str) -> MemoryNeed:
         batches = WORKERS * _STREAMED_PER_ID * round(own)
         return MemoryNeed(_PROCESS + batches + 256 * world, 0, world)
     rows = {t.name: t.num_embeddings for t in config.tables}
-    received = 0.0  # by a rank on average: each slot its share of its feature's ids
+    # Ids a rank receives on average: each slot gets its share of its feature's ids from
+    # every rank's batch, the world's batches spread over the world's ranks.
+    received = 0.0
     for slot in (s for slots in routes.slots for s in slots):
         e = routes.embeddings[slot.embedding]
         share = slot.shard.rows / rows[e.table] if e.row_wise else 1.0
-        received += share * pooling[routes.features[e.feature]] * batch  # x world / world
+        received += share * pooling[routes.features[e.feature]] * batch
     lengths = len(routes.bucket_passes) * routes.buckets * len(routes.features) * batch
     bags = sum(map(len, routes.slots)) * batch  # a rank's on average: its slots' global batch
     per_rank = (
