@@ -14,12 +14,19 @@ import torch.distributed as dist
 import yaml
 from oracle import Case, Table, run_case
 from test_forward import TABLES, TOL, plans, tables_for
-from torchrec import EmbeddingBagCollection
+from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
 
 import embshard
 from embshard import LocalShardsWrapper
 from embshard.app.config import load_config
 from embshard.app.data import Feed, build_data
+from embshard.app.sim_memory import (
+    MODES,
+    MemoryNeed,
+    available_memory,
+    default_mode,
+    ranks_that_fit,
+)
 from embshard.app.simulate import (
     SimulationError,
     Traffic,
@@ -132,10 +139,38 @@ def test_simulated_traffic_and_memory_match_real_gloo_runs(
 ):
     config = make_config(tmp_path, world_size)
     real = world(world_size).run(real_steps, config, BATCHES)
-    simulated = simulate(config, world_size, batches=BATCHES).ranks
-    for rank, (r, s) in enumerate(zip(real, simulated)):
-        assert {kind: getattr(s, kind) for kind in KINDS} == r["traffic"], rank
-        assert (s.weights, s.optimizer_state) == (r["weights"], r["optimizer_state"]), rank
+    for mode in MODES:
+        simulated = simulate(config, world_size, batches=BATCHES, mode=mode).ranks
+        for rank, (r, s) in enumerate(zip(real, simulated)):
+            assert {kind: getattr(s, kind) for kind in KINDS} == r["traffic"], (mode, rank)
+            assert (s.weights, s.optimizer_state) == (r["weights"], r["optimizer_state"]), mode
+
+
+def assert_the_modes_agree(config: str, world_size: int) -> None:
+    steps = []
+    runs = {
+        mode: simulate(
+            config, world_size, batches=BATCHES, ranks_per_host=3, mode=mode, progress=steps.append
+        )
+        for mode in MODES
+    }
+    full, streamed = runs["full"].to_dict(), runs["streamed"].to_dict()
+    assert (full.pop("mode"), streamed.pop("mode")) == MODES
+    assert full.pop("seconds_taken") > 0 and streamed.pop("seconds_taken") > 0
+    assert streamed == full  # every rank's every field, inside and across hosts
+    assert any(r["across"]["sent"] for r in full["ranks"]) == (world_size > 3)
+    # Each mode told of every rank's every step.
+    assert sum(steps) == 2 * world_size * BATCHES
+
+
+@pytest.mark.parametrize("world_size", range(2, 9))
+@pytest.mark.parametrize("make_config", [synthetic_config, criteo_config])
+def test_the_streamed_mode_reports_what_the_full_mode_does(tmp_path, world_size, make_config):
+    assert_the_modes_agree(make_config(tmp_path, world_size), world_size)
+
+
+def test_the_streamed_mode_on_one_rank_moves_nothing_as_the_full_mode(tmp_path):
+    assert_the_modes_agree(criteo_config(tmp_path, 1), 1)
 
 
 def lookups_from_batches(config_path: str, world: int, batches: int) -> list[list[int]]:
@@ -266,3 +301,96 @@ def test_bad_requests_say_what_is_wrong(tmp_path):
         simulate(config, 2)  # its plan puts a table on rank 2
     with pytest.raises(PlanError, match="cannot read the plan"):
         simulate(config, 3, plan_path=str(tmp_path / "missing.yaml"))
+
+
+def test_a_bad_batch_is_named_alike_in_both_modes(tmp_path, monkeypatch):
+    from embshard.app import simulate as simulate_module
+    from embshard.app import streamed as streamed_module
+    from embshard.app.data import Batch
+    from embshard.errors import InputError
+
+    def with_a_bad_id_on_rank_1(config, rank, world):
+        source = build_data(config, rank, world)
+        if rank == 1:
+            make = source.batch
+
+            def bad(step, split="train"):
+                good = make(step, split)
+                values = good.sparse.values().clone()
+                values[0] = 10**9  # beyond every table
+                sparse = KeyedJaggedTensor(
+                    good.sparse.keys(), values, lengths=good.sparse.lengths()
+                )
+                return Batch(good.dense, sparse, good.labels)
+
+            source.batch = bad
+        return source
+
+    for module in (simulate_module, streamed_module):
+        monkeypatch.setattr(module, "build_data", with_a_bad_id_on_rank_1)
+    config = synthetic_config(tmp_path, 3)
+    messages = []
+    for mode in MODES:
+        with pytest.raises(InputError) as raised:
+            simulate(config, 3, batches=1, mode=mode)
+        messages.append(str(raised.value))
+    assert messages[0] == messages[1], messages
+    assert messages[0].startswith("bad input batch:\n  rank 1: ") and "1000000000" in messages[0]
+
+
+def test_the_streamed_mode_is_the_default_above_16_ranks(tmp_path):
+    assert [default_mode(n) for n in (1, 16, 17, 1024)] == ["full", "full", "streamed", "streamed"]
+    assert simulate(synthetic_config(tmp_path, 3), 3, batches=1).mode == "full"
+
+
+def test_a_simulation_that_cannot_fit_is_refused_before_it_starts(tmp_path):
+    config = synthetic_config(tmp_path, 8)
+    with pytest.raises(SimulationError) as full:
+        simulate(config, 8, mode="full", memory_limit=1 << 20)
+    message = str(full.value)
+    assert (
+        message.startswith("simulating 8 ranks in full mode needs about ") and "\n" not in message
+    )
+    assert "more than the 1.0 MiB available" in message and "--mode streamed" in message
+    with pytest.raises(SimulationError, match="8 ranks in streamed mode needs about"):
+        simulate(config, 8, mode="streamed", memory_limit=1 << 20)
+    # The streamed input stage fits in 600 MiB; --check's 8 threads do not.
+    assert simulate(config, 8, batches=1, mode="streamed", memory_limit=600 << 20).ranks
+    with pytest.raises(
+        SimulationError,
+        match=r"--check runs the small model on 8 threads .* it fits about [0-9]+ ranks",
+    ):
+        simulate(config, 8, batches=1, check=True, mode="streamed", memory_limit=600 << 20)
+    with pytest.raises(SimulationError, match="mode must be one of full, streamed, got 'fast'"):
+        simulate(config, 8, mode="fast")
+
+
+def test_ranks_that_fit_are_the_most_whose_need_fits():
+    def need(ranks: int) -> MemoryNeed:  # each rank's share grows with the ranks
+        return MemoryNeed(fixed=10, per_rank=3 + ranks, world_size=ranks)
+
+    assert [ranks_that_fit(need, available, 100) for available in (13, 14, 28, 100)] == [0, 1, 3, 8]
+    assert ranks_that_fit(need, 10**9, 8) == 7  # fewer than asked, always
+
+
+def test_available_memory_is_the_kernels_memavailable(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:    1234 kB\n")
+    assert available_memory(str(meminfo)) == 1234 * 1024
+    meminfo.write_text("MemTotal:       24000000 kB\n")
+    assert available_memory(str(meminfo)) is None
+    assert available_memory(str(tmp_path / "missing")) is None
+
+
+def test_the_command_refuses_what_cannot_fit_in_one_line(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from embshard.app import simulate as simulate_module
+    from embshard.app.cli import main as cli
+
+    config = synthetic_config(tmp_path, 3)
+    monkeypatch.setattr(simulate_module, "available_memory", lambda: 1 << 20)
+    result = CliRunner().invoke(cli, ["simulate", config, "-w", "3", "--mode", "full"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.output.startswith("Error: simulating 3 ranks in full mode needs about ")
+    assert len(result.output.splitlines()) == 1

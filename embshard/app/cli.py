@@ -575,6 +575,14 @@ def plan(
 @click.option("--batches", default=8, show_default=True, help="Batches (steps) per rank.")
 @_RANKS_PER_HOST
 @click.option(
+    "--mode",
+    type=click.Choice(["full", "streamed"]),
+    default=None,
+    help="full: every rank a thread running the whole input stage; streamed: one sending "
+    "rank at a time, memory flat in the ranks; the same report. Default: full up to 16 "
+    "ranks, else streamed.",
+)
+@click.option(
     "--check", is_flag=True, help="Also check a small copy's numerics against the oracle."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
@@ -584,12 +592,14 @@ def simulate(
     plan_file: str | None,
     batches: int,
     ranks_per_host: int | None,
+    mode: str | None,
     check: bool,
     as_json: bool,
 ) -> None:
     """Run CONFIG's input distribution for WORLD_SIZE ranks in this process, tables
     unallocated: each rank's ids, lookups, all-to-all bytes (inside and across hosts) and
-    memory, the slowest rank."""
+    memory, the slowest rank. Refused up front when it would not fit in memory."""
+    import contextlib
     import json
 
     from embshard.app.data import CriteoFormatError
@@ -597,8 +607,24 @@ def simulate(
     from embshard.app.simulate import simulate as run_simulation
     from embshard.errors import ConfigError, PlanError, PlanningError
 
+    # A bar on a terminal's stderr only: never in the report or a pipe's.
+    bar = (
+        click.progressbar(length=world_size * batches, label="simulating", file=sys.stderr)
+        if sys.stderr.isatty()
+        else contextlib.nullcontext()
+    )
     try:
-        result = run_simulation(config, world_size, plan_file, batches, check, ranks_per_host)
+        with bar as shown:
+            result = run_simulation(
+                config,
+                world_size,
+                plan_file,
+                batches,
+                check,
+                ranks_per_host,
+                mode=mode,
+                progress=shown.update if shown is not None else None,
+            )
     except (ConfigError, PlanError, PlanningError, CriteoFormatError, SimulationError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else result.to_text())

@@ -1,13 +1,17 @@
 """``embshard simulate``: a training step's input distribution for N ranks in one process.
 
-Every rank is a thread of this process and a rank of torch's in-process threaded
-process group, so embshard's own input stage runs unchanged: each rank reads its
-own part of the data (as in training), and the sharded module's input stage
-checks and routes its batch, exchanges counts and sends the ids, real all-to-alls
-between the threads. The tables are never allocated: the pooled all-to-alls' bytes
-follow from the batch sizes and the slot widths, the memory from the planner's
-model. ``check`` runs the whole module (forward, backward, fused update) on a small
-copy of the model against the unsharded oracle, in the same simulated world.
+In the full mode every rank is a thread of this process and a rank of torch's
+in-process threaded process group, so embshard's own input stage runs unchanged: each
+rank reads its own part of the data (as in training), and the sharded module's input
+stage checks and routes its batch, exchanges counts and sends the ids, real
+all-to-alls between the threads. The streamed mode (``embshard.app.streamed``) routes
+one sending rank's batch at a time and counts what each rank would receive, in memory
+that does not grow with the ranks. The tables are never allocated: the pooled
+all-to-alls' bytes follow from the batch sizes and the slot widths, the memory from
+the planner's model. A run that would not fit in memory is refused before it starts
+(``embshard.app.sim_memory``). ``check`` runs the whole module (forward, backward,
+fused update) on a small copy of the model against the unsharded oracle, in a full
+simulated world.
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar
 
 import torch
@@ -26,25 +30,35 @@ from torch.testing._internal.distributed import multi_threaded_pg
 from embshard.app.config import TrainConfig, check_sparse_optimizer, load_config
 from embshard.app.data import Feed, build_data
 from embshard.app.planning import plan_config, topology_for
+from embshard.app.rank_report import (
+    RankReport,
+    Traffic,
+    across_hosts,
+    copies_looked_up,
+    pooled_widths,
+    step_report,
+)
+from embshard.app.sim_memory import (
+    MODES,
+    MemoryNeed,
+    available_memory,
+    check_need,
+    default_mode,
+    input_need,
+    ranks_that_fit,
+)
+from embshard.app.streamed import stream_ranks
 from embshard.app.train import fused_optimizer
 from embshard.errors import EmbshardError
 from embshard.modules.mesh import forget_meshes
 from embshard.plan.specs import ShardingPlan, plural
 from embshard.planner.search import LOOKUP_PASSES, Topology, format_bytes, plan_loads
-from embshard.runtime.batch import LocalBatch
-from embshard.runtime.input_dist import (
-    COUNT_COLUMNS,
-    Counts,
-    InputDistribution,
-    start_input_dist,
-)
+from embshard.runtime.input_dist import InputDistribution, start_input_dist
 from embshard.runtime.routes import Routes, build_routes
 from embshard.runtime.scratch import Scratch
 
 T = TypeVar("T")
 
-_COUNTS_BYTES = COUNT_COLUMNS * 8  # the counts all-to-all, per peer (int64)
-_WEIGHT_BYTES = 4  # FP32 tables and pooled rows
 CHECK_ROWS = 256  # rows per table at most in --check's small model
 CHECK_BATCH = 4  # samples per rank in --check
 CHECK_TOLERANCE = 1e-5
@@ -104,97 +118,6 @@ def _install_threaded_pg() -> None:
 
 
 @dataclass(frozen=True)
-class Traffic:
-    """Bytes a rank puts into one all-to-all, and gets out of it."""
-
-    sent: int = 0
-    received: int = 0
-
-    def __add__(self, other: Traffic) -> Traffic:
-        return Traffic(self.sent + other.sent, self.received + other.received)
-
-    def __sub__(self, other: Traffic) -> Traffic:
-        return Traffic(self.sent - other.sent, self.received - other.received)
-
-    @property
-    def both(self) -> int:
-        return self.sent + self.received
-
-    @property
-    def reversed(self) -> Traffic:
-        """The same all-to-all run backward: what was sent is received."""
-        return Traffic(self.received, self.sent)
-
-
-@dataclass
-class RankReport:
-    """One rank over the simulated batches: totals, except ``buffers`` (the largest
-    step's) and ``seconds`` (per step)."""
-
-    rank: int
-    samples: int = 0  # its own
-    ids_received: int = 0  # = the rows its TBE looks up
-    ids_local: int = 0  # its own batch's ids of copies (data-parallel, hot rows), looked up here
-    bags_received: int = 0  # = the pooled rows it sends back
-    lookup_bytes: int = 0  # embedding bytes all those lookups read
-    counts: Traffic = Traffic()
-    ids: Traffic = Traffic()
-    pooled: Traffic = Traffic()  # forward
-    pooled_grad: Traffic = Traffic()  # backward: the pooled all-to-all in reverse
-    # The part of ids, pooled and pooled_grad to or from ranks of other hosts; the rest
-    # stays inside the rank's host (its bytes to itself among them).
-    ids_across: Traffic = Traffic()
-    pooled_across: Traffic = Traffic()
-    pooled_grad_across: Traffic = Traffic()
-    buffers: int = 0  # the four all-to-alls' send and receive buffers
-    weights: int = 0
-    optimizer_state: int = 0
-    shards: list[str] = field(default_factory=list)
-    lookup_seconds: float = 0.0  # per step, at the planner's prices
-    moving_seconds: float = 0.0
-
-    def add_step(self, step: RankReport) -> None:
-        self.samples += step.samples
-        self.ids_received += step.ids_received
-        self.ids_local += step.ids_local
-        self.bags_received += step.bags_received
-        self.lookup_bytes += step.lookup_bytes
-        self.counts += step.counts
-        self.ids += step.ids
-        self.pooled += step.pooled
-        self.pooled_grad += step.pooled_grad
-        self.ids_across += step.ids_across
-        self.pooled_across += step.pooled_across
-        self.pooled_grad_across += step.pooled_grad_across
-        self.buffers = max(self.buffers, step.buffers)
-
-    @property
-    def seconds(self) -> float:
-        return self.lookup_seconds + self.moving_seconds
-
-    @property
-    def moved(self) -> int:
-        """Bytes the planner prices for a rank's shards: ids in, pooled rows out,
-        their gradients in."""
-        return self.ids.received + self.pooled.sent + self.pooled_grad.received
-
-    @property
-    def moved_across(self) -> int:
-        """The part of ``moved`` to or from other hosts."""
-        return self.ids_across.received + self.pooled_across.sent + self.pooled_grad_across.received
-
-    @property
-    def across(self) -> Traffic:
-        """Ids, pooled rows and their gradients sent to and received from other hosts."""
-        return self.ids_across + self.pooled_across + self.pooled_grad_across
-
-    @property
-    def inside(self) -> Traffic:
-        """Ids, pooled rows and their gradients sent and received inside the host."""
-        return self.ids + self.pooled + self.pooled_grad - self.across
-
-
-@dataclass(frozen=True)
 class Check:
     """``--check``: the largest differences from the unsharded oracle."""
 
@@ -220,6 +143,7 @@ class Simulation:
     data: str
     plan_source: str
     ranks_per_host: int
+    mode: str
     ranks: list[RankReport]
     seconds_taken: float
     check: Check | None = None
@@ -265,7 +189,7 @@ class Simulation:
             f"{self.config} on {self.world_size} ranks, {plural(hosts, 'host')} of "
             f"{self.ranks_per_host} (plan: {self.plan_source}), {steps} "
             f"batches of {self.batch_size} samples per rank ({self.data}): simulated in "
-            f"{self.seconds_taken:.1f} s",
+            f"{self.seconds_taken:.1f} s ({self.mode} mode)",
             f"per rank and step, mean of {steps}; a2a: bytes sent/received, the pooled one "
             f"backward in reverse; counts a2a: {format_bytes(counts)} each way; inside host "
             "and across hosts: the ids, pooled and gradient a2a's bytes sent/received",
@@ -315,85 +239,46 @@ def _pair(traffic: Traffic, steps: int) -> str:
     return f"{format_bytes(traffic.sent / steps)}/{format_bytes(traffic.received / steps)}"
 
 
-def _step_report(
-    routes: Routes,
-    rank: int,
-    counts: Counts,
-    offsets: torch.Tensor,
-    own: LocalBatch,
-    ranks_per_host: int,
-) -> RankReport:
-    """What one step moved through ``rank``, from the counts exchange, the TBE offsets
-    its ids unpacked into and its own batch (the lookups in copies); the part of it to
-    and from ranks of other hosts (``ranks_per_host`` ranks a host, in rank order)."""
-    world, batch = routes.world_size, sum(counts.batch_sizes)
-    local = counts.batch_sizes[rank]
-    dims = routes.slot_dims(rank)
-    # Slot s holds bags s * batch ... (s + 1) * batch - 1 of the TBE's input.
-    slot_ids = offsets[::batch].diff().tolist() if batch else [0] * len(dims)
-    id_bytes = routes.id_dtype.itemsize
-
-    def ids_with(peers: Sequence[int]) -> Traffic:
-        """The payload this rank sends ``peers`` and gets from them."""
-        sent, received = (
-            sum(sizes[p] for p in peers) for sizes in (counts.send_sizes, counts.recv_sizes)
-        )
-        return Traffic(sent * id_bytes, received * id_bytes)
-
-    def pooled_with(peers: Sequence[int]) -> Traffic:
-        """The pooled rows this rank sends ``peers`` (their samples, its slots' widths)
-        and gets from them (its samples, their slots' widths)."""
-        samples = sum(counts.batch_sizes[p] for p in peers)
-        widths = sum(sum(routes.slot_dims(p)) for p in peers)
-        return Traffic(samples * sum(dims) * _WEIGHT_BYTES, local * widths * _WEIGHT_BYTES)
-
-    pooled, exchanged = Traffic(), Traffic()  # on one rank nothing travels
-    if world > 1:
-        pooled = pooled_with(range(world))
-        exchanged = Traffic(world * _COUNTS_BYTES, world * _COUNTS_BYTES)
-    ids = own.values.split(own.lengths.sum(1).tolist())
-    copies = [
-        (int((ids[e.feature] < e.replicated_rows).sum()), e.dim) for e in routes.local_embeddings
-    ]
-    away = [p for p in range(world) if p // ranks_per_host != rank // ranks_per_host]
-    pooled_across = pooled_with(away)
-    step = RankReport(
-        rank,
-        samples=local,
-        ids_received=sum(slot_ids),
-        ids_local=sum(n for n, _ in copies),
-        bags_received=batch * len(dims),
-        lookup_bytes=sum(n * d for n, d in [*zip(slot_ids, dims), *copies]) * _WEIGHT_BYTES,
-        counts=exchanged,
-        ids=ids_with(range(world)),
-        pooled=pooled,
-        pooled_grad=pooled.reversed,
-        ids_across=ids_with(away),
-        pooled_across=pooled_across,
-        pooled_grad_across=pooled_across.reversed,
-    )
-    step.buffers = sum(t.both for t in (step.counts, step.ids, step.pooled, step.pooled_grad))
-    return step
-
-
 def _simulate_rank(
-    config: TrainConfig, routes: Routes, batches: int, ranks_per_host: int
+    config: TrainConfig,
+    routes: Routes,
+    batches: int,
+    ranks_per_host: int,
+    progress: Callable[[int], None],
 ) -> RankReport:
-    """One rank's input stage over ``batches`` of its own data (a thread's work)."""
+    """One rank's input stage over ``batches`` of its own data (a thread's work),
+    counted from the counts exchange, the TBE offsets its ids unpacked into and its own
+    batch (the lookups in copies). Rank 0 reports every rank's step done."""
     rank, world = dist.get_rank(), dist.get_world_size()
     input_dist = InputDistribution(routes, rank, Scratch(), torch.device("cpu"))
     feed = Feed(build_data(config, rank, world))
     feed.next_epoch()
+    widths = pooled_widths(routes)
     report = RankReport(rank)
     for _ in range(batches):
         in_flight = start_input_dist(feed.take().sparse, input_dist, None)
         if in_flight.error is not None:
             raise in_flight.error
         _, offsets, _ = input_dist.arrived(in_flight)
-        step = _step_report(
-            routes, rank, in_flight.counts, offsets, in_flight.batch, ranks_per_host
+        counts = in_flight.counts
+        batch = sum(counts.batch_sizes)
+        # Slot s holds bags s * batch ... (s + 1) * batch - 1 of the TBE's input.
+        slot_ids = offsets[::batch].diff().tolist() if batch else [0] * len(routes.slots[rank])
+        sizes = (counts.send_sizes, counts.recv_sizes)
+        step = step_report(
+            routes,
+            rank,
+            counts.batch_sizes,
+            widths,
+            slot_ids,
+            Traffic(*map(sum, sizes)),
+            Traffic(*(across_hosts(s, rank, ranks_per_host) for s in sizes)),
+            copies_looked_up(routes, in_flight.batch),
+            ranks_per_host,
         )
         report.add_step(step)
+        if rank == 0:
+            progress(world)
     return report
 
 
@@ -435,13 +320,25 @@ def simulate(
     batches: int = 8,
     check: bool = False,
     ranks_per_host: int | None = None,
+    mode: str | None = None,
+    memory_limit: int | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> Simulation:
     """Run ``batches`` steps of the input distribution of CONFIG's model on
     ``world_size`` simulated ranks, each on its own part of the config's data, the
     ranks ``ranks_per_host`` a host (default: the config's topology); with ``check``,
-    the numerics of a small copy of the model too."""
+    the numerics of a small copy of the model too.
+
+    ``mode`` "full" runs every rank as a thread, "streamed" one sending rank at a time
+    (the same report; default: full up to FULL_MODE_MAX_RANKS ranks). A run whose
+    estimated memory exceeds ``memory_limit`` (default: what the system has available)
+    is refused before it starts. ``progress`` is told of every rank's step done
+    (``world_size * batches`` in all)."""
     if world_size < 1 or batches < 1:
         raise SimulationError(f"need at least 1 rank and 1 batch, got {world_size} and {batches}")
+    mode = mode or default_mode(world_size)
+    if mode not in MODES:
+        raise SimulationError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     config = load_config(config_path, use="simulate")
     if check:  # the small copy trains on the CPU
         check_sparse_optimizer(config, config_path, "cpu")
@@ -449,11 +346,14 @@ def simulate(
     plan, source = _plan(config, world_size, plan_path, topology.ranks_per_host)
     configs = config.embedding_bag_configs()
     routes = build_routes(configs, plan.resolve(configs, world_size), world_size, weighted=False)
+    _refuse_what_cannot_fit(config, routes, mode, check, memory_limit)
     start = time.perf_counter()
     with _single_threaded_ops():
-        ranks = run_ranks(
-            world_size, _simulate_rank, config, routes, batches, topology.ranks_per_host
-        )
+        args = (config, routes, batches, topology.ranks_per_host, progress or _ignore)
+        if mode == "full":
+            ranks = run_ranks(world_size, _simulate_rank, *args)
+        else:
+            ranks = stream_ranks(*args)
         taken = time.perf_counter() - start
         checked = _check(config, plan, world_size, batches) if check else None
     _fill_memory(ranks, plan, config, topology)
@@ -468,10 +368,51 @@ def simulate(
         data="synthetic data" if data.type == "synthetic" else f"Criteo data from {data.path}",
         plan_source=source,
         ranks_per_host=topology.ranks_per_host,
+        mode=mode,
         ranks=ranks,
         seconds_taken=taken,
         check=checked,
     )
+
+
+def _ignore(done: int) -> None:
+    """No progress to show."""
+
+
+def _refuse_what_cannot_fit(
+    config: TrainConfig, routes: Routes, mode: str, check: bool, limit: int | None
+) -> None:
+    """A SimulationError when the estimated memory of the input stage, or of
+    ``check``'s threads, exceeds ``limit`` (default: the system's available memory),
+    saying how many ranks would fit."""
+    available = available_memory() if limit is None else limit
+    if available is None:
+        return
+    world, have = routes.world_size, format_bytes(available)
+    need = input_need(config, routes, mode)
+    if need.total > available:
+        if mode == "full":  # at this world's need per rank (smaller in smaller worlds)
+            full = ranks_that_fit(lambda n: replace(need, world_size=n), available, world)
+            streamed = input_need(config, routes, "streamed").total
+            fits = (
+                f"--mode streamed needs {format_bytes(streamed)}; full mode fits about {full} ranks"
+            )
+        else:
+            fits = "fewer features or a smaller batch_size would fit"
+        raise SimulationError(
+            f"simulating {world} ranks in {mode} mode needs about {format_bytes(need.total)}, "
+            f"more than the {have} available: {fits}"
+        )
+
+    def checking(ranks: int) -> MemoryNeed:
+        return check_need(config, CHECK_ROWS, CHECK_BATCH, ranks)
+
+    if check and checking(world).total > available:
+        raise SimulationError(
+            f"--check runs the small model on {world} threads and needs about "
+            f"{format_bytes(checking(world).total)}, more than the {have} available: it fits "
+            f"about {ranks_that_fit(checking, available, world)} ranks"
+        )
 
 
 @contextlib.contextmanager
