@@ -35,6 +35,18 @@ def test_synthetic_is_deterministic_per_rank_and_step():
     assert not torch.equal(first.dense, a.batch(3, "eval").dense)
 
 
+def test_features_alone_are_the_batches_features(tmp_path):
+    synthetic = SyntheticData(TABLES, 5, 64, 0, rank=1)
+    path = write_lines(tmp_path / "day.tsv", sample_lines(150, seed=2))
+    criteo = CriteoData(str(path), None, CRITEO_TABLES, 64, rank=0, world=1)
+    for source in (synthetic, criteo):
+        pairs = zip(source.epoch_features(), source.epoch_batches())
+        for features, batch in itertools.islice(pairs, 3):
+            assert features.keys() == batch.sparse.keys()
+            assert torch.equal(features.values(), batch.sparse.values())
+            assert torch.equal(features.lengths(), batch.sparse.lengths())
+
+
 def test_synthetic_ids_pooling_and_labels():
     batch = SyntheticData(TABLES, 5, 4096, 1, rank=0).batch(0)
     assert batch.sparse.keys() == ["user_id", "item_id", "last_item"]

@@ -311,19 +311,20 @@ def test_a_bad_batch_is_named_alike_in_both_modes(tmp_path, monkeypatch):
 
     def with_a_bad_id_on_rank_1(config, rank, world):
         source = build_data(config, rank, world)
-        if rank == 1:
-            make = source.batch
+        if rank == 1:  # the full mode reads batches, the streamed one only their features
+            batch, features = source.batch, source.epoch_features
 
-            def bad(step, split="train"):
-                good = make(step, split)
-                values = good.sparse.values().clone()
+            def bad(good: KeyedJaggedTensor) -> KeyedJaggedTensor:
+                values = good.values().clone()
                 values[0] = 10**9  # beyond every table
-                sparse = KeyedJaggedTensor(
-                    good.sparse.keys(), values, lengths=good.sparse.lengths()
-                )
-                return Batch(good.dense, sparse, good.labels)
+                return KeyedJaggedTensor(good.keys(), values, lengths=good.lengths())
 
-            source.batch = bad
+            def bad_batch(step, split="train"):
+                good = batch(step, split)
+                return Batch(good.dense, bad(good.sparse), good.labels)
+
+            source.batch = bad_batch
+            source.epoch_features = lambda: map(bad, features())
         return source
 
     for module in (simulate_module, streamed_module):

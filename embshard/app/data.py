@@ -99,30 +99,39 @@ class SyntheticData:
         mixed = (ids * 2654435761 + self.feature_salt[feature]) % (1 << 16)
         return mixed.float() / (1 << 15) - 1
 
-    def batch(self, step: int, split: str = "train") -> Batch:
+    def _draw(
+        self, step: int, split: str
+    ) -> tuple[torch.Generator, torch.Tensor, list[tuple[str, torch.Tensor, torch.Tensor]]]:
+        """The step's generator, dense features and each feature's (name, bags, ids), in
+        the order of their draws."""
         g = torch.Generator().manual_seed(_stable_seed(self.seed, split, self.rank, step))
         size = self.batch_size
         dense = torch.randn(size, self.dense_in, generator=g)
-        logit = 0.5 * (dense @ self.dense_weight)
-        lengths, values = [], []
+        drawn = []
         for feature, rows in self.rows.items():
             mean = torch.full((size,), float(self.pooling[feature]))
             bags = torch.poisson(mean, generator=g).clamp(min=1).long()
-            ids = power_law_ids(rows, int(bags.sum()), g)
-            sample = torch.repeat_interleave(torch.arange(size), bags)
-            scores = torch.zeros(size).index_add(0, sample, self._score(feature, ids))
+            drawn.append((feature, bags, power_law_ids(rows, int(bags.sum()), g)))
+        return g, dense, drawn
+
+    def batch(self, step: int, split: str = "train") -> Batch:
+        g, dense, drawn = self._draw(step, split)
+        logit = 0.5 * (dense @ self.dense_weight)
+        for feature, bags, ids in drawn:
+            sample = torch.repeat_interleave(torch.arange(self.batch_size), bags)
+            scores = torch.zeros(self.batch_size).index_add(0, sample, self._score(feature, ids))
             logit += 3 * scores / bags / math.sqrt(len(self.rows))
-            lengths.append(bags)
-            values.append(ids)
         labels = torch.bernoulli(torch.sigmoid(logit), generator=g)
-        sparse = KeyedJaggedTensor(
-            keys=list(self.rows), values=torch.cat(values), lengths=torch.cat(lengths)
-        )
-        return Batch(dense, sparse, labels)
+        return Batch(dense, _features(drawn), labels)
 
     def epoch_batches(self, skip: int = 0) -> Iterator[Batch]:
         """The batches of steps ``skip``, ``skip + 1``, ..."""
         return map(self.batch, itertools.count(skip))
+
+    def epoch_features(self) -> Iterator[KeyedJaggedTensor]:
+        """The sparse features of ``epoch_batches()``, without the labels' work: what
+        ``embshard simulate`` routes."""
+        return (_features(self._draw(step, "train")[2]) for step in itertools.count())
 
     def batches_per_epoch(self) -> int | None:
         return None
@@ -139,6 +148,14 @@ def _count_newlines(f, end: int, chunk: int = 1 << 20) -> int:
     while f.tell() < end:
         count += f.read(min(chunk, end - f.tell())).count(b"\n")
     return count
+
+
+def _features(drawn: list[tuple[str, torch.Tensor, torch.Tensor]]) -> KeyedJaggedTensor:
+    return KeyedJaggedTensor(
+        keys=[feature for feature, _, _ in drawn],
+        values=torch.cat([ids for _, _, ids in drawn]),
+        lengths=torch.cat([bags for _, bags, _ in drawn]),
+    )
 
 
 class CriteoData:
@@ -240,6 +257,10 @@ class CriteoData:
     def epoch_batches(self, skip: int = 0) -> Iterator[Batch]:
         """One pass over this rank's part of the training file, from batch ``skip``."""
         return self._batches(self.path, skip)
+
+    def epoch_features(self) -> Iterator[KeyedJaggedTensor]:
+        """The sparse features of ``epoch_batches()``: what ``embshard simulate`` routes."""
+        return (batch.sparse for batch in self.epoch_batches())
 
     def batches_per_epoch(self) -> int:
         """This rank's batches in one pass (reads its part once)."""

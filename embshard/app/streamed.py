@@ -29,7 +29,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embshard.app.config import TrainConfig
-from embshard.app.data import Batch, build_data
+from embshard.app.data import build_data
 from embshard.app.rank_report import (
     RankReport,
     Traffic,
@@ -65,7 +65,7 @@ def _send(sender: int, features: KeyedJaggedTensor, input_dist: InputDistributio
     """Check and route ``sender``'s batch by the real input stage, and count what it
     sends whom."""
     routes = input_dist.routes
-    batch = check_batch(features, routes, input_dist.id_bounds)
+    batch = check_batch(features, routes, input_dist.check_inputs)
     if isinstance(batch, str) or bool(batch.problems):
         problem = batch if isinstance(batch, str) else describe_problem(features, routes)
         raise InputError(f"bad input batch:\n  rank {sender}: {problem}")
@@ -131,12 +131,14 @@ class _StepCounts:
         ]
 
 
-def _batches(config: TrainConfig, rank: int, world: int) -> Iterator[Batch]:
-    """A rank's batches as training's ``Feed`` hands them out in its first pass: its
-    own, then empty ones once its part is used up. Without the ``Feed``'s read-ahead,
-    which would make one batch more than the steps need."""
+def _features(config: TrainConfig, rank: int, world: int) -> Iterator[KeyedJaggedTensor]:
+    """A rank's batches' sparse features as training's ``Feed`` hands them out in its
+    first pass: its own, then empty ones once its part is used up. Without the
+    ``Feed``'s read-ahead, which would make one batch more than the steps need, and
+    without the labels, which nothing here reads."""
     source = build_data(config, rank, world)
-    return itertools.chain(source.epoch_batches(), itertools.repeat(source.empty_batch()))
+    empty = source.empty_batch().sparse
+    return itertools.chain(source.epoch_features(), itertools.repeat(empty))
 
 
 def stream_ranks(
@@ -155,8 +157,8 @@ def stream_ranks(
 
     def send_all(sender: int) -> None:
         input_dist = InputDistribution(routes, sender, Scratch(), torch.device("cpu"))
-        for step, batch in zip(steps, _batches(config, sender, world)):
-            sent = _send(sender, batch.sparse, input_dist)
+        for step, features in zip(steps, _features(config, sender, world)):
+            sent = _send(sender, features, input_dist)
             with counting:
                 step.add(sender, sent, ranks_per_host)
                 progress(1)
