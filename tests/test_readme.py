@@ -43,7 +43,7 @@ SHOWN_ON = {
     "train_ebc.py": API,
     "grid_tables.py": PLANNING,
     "shard_sequences.py": API,
-    "train_pipeline.py": README,
+    "train_pipeline.py": API,
 }
 
 
@@ -232,11 +232,11 @@ def _pipeline_oracle_losses(
     return losses
 
 
-def test_pipeline_example_output_matches_readme_and_the_unsharded_dlrm(tmp_path):
+def test_pipeline_example_output_matches_its_page_and_the_unsharded_dlrm(tmp_path):
     printed = sorted(
         ln for ln in run_example("train_pipeline.py", tmp_path) if ln.startswith("rank ")
     )
-    assert printed == shown_rank_lines(README, "train_pipeline.py")
+    assert printed == shown_rank_lines(API, "train_pipeline.py")
     losses = {
         (int(m[1]), int(m[2])): float(m[3])
         for ln in printed
