@@ -12,16 +12,26 @@ import pytest
 import torch.distributed as dist
 import yaml
 from click.testing import CliRunner
-from torchrec import EmbeddingBagConfig
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
-from embshard import ShardingPlan, Topology, data_parallel, plan_tables, row_wise, table_wise
+import embshard
+from embshard import (
+    ShardingPlan,
+    Topology,
+    column_wise,
+    data_parallel,
+    plan_tables,
+    row_wise,
+    table_wise,
+)
 from embshard import checkpoint as ckpt
 from embshard.app.cli import main as cli
 from embshard.app.config import load_config
 from embshard.app.planning import plan_config, plan_job, topology_for
 from embshard.app.train import train
 from embshard.errors import ConfigError, PlanningError
-from embshard.planner.groups import group_topology, replicated
+from embshard.modules.mesh import sharding_mesh
+from embshard.planner.groups import group_topology, replicated, sync_bytes
 from embshard.planner.search import plan_report
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -221,3 +231,49 @@ def test_training_takes_the_planners_group_size(world, tmp_path):
     assert chosen == {2}
     described = ckpt.describe(ckpt.latest(tmp_path / "auto"))
     assert (described["sharding_group_size"], described["replicas"]) == (2, 2)
+
+
+SYNCED_TABLES = [bag("tw", 30, 8), bag("rw", 41, 8), bag("cw", 24, 12), bag("dp", 16, 4),
+                 bag("hot", 36, 8)]  # fmt: skip
+SYNCED_PLAN = ShardingPlan(
+    {
+        "tw": table_wise(1),
+        "rw": row_wise(),
+        "cw": column_wise([1, 0, 1]),
+        "dp": data_parallel(),
+        "hot": row_wise(hot_rows=6),
+    }
+)
+
+
+def all_reduced_bytes(optimizer) -> list[int]:
+    """The bytes of each all-reduce ``sync_replicas`` runs on this rank, tables
+    sharded over groups of 2."""
+    ebc = EmbeddingBagCollection(tables=SYNCED_TABLES, device="meta")
+    sharded = embshard.shard(ebc, SYNCED_PLAN, mesh=sharding_mesh(2), optimizer=optimizer)
+    seen, original = [], dist.all_reduce
+
+    def spy(tensor, *args, **kwargs):
+        seen.append(tensor.numel() * tensor.element_size())
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = spy
+    try:
+        sharded.sync_replicas()
+    finally:
+        dist.all_reduce = original
+    return seen
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [embshard.RowWiseAdagrad(lr=0.1, eps=1e-4), embshard.Adagrad(lr=0.1, eps=1e-4)],
+    ids=["rowwise_adagrad", "adagrad"],
+)
+def test_the_priced_buffer_is_the_one_sync_replicas_all_reduces(world, optimizer):
+    """Every layout, copies included: the planner's bytes for a group rank are those of
+    the one all-reduce that rank runs over its replicas."""
+    seen = world(4).run(all_reduced_bytes, optimizer)
+    job = Topology.cpu(4, ranks_per_host=2)
+    priced = sync_bytes(SYNCED_PLAN, SYNCED_TABLES, group_topology(job, 2), optimizer.KIND)
+    assert seen == [[priced[rank % 2]] for rank in range(4)]
