@@ -192,6 +192,13 @@ def test_plan_command_refuses_bad_group_sizes_in_one_line(tmp_path, value, probl
     assert problem in result.output and "Traceback" not in result.output
 
 
+def test_plan_command_names_the_configs_group_size_the_world_cannot_take(tmp_path):
+    path = write_config(tmp_path, 50, {}, sharding_group_size=4)
+    result = CliRunner().invoke(cli, ["plan", str(path), "-w", "6"])
+    assert result.exit_code != 0
+    assert f"{path}.sharding_group_size: 4 does not divide the job's 6 ranks" in result.output
+
+
 @pytest.mark.parametrize(
     ("value", "problem"),
     [("many", "expected int or 'auto', got 'many'"), (0, "must be at least 1")],

@@ -437,7 +437,7 @@ def plan(
 
     import yaml
 
-    from embshard.app.config import load_config
+    from embshard.app.config import group_size, load_config
     from embshard.app.planning import lookup_balanced_plan, measure_traffic, plan_job
     from embshard.errors import ConfigError, PlanningError
 
@@ -447,6 +447,8 @@ def plan(
         raise click.ClickException("--balance-lookups plans one group of every rank")
     try:
         model = load_config(config, use="plan", check_files=batches > 0)  # data: to measure
+        if group is None:
+            group_size(model, world_size, config)  # the config's must divide the world
         stats = measure_traffic(model, world_size, batches) if batches else None
         if balance_lookups:
             sharding, report = lookup_balanced_plan(
