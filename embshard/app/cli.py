@@ -411,6 +411,7 @@ _RANKS_PER_HOST = click.option(
     "group",
     type=GroupSizeParam(),
     default=None,
+    metavar="G|auto",
     help="Plan for sharding groups of G ranks (2-D), each rank's cost with its all-reduce "
     "over the copies; auto: the G of lowest step among the world and whole hosts dividing "
     "it. Default: the config's sharding_group_size, else one group.",
