@@ -49,6 +49,19 @@ class OutputFile(click.Path):
         return path
 
 
+class GroupSizeParam(click.ParamType):
+    """A sharding group's ranks (a whole number of at least 1) or ``auto``."""
+
+    name = "G|auto"
+
+    def convert(self, value, param, ctx):
+        if value == "auto" or isinstance(value, int):
+            return value
+        if not (value.isdigit() and int(value) >= 1):
+            self.fail(f"{value!r} is neither a whole number of at least 1 nor auto", param, ctx)
+        return int(value)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """Shard the embedding tables of TorchRec models across torch.distributed ranks."""
@@ -506,6 +519,16 @@ _RANKS_PER_HOST = click.option(
     "traffic, its hot rows copied on every rank (embshard.app.planning.lookup_balanced_plan), so "
     "each rank makes about as many lookups; slower steps where pooled rows dominate.",
 )
+@click.option(
+    "--sharding-group-size",
+    "group",
+    type=GroupSizeParam(),
+    default=None,
+    metavar="G|auto",
+    help="Plan for sharding groups of G ranks (2-D), each rank's cost with its all-reduce "
+    "over the copies; auto: the G of lowest step among the world and whole hosts dividing "
+    "it. Default: the config's sharding_group_size, else one group.",
+)
 def plan(
     config: str,
     world_size: int,
@@ -515,6 +538,7 @@ def plan(
     as_json: bool,
     batches: int,
     balance_lookups: bool,
+    group: int | str | None,
 ) -> None:
     """Plan CONFIG's tables for WORLD_SIZE ranks.
 
@@ -527,22 +551,26 @@ def plan(
 
     import yaml
 
-    from embshard.app.config import load_config
-    from embshard.app.planning import lookup_balanced_plan, measure_traffic, plan_config
+    from embshard.app.config import group_size, load_config
+    from embshard.app.planning import lookup_balanced_plan, measure_traffic, plan_job
     from embshard.errors import ConfigError, PlanningError
 
     if balance_lookups and not batches:
         raise click.ClickException("--balance-lookups needs the traffic: give --batches N")
+    if balance_lookups and group is not None:
+        raise click.ClickException("--balance-lookups plans one group of every rank")
     try:
         model = load_config(config, use="plan", check_files=batches > 0)  # data: to measure
+        if group is None:
+            group_size(model, world_size, config)  # the config's must divide the world
         stats = measure_traffic(model, world_size, batches) if batches else None
         if balance_lookups:
             sharding, report = lookup_balanced_plan(
                 model, world_size, stats, memory_per_rank, ranks_per_host
             )
         else:
-            sharding, report = plan_config(
-                model, world_size, memory_per_rank, stats, ranks_per_host
+            sharding, report = plan_job(
+                model, world_size, memory_per_rank, stats, ranks_per_host, group
             )
     except (ConfigError, PlanningError, ValueError) as e:
         raise click.ClickException(str(e)) from None

@@ -35,6 +35,7 @@ CRITEO_DENSE = 13
 CRITEO_CATEGORICAL = 26
 # What training needs beyond the tables; planning, drawing and simulating take defaults.
 TRAINING_KEYS = ("model", "sparse_optimizer", "dense_optimizer", "batch_size", "steps")
+GroupSize = int | Literal["auto"]  # a sharding group's ranks, or the planner's choice
 PLANNING_BATCH_SIZE = 512  # per rank, where a config gives none: TorchRec's planner's
 # What a config is read for: "train" needs every training key and DLRM's rules (one
 # embedding_dim, pooled tables); "simulate" and "plan" need only tables, of any dims,
@@ -179,8 +180,9 @@ class TrainConfig:
     comm_precision: Literal["fp32", "fp16", "bf16"] = "fp32"  # of the pooled all-to-alls
     device: Device = "auto"  # cuda: NCCL, one GPU per rank; cpu: gloo
     # Ranks of one sharding group (2-D: the plan is made for them, every group holds a
-    # copy and the copies are averaged each step); None: one group of every rank.
-    sharding_group_size: int | None = None
+    # copy and the copies are averaged each step); auto: the planner's choice; None: one
+    # group of every rank.
+    sharding_group_size: GroupSize | None = None
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -212,10 +214,23 @@ def _parse(kind: Any, value: Any, where: str) -> Any:
     """``value`` checked against the type annotation ``kind``."""
     origin = typing.get_origin(kind)
     if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(kind)
-        if value is None and type(None) in options:
+        options = [o for o in typing.get_args(kind) if o is not type(None)]
+        if value is None and len(options) < len(typing.get_args(kind)):
             return None
-        return _parse(next(o for o in options if o is not type(None)), value, where)
+        if len(options) == 1:
+            return _parse(options[0], value, where)
+        for option in options:
+            try:
+                return _parse(option, value, where)
+            except ConfigError:
+                pass
+        names = " or ".join(
+            " or ".join(map(repr, typing.get_args(o)))
+            if typing.get_origin(o) is Literal
+            else o.__name__
+            for o in options
+        )
+        raise ConfigError(f"{where}: expected {names}, got {value!r}")
     if origin is Literal:
         if value not in typing.get_args(kind):
             raise ConfigError(
@@ -327,9 +342,11 @@ def check_launch(config: TrainConfig, where: str, world_size: int | None, resume
 
 def group_size(config: TrainConfig, world_size: int | None, where: str = "config") -> int | None:
     """The ranks of a sharding group in a ``world_size`` job (None: unknown, an elastic
-    job's): the config's ``sharding_group_size``, else the whole world. A size that does
-    not divide the world is a ConfigError."""
+    job's, or ``auto``, the planner's to choose): the config's ``sharding_group_size``,
+    else the whole world. A size that does not divide the world is a ConfigError."""
     size = config.sharding_group_size
+    if size == "auto":
+        return None
     if size is None or world_size is None:
         return size or world_size
     if world_size % size:
@@ -405,7 +422,7 @@ def _check(config: TrainConfig, where: str, use: Use, check_files: bool) -> None
             )
     for key in ("batch_size", "steps", "timeout_s", "sharding_group_size"):
         value = getattr(config, key)
-        if value is not None and value < 1:
+        if isinstance(value, int) and value < 1:
             raise ConfigError(f"{where}.{key}: must be at least 1")
     dims = {t.embedding_dim for t in config.tables}
     if trains and len(dims) != 1:

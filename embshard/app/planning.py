@@ -8,10 +8,11 @@ from dataclasses import fields
 
 import numpy as np
 
-from embshard.app.config import TrainConfig
+from embshard.app.config import GroupSize, TrainConfig
 from embshard.app.data import Batch, build_data
-from embshard.errors import PlanningError
+from embshard.errors import ConfigError, PlanningError
 from embshard.plan.specs import ShardingPlan
+from embshard.planner.groups import candidate_sizes, plan_groups
 from embshard.planner.search import (
     SIZE_FIELDS,
     CostModel,
@@ -61,6 +62,45 @@ def plan_config(
     measured ``stats``, see ``plan_tables``), for ``topology_for``'s topology; a config
     with its own ``plan:`` (which training uses) gets that plan, and its report."""
     topology = topology_for(config, world_size, memory_per_rank, ranks_per_host)
+    return _plan_on(config, topology, stats)
+
+
+def plan_job(
+    config: TrainConfig,
+    world_size: int,
+    memory_per_rank: str | int | None = None,
+    stats: TrafficStats | None = None,
+    ranks_per_host: int | None = None,
+    group_size: GroupSize | None = None,
+) -> tuple[ShardingPlan, PlanReport]:
+    """``plan_config`` for a job of ``world_size`` ranks in sharding groups of
+    ``group_size`` (else the config's ``sharding_group_size``): the plan for one group,
+    its report with each rank's all-reduce over the replicas priced (``planner.groups``);
+    ``auto`` plans every candidate size and keeps the lowest step. One group of every
+    rank is ``plan_config``'s plan and report. The choice is the same on every rank:
+    the planner is deterministic."""
+    size = config.sharding_group_size if group_size is None else group_size
+    if size in (None, world_size):
+        return plan_config(config, world_size, memory_per_rank, stats, ranks_per_host)
+    job = topology_for(config, world_size, memory_per_rank, ranks_per_host)
+    if size == "auto":
+        sizes = candidate_sizes(job)
+    elif size < 1 or world_size % size:
+        raise ConfigError(f"sharding group size {size} does not divide the {world_size} ranks")
+    else:
+        sizes = [size]
+    return plan_groups(
+        lambda topology: _plan_on(config, topology, stats),
+        config.tables,
+        job,
+        config.sparse_optimizer.type,
+        sizes,
+    )
+
+
+def _plan_on(
+    config: TrainConfig, topology: Topology, stats: TrafficStats | None
+) -> tuple[ShardingPlan, PlanReport]:
     optimizer = config.sparse_optimizer.type
     given = config.sharding_plan()
     if given is not None:

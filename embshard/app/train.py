@@ -44,12 +44,11 @@ from embshard.app.config import (
     OptimizerConfig,
     TrainConfig,
     check_launch,
-    group_size,
     launch_device,
     load_config,
 )
 from embshard.app.data import Batch, CriteoData, Feed, SyntheticData, build_data
-from embshard.app.planning import plan_config, topology_for
+from embshard.app.planning import plan_job, topology_for
 from embshard.checkpoint.store import first_line, rank_failures
 from embshard.errors import CheckpointError, ConfigError, EmbshardError, InputError
 from embshard.modules.mesh import default_device, sharding_mesh
@@ -336,10 +335,10 @@ def _sharded_model(
     device, its dense optimizer, and the step to start from (checkpoint ``found``'s, if
     any)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    group = group_size(config, world)  # the plan's ranks: a sharding group's
     hosts = job_ranks_per_host()  # collective: first, on every rank
     hosts = config.topology.ranks_per_host or hosts  # the config's own wins
-    plan = plan_config(config, group, ranks_per_host=min(hosts, group) if hosts else None)[0]
+    plan, report = plan_job(config, world, ranks_per_host=hosts)  # the same on every rank
+    group = report.topology.world_size  # the plan's ranks: a sharding group's
     torch.manual_seed(config.seed)  # the dense layers' init: runs are reproducible
     model = shard_model(
         build_model(config),
@@ -354,6 +353,8 @@ def _sharded_model(
         ranks = f"{plural(world, 'rank')}, {default_device().type} ({dist.get_backend()})"
         if group < world:
             ranks += f", as {world // group} sharding groups of {group}"
+        if config.sharding_group_size == "auto":
+            ranks += " (the planner's choice of group size)"
         print(f"embshard: {config.model.kind} on {ranks}, plan:\n{layout}", flush=True)
     optimizer = dense_optimizer(config.dense_optimizer, model.parameters())
     start = 0
@@ -680,6 +681,11 @@ def init_process_group(timeout: timedelta, device: str = "cpu") -> None:
     )
 
 
+def _group_size(value: str) -> int | str:
+    """``--sharding-group-size``: a number, or ``auto``."""
+    return value if value == "auto" else int(value)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m embshard.app.train", description=__doc__)
     parser.add_argument("--config", required=True, help="training config (YAML)")
@@ -689,8 +695,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--sharding-group-size",
-        type=int,
-        help="in place of the config's sharding_group_size",
+        type=_group_size,
+        help="in place of the config's sharding_group_size (a number, or auto)",
     )
     args = parser.parse_args(argv)
     try:

@@ -37,7 +37,7 @@ import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, EmbeddingConfig
@@ -62,6 +62,9 @@ from embshard.planner.traffic import (
     hot_rows,
 )
 from embshard.storage.optimizers import FUSED_OPTIMIZERS, state_values
+
+if TYPE_CHECKING:
+    from embshard.planner.groups import GroupChoice
 
 GiB = 2**30
 _UNITS = {
@@ -439,7 +442,8 @@ class PlanReport:
     tables: list[TableChoice]
     base_cost: float
     lower_bound: float
-    topology: Topology
+    topology: Topology  # a sharding group's, for a 2-D plan
+    group: GroupChoice | None = None  # a 2-D plan's groups and their all-reduce
 
     @property
     def slowest(self) -> float:
@@ -455,7 +459,7 @@ class PlanReport:
             "lower_bound_s": self.lower_bound,
             "ranks": [vars(r) for r in self.ranks],
             "tables": [vars(t) for t in self.tables],
-        }
+        } | ({"sharding_group": self.group.to_dict()} if self.group else {})
 
     def to_text(self, max_ranks: int = 64) -> str:
         lines = [
@@ -477,6 +481,7 @@ class PlanReport:
             f"memory per rank {format_bytes(self.topology.memory_per_rank)}, "
             f"{format_bytes(self.topology.reserved_memory)} reserved"
         )
+        lines += self.group.lines() if self.group else []
         lines += [f"  {c.line()}" for c in self.tables]
         return "\n".join(lines)
 
