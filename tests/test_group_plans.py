@@ -284,3 +284,20 @@ def test_the_priced_buffer_is_the_one_sync_replicas_all_reduces(world, optimizer
     job = Topology.cpu(4, ranks_per_host=2)
     priced = sync_bytes(SYNCED_PLAN, SYNCED_TABLES, group_topology(job, 2), optimizer.KIND)
     assert seen == [[priced[rank % 2]] for rank in range(4)]
+
+
+@pytest.mark.parametrize("command", ["plan", "train"])
+def test_both_commands_take_auto_and_refuse_what_is_not_a_group_size(tmp_path, command):
+    """``train`` checks its options, then its config, before any process starts: this
+    tables-only config stops it there, after ``auto`` passed."""
+    path = write_config(tmp_path, 50, {})
+    world = ["-w", "8"] if command == "plan" else ["--nproc", "2"]
+    bad = CliRunner().invoke(cli, [command, str(path), *world, "--sharding-group-size", "two"])
+    assert bad.exit_code != 0
+    assert "'two' is neither a whole number of at least 1 nor auto" in bad.output
+    auto = CliRunner().invoke(cli, [command, str(path), *world, "--sharding-group-size", "auto"])
+    assert "Traceback" not in auto.output and "neither a whole number" not in auto.output
+    if command == "train":
+        assert auto.exit_code != 0 and "missing keys" in auto.output
+    else:
+        assert auto.exit_code == 0, auto.output

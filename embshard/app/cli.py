@@ -123,11 +123,11 @@ def main() -> None:
 )
 @click.option(
     "--sharding-group-size",
-    type=click.IntRange(min=1),
-    metavar="G",
+    type=GroupSizeParam(),
+    metavar="G|auto",
     help="Ranks of one sharding group, in place of the config's sharding_group_size: the "
     "plan is made for G ranks, every G consecutive ranks hold a copy of it, and the copies "
-    "are averaged each step (default: one group of every rank).",
+    "are averaged each step; auto: the planner's choice (default: one group of every rank).",
 )
 def train(
     config: str,
@@ -140,7 +140,7 @@ def train(
     node_rank: int | None,
     local_addr: str | None,
     device: str | None,
-    sharding_group_size: int | None,
+    sharding_group_size: int | str | None,
 ) -> None:
     """Train the DLRM that CONFIG (YAML) describes, with NPROC ranks on this host.
 
