@@ -20,12 +20,12 @@ from typing import Any
 from embshard.errors import PlanError, PlanningError
 from embshard.plan.specs import ShardingPlan, plural
 from embshard.planner.search import (
-    _SAME,
+    SAME_WITHIN,
     AnyTable,
     PlanReport,
     RankLoad,
     Topology,
-    _as_config,
+    as_config,
     format_bytes,
 )
 from embshard.storage.optimizers import state_values
@@ -110,7 +110,7 @@ def sync_bytes(
 ) -> list[int]:
     """Each rank's float32 all-reduce buffer: its shards' weights and fused optimizer
     state (copies, data-parallel tables and hot rows, included)."""
-    resolved = plan.resolve([_as_config(t) for t in tables], topology.world_size)
+    resolved = plan.resolve([as_config(t) for t in tables], topology.world_size)
     found = [0] * topology.world_size
     for table in resolved.values():
         for shard in table.shards:
@@ -190,7 +190,7 @@ def plan_groups(
             continue
         step = report.slowest + report.base_cost
         estimates.append(GroupEstimate(size, step))
-        if best is None or step < (best[1].slowest + best[1].base_cost) / _SAME:
+        if best is None or step < (best[1].slowest + best[1].base_cost) / SAME_WITHIN:
             best = plan, report
     if best is None:
         raise problems[0]

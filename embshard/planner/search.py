@@ -37,7 +37,7 @@ import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, EmbeddingConfig
@@ -62,9 +62,6 @@ from embshard.planner.traffic import (
     hot_rows,
 )
 from embshard.storage.optimizers import FUSED_OPTIMIZERS, state_values
-
-if TYPE_CHECKING:
-    from embshard.planner.groups import GroupChoice
 
 GiB = 2**30
 _UNITS = {
@@ -263,7 +260,7 @@ class DescribedTable(Protocol):
 AnyTable = EmbeddingBagConfig | EmbeddingConfig | DescribedTable
 
 
-def _as_config(table: AnyTable) -> EmbeddingBagConfig | EmbeddingConfig:
+def as_config(table: AnyTable) -> EmbeddingBagConfig | EmbeddingConfig:
     return table.torchrec_config() if isinstance(table, DescribedTable) else table
 
 
@@ -278,7 +275,7 @@ def planned_tables(
     both: a table's ids per sample are then those counted."""
     pooling = dict(mean_pooling or {})
     configs = [
-        (_as_config(t), t.mean_pooling if isinstance(t, DescribedTable) else 1.0) for t in tables
+        (as_config(t), t.mean_pooling if isinstance(t, DescribedTable) else 1.0) for t in tables
     ]
     known = {c.name for c, _ in configs} | {f for c, _ in configs for f in c.feature_names}
     unknown = sorted(set(pooling) - known)
@@ -436,6 +433,15 @@ class TableChoice:
         return f"{name}: {done}, because {self.reason}"
 
 
+class ReportSection(Protocol):
+    """A part a report carries for a kind of plan (a 2-D plan's sharding groups): its
+    JSON and its lines of text."""
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+    def lines(self) -> list[str]: ...
+
+
 @dataclass
 class PlanReport:
     ranks: list[RankLoad]
@@ -443,7 +449,7 @@ class PlanReport:
     base_cost: float
     lower_bound: float
     topology: Topology  # a sharding group's, for a 2-D plan
-    group: GroupChoice | None = None  # a 2-D plan's groups and their all-reduce
+    group: ReportSection | None = None  # a 2-D plan's groups (planner.groups.GroupChoice)
 
     @property
     def slowest(self) -> float:
@@ -1194,7 +1200,7 @@ def _no_room(packing: _Packing, model: CostModel) -> PlanningError:
     )
 
 
-_SAME = 1 + 1e-9  # totals this close are equal (sums in another order differ so much)
+SAME_WITHIN = 1 + 1e-9  # totals this close are equal (sums in another order differ so much)
 
 
 def _unsplit(packing: _Packing, tables: Sequence[_Table], model: CostModel) -> dict[str, str]:
@@ -1214,7 +1220,7 @@ def _unsplit(packing: _Packing, tables: Sequence[_Table], model: CostModel) -> d
             kind, pieces = packing.layouts[name]
             packing.remove(table)
             placed = _place(table, packing, model, target)
-            cheaper = placed is not None and _total(placed[1]) < _total(pieces) / _SAME
+            cheaper = placed is not None and _total(placed[1]) < _total(pieces) / SAME_WITHIN
             packing.add(table, *(placed if cheaper else (kind, pieces)))
             changed |= cheaper
     return {t.spec.name: _why(t, packing, model) for t in tables}
@@ -1407,7 +1413,7 @@ def plan_tables(
             found = _packed(searched, specs, constraints, model, with_copies, grids)
         except PlanningError:  # the copies or grids took the room some table needed
             continue
-        if found[0].slowest < packing.slowest / _SAME:
+        if found[0].slowest < packing.slowest / SAME_WITHIN:
             packing, prepared, reasons = found
     layouts = packing.layouts
     report = PlanReport(
@@ -1462,7 +1468,7 @@ def _copy_hot_rows(
         found = loads(candidate)
         slowest = max(load.cost for load in found)
         fits = all(load.memory <= usable for load in found)
-        if report.lower_bound <= slowest < best / _SAME and fits:
+        if report.lower_bound <= slowest < best / SAME_WITHIN and fits:
             plan, best = candidate, slowest
             copied[name] = hot, sum(1 for rows in sizes if rows)
     if not copied:
@@ -1493,7 +1499,7 @@ def plan_loads(
     tables and hot rows, with their all-reduce's latency)."""
     model = CostModel(topology, batch_size, optimizer)
     resolved: dict[str, ShardedTable] = plan.resolve(
-        [_as_config(t) for t in tables], topology.world_size
+        [as_config(t) for t in tables], topology.world_size
     )
     loads = [RankLoad(r) for r in range(topology.world_size)]
     measured = stats.tables if stats is not None else {}
@@ -1539,7 +1545,7 @@ def plan_report(
     one): its loads (priced by ``stats`` where given), each table's sharding for
     ``reason``, and the bound of any plan."""
     model = CostModel(topology, batch_size, optimizer)
-    resolved = plan.resolve([_as_config(t) for t in tables], topology.world_size)
+    resolved = plan.resolve([as_config(t) for t in tables], topology.world_size)
     specs = planned_tables(tables, stats=stats)
     loads = plan_loads(plan, tables, topology, batch_size, optimizer, stats=stats)
     measured = stats.tables if stats is not None else {}
