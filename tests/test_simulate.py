@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -395,3 +396,30 @@ def test_the_command_refuses_what_cannot_fit_in_one_line(tmp_path, monkeypatch):
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert result.output.startswith("Error: simulating 3 ranks in full mode needs about ")
     assert len(result.output.splitlines()) == 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sharding_groups_simulate_one_group_and_price_its_all_reduce(tmp_path, mode):
+    """4 ranks as 2 groups of 2 on hosts of 2: the group's ranks get what a 2-rank job
+    of the same plan gets, and each all-reduces 2 (R - 1) / R of its shards' weights and
+    row-wise Adagrad state (one float a row) as float32, across hosts."""
+    config = synthetic_config(tmp_path, 2)
+    one_group = simulate(config, 2, batches=2, ranks_per_host=2, mode=mode).to_dict()
+    grouped = simulate(config, 4, batches=2, ranks_per_host=2, mode=mode, group_size=2)
+    assert grouped.group_size == 2 and len(grouped.ranks) == 2
+    loaded = load_config(config, use="simulate")
+    assert loaded.sparse_optimizer.type == "rowwise_adagrad"
+    plan, tables = loaded.sharding_plan(), loaded.embedding_bag_configs()
+    held = [0, 0]
+    for table in plan.resolve(tables, 2).values():
+        for shard in table.shards:
+            held[shard.rank] += 4 * (shard.rows * shard.cols + shard.rows)
+    for rank, report in enumerate(grouped.ranks):
+        assert report.sync_bytes == held[rank]  # 2 (R - 1) / R = 1 with R = 2
+        assert report.sync_across and report.sync_seconds > 0
+        alone = one_group["ranks"][rank]
+        for field in ("ids_received", "bags_received", "lookup_bytes", "ids", "pooled"):
+            assert asdict(report)[field] == alone[field], field
+    assert "as 2 sharding groups of 2" in grouped.to_text()
+    with pytest.raises(SimulationError, match="sharding group size 3 does not divide the 4"):
+        simulate(config, 4, batches=1, group_size=3)

@@ -611,6 +611,16 @@ def plan(
     "ranks, else streamed.",
 )
 @click.option(
+    "--sharding-group-size",
+    "group",
+    type=GroupSizeParam(),
+    default=None,
+    metavar="G|auto",
+    help="Simulate a 2-D job: the plan made for sharding groups of G ranks (a --plan is "
+    "one group's), the first group's ranks run, each with its all-reduce over its copies "
+    "priced; auto: the planner's G. Default: the config's sharding_group_size, else one group.",
+)
+@click.option(
     "--check", is_flag=True, help="Also check a small copy's numerics against the oracle."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
@@ -621,6 +631,7 @@ def simulate(
     batches: int,
     ranks_per_host: int | None,
     mode: str | None,
+    group: int | str | None,
     check: bool,
     as_json: bool,
 ) -> None:
@@ -652,6 +663,7 @@ def simulate(
                 ranks_per_host,
                 mode=mode,
                 progress=shown.update if shown is not None else None,
+                group_size=group,
             )
     except (ConfigError, PlanError, PlanningError, CriteoFormatError, SimulationError) as e:
         raise click.ClickException(str(e)) from None

@@ -72,6 +72,11 @@ class RankReport:
     shards: list[str] = field(default_factory=list)
     lookup_seconds: float = 0.0  # per step, at the planner's prices
     moving_seconds: float = 0.0
+    # In sharding groups (2-D), a step's all-reduce over the rank's copies in the other
+    # groups: bytes it sends (and receives), whether they cross hosts, their seconds.
+    sync_bytes: int = 0
+    sync_across: bool = False
+    sync_seconds: float = 0.0
 
     def add_step(self, step: RankReport) -> None:
         self.samples += step.samples
@@ -90,7 +95,7 @@ class RankReport:
 
     @property
     def seconds(self) -> float:
-        return self.lookup_seconds + self.moving_seconds
+        return self.lookup_seconds + self.moving_seconds + self.sync_seconds
 
     @property
     def moved(self) -> int:

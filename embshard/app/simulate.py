@@ -29,7 +29,7 @@ from torch.testing._internal.distributed import multi_threaded_pg
 
 from embshard.app.config import TrainConfig, check_sparse_optimizer, load_config
 from embshard.app.data import Feed, build_data
-from embshard.app.planning import plan_config, topology_for
+from embshard.app.planning import plan_job, topology_for
 from embshard.app.rank_report import (
     RankReport,
     Traffic,
@@ -52,6 +52,7 @@ from embshard.app.train import fused_optimizer
 from embshard.errors import EmbshardError
 from embshard.modules.mesh import forget_meshes
 from embshard.plan.specs import ShardingPlan, plural
+from embshard.planner.groups import group_topology, spans_hosts, sync_bytes, sync_seconds
 from embshard.planner.search import LOOKUP_PASSES, Topology, format_bytes, plan_loads
 from embshard.runtime.input_dist import InputDistribution, start_input_dist
 from embshard.runtime.routes import Routes, build_routes
@@ -147,6 +148,9 @@ class Simulation:
     ranks: list[RankReport]
     seconds_taken: float
     check: Check | None = None
+    # Sharding groups (2-D): the ranks of one, which ``ranks`` are (the others hold
+    # copies and see the same kind of traffic); None: one group of every rank.
+    group_size: int | None = None
 
     @property
     def slowest(self) -> RankReport:
@@ -174,7 +178,12 @@ class Simulation:
             + (" (the most)" if value(slow) == max(map(value, self.ranks)) else "")
             for phrase, value in measures
         ]
-        mostly = "lookups" if slow.lookup_seconds >= slow.moving_seconds else "communication"
+        shares = {
+            "lookups": slow.lookup_seconds,
+            "communication": slow.moving_seconds,
+            "its all-reduce over its copies": slow.sync_seconds,
+        }
+        mostly = max(shares, key=shares.__getitem__)  # ties: the first
         return (
             f"rank {slow.rank}, {1e3 * slow.seconds:.3f} ms a step estimated "
             f"({_times_mean(lambda r: r.seconds, slow, self.ranks)} rank's), mostly {mostly}: "
@@ -185,9 +194,16 @@ class Simulation:
         steps = self.batches
         counts = self.ranks[0].counts.sent // steps
         hosts = -(-self.world_size // self.ranks_per_host)
+        groups = ""
+        if self.group_size:
+            replicas = self.world_size // self.group_size
+            groups = (
+                f" as {replicas} sharding groups of {self.group_size}, one simulated (its "
+                "copies in the others see the same kind of traffic)"
+            )
         lines = [
             f"{self.config} on {self.world_size} ranks, {plural(hosts, 'host')} of "
-            f"{self.ranks_per_host} (plan: {self.plan_source}), {steps} "
+            f"{self.ranks_per_host}{groups} (plan: {self.plan_source}), {steps} "
             f"batches of {self.batch_size} samples per rank ({self.data}): simulated in "
             f"{self.seconds_taken:.1f} s ({self.mode} mode)",
             f"per rank and step, mean of {steps}; a2a: bytes sent/received, the pooled one "
@@ -214,6 +230,14 @@ class Simulation:
             f"all ranks together send {format_bytes(inside)} a step inside hosts and "
             f"{format_bytes(across)} across hosts"
         )
+        if self.group_size:
+            synced = [r.sync_bytes for r in self.ranks]
+            where = "across hosts" if any(r.sync_across for r in self.ranks) else "inside hosts"
+            lines.append(
+                f"each rank's all-reduce over its copies sends {format_bytes(min(synced))} to "
+                f"{format_bytes(max(synced))} a step {where} (weights and optimizer state as "
+                "float32), in est ms"
+            )
         lines.append(f"slowest: {self.why_slowest()}")
         if self.check is not None:
             c = self.check
@@ -283,16 +307,29 @@ def _simulate_rank(
 
 
 def _plan(
-    config: TrainConfig, world_size: int, plan_path: str | None, ranks_per_host: int
-) -> tuple[ShardingPlan, str]:
-    """The plan to simulate and where it came from: the file, the config's, the planner's."""
+    config: TrainConfig,
+    world_size: int,
+    plan_path: str | None,
+    ranks_per_host: int,
+    group_size: int | str | None,
+) -> tuple[ShardingPlan, str, int]:
+    """The plan to simulate, where it came from (the file, the config's, the planner's)
+    and the ranks of a sharding group it is for: ``group_size``, else the config's
+    ``sharding_group_size``, else the world; ``auto`` is the planner's choice."""
+    size = config.sharding_group_size if group_size is None else group_size
+    if size == "auto" and (plan_path is not None or config.sharding_plan() is not None):
+        raise SimulationError("sharding group size auto is the planner's choice: give no plan")
+    if size not in (None, "auto") and (size < 1 or world_size % size):
+        raise SimulationError(f"sharding group size {size} does not divide the {world_size} ranks")
+    group = world_size if size in (None, "auto") else size
     tables = config.embedding_bag_configs()
     if plan_path is not None:  # its errors name the file
-        return ShardingPlan.load(plan_path, tables, world_size), plan_path
+        return ShardingPlan.load(plan_path, tables, group), plan_path, group
     plan = config.sharding_plan()
     if plan is not None:
-        return plan, "the config's"
-    return plan_config(config, world_size, ranks_per_host=ranks_per_host)[0], "the planner's"
+        return plan, "the config's", group
+    plan, report = plan_job(config, world_size, ranks_per_host=ranks_per_host, group_size=size)
+    return plan, "the planner's", report.group.size if report.group else world_size
 
 
 def _fill_memory(
@@ -304,6 +341,20 @@ def _fill_memory(
     total = plan_loads(plan, config.tables, topology, config.batch_size, optimizer)
     for r, w, t in zip(ranks, weights, total):
         r.weights, r.optimizer_state, r.shards = w.memory, t.memory - w.memory, t.shards
+
+
+def _price_sync(
+    ranks: list[RankReport], plan: ShardingPlan, config: TrainConfig, job: Topology, group: int
+) -> None:
+    """Each group rank's all-reduce over its copies, as the planner prices it: a ring
+    over the replicas of its float32 weights and optimizer state."""
+    topology = group_topology(job, group)
+    replicas = job.world_size // group
+    buffers = sync_bytes(plan, config.tables, topology, config.sparse_optimizer.type)
+    for r, nbytes in zip(ranks, buffers):
+        r.sync_bytes = round(2 * (replicas - 1) / replicas * nbytes)
+        r.sync_across = spans_hosts(job, group, r.rank)
+        r.sync_seconds = sync_seconds(job, group, r.rank, nbytes)
 
 
 def _estimate(r: RankReport, topology: Topology, steps: int) -> None:
@@ -323,6 +374,7 @@ def simulate(
     mode: str | None = None,
     memory_limit: int | None = None,
     progress: Callable[[int], None] | None = None,
+    group_size: int | str | None = None,
 ) -> Simulation:
     """Run ``batches`` steps of the input distribution of CONFIG's model on
     ``world_size`` simulated ranks, each on its own part of the config's data, the
@@ -332,33 +384,45 @@ def simulate(
     ``mode`` "full" runs every rank as a thread, "streamed" one sending rank at a time
     (the same report; default: full up to FULL_MODE_MAX_RANKS ranks). A run whose
     estimated memory exceeds ``memory_limit`` (default: what the system has available)
-    is refused before it starts. ``progress`` is told of every rank's step done
-    (``world_size * batches`` in all)."""
+    is refused before it starts. ``progress`` is told of every rank's step done.
+
+    In sharding groups (``group_size``, else the config's ``sharding_group_size``;
+    ``auto``: the planner's choice), the plan is one group's and the ranks simulated
+    are the first group's, each with its all-reduce over its copies priced."""
     if world_size < 1 or batches < 1:
         raise SimulationError(f"need at least 1 rank and 1 batch, got {world_size} and {batches}")
-    mode = mode or default_mode(world_size)
-    if mode not in MODES:
+    if mode is not None and mode not in MODES:
         raise SimulationError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     config = load_config(config_path, use="simulate")
     if check:  # the small copy trains on the CPU
         check_sparse_optimizer(config, config_path, "cpu")
-    topology = topology_for(config, world_size, ranks_per_host=ranks_per_host)
-    plan, source = _plan(config, world_size, plan_path, topology.ranks_per_host)
+    job = topology_for(config, world_size, ranks_per_host=ranks_per_host)
+    plan, source, group = _plan(config, world_size, plan_path, job.ranks_per_host, group_size)
+    topology = group_topology(job, group)
     configs = config.embedding_bag_configs()
-    routes = build_routes(configs, plan.resolve(configs, world_size), world_size, weighted=False)
+    routes = build_routes(configs, plan.resolve(configs, group), group, weighted=False)
+    mode = mode or default_mode(group)
     _refuse_what_cannot_fit(config, routes, mode, check, memory_limit)
     start = time.perf_counter()
     with _single_threaded_ops():
-        args = (config, routes, batches, topology.ranks_per_host, progress or _ignore)
-        if mode == "full":
-            ranks = run_ranks(world_size, _simulate_rank, *args)
-        else:
-            ranks = stream_ranks(*args)
+        # One group of world_size // group runs: each of its steps stands for as many.
+        told = progress or _ignore
+        args = (
+            config,
+            routes,
+            batches,
+            topology.ranks_per_host,
+            _scaled(told, world_size // group),
+        )
+        full = mode == "full"
+        ranks = run_ranks(group, _simulate_rank, *args) if full else stream_ranks(*args)
         taken = time.perf_counter() - start
-        checked = _check(config, plan, world_size, batches) if check else None
+        checked = _check(config, plan, group, batches) if check else None
     _fill_memory(ranks, plan, config, topology)
     for r in ranks:
         _estimate(r, topology, batches)
+    if group < world_size:
+        _price_sync(ranks, plan, config, job, group)
     data = config.data
     return Simulation(
         config=config_path,
@@ -367,12 +431,17 @@ def simulate(
         batch_size=config.batch_size,
         data="synthetic data" if data.type == "synthetic" else f"Criteo data from {data.path}",
         plan_source=source,
-        ranks_per_host=topology.ranks_per_host,
+        ranks_per_host=job.ranks_per_host,
         mode=mode,
         ranks=ranks,
         seconds_taken=taken,
         check=checked,
+        group_size=group if group < world_size else None,
     )
+
+
+def _scaled(progress: Callable[[int], None], factor: int) -> Callable[[int], None]:
+    return progress if factor == 1 else lambda done: progress(done * factor)
 
 
 def _ignore(done: int) -> None:
