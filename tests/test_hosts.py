@@ -117,6 +117,33 @@ def test_a_host_lost_and_restarted_resumes_every_rank_from_the_last_checkpoint(t
     assert_same_weights(continued_alone(tmp_path, config, root, step, 2), root)
 
 
+def test_the_survivor_restarted_last_resumes_every_rank_from_the_last_checkpoint(
+    two_hosts, tmp_path
+):
+    """Host B is lost; the survivor, host A (which hosts the rendezvous), is stopped too
+    and comes back after B: two fresh agents, no restart counted, and the job still
+    continues from its own last checkpoint."""
+    root = tmp_path / "ckpt"
+    config = job_config(tmp_path, "job.yaml", 200, root)
+    logs = [tmp_path / f"host{i}.log" for i in range(2)]
+    counts = ("--nproc", "1", "--nnodes", "2", "--max-restarts", "1")
+    running = [start(h, two_hosts, config, log, *counts) for h, log in zip(two_hosts, logs)]
+    wait_for(root / "step_00000020")
+    for host, process in zip(reversed(two_hosts), reversed(running)):  # B, then A
+        host.kill_everything()
+        process.wait(timeout=30)
+    lost = start(two_hosts[1], two_hosts, config, logs[1], *counts)
+    time.sleep(3)  # B waits for the rendezvous host
+    survivor = start(two_hosts[0], two_hosts, config, logs[0], *counts)
+    finish([survivor, lost], logs)
+    said = "".join(log.read_text() for log in logs)
+    found = re.findall(r"embshard: resumed from \S+ at step (\d+)", said)
+    assert len(found) == 1, said[-3000:]
+    step = int(found[0])
+    assert 20 <= step < 200 and ckpt.latest(root).name == "step_00000200"
+    assert_same_weights(continued_alone(tmp_path, config, root, step, 2), root)
+
+
 def test_a_host_added_continues_the_job_from_its_last_checkpoint(two_hosts, tmp_path):
     """The first host trains alone until the second joins; the job then continues with
     two ranks, until a SIGTERM stops it (the steps are many: the first host must not
