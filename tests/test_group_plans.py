@@ -301,3 +301,15 @@ def test_both_commands_take_auto_and_refuse_what_is_not_a_group_size(tmp_path, c
         assert auto.exit_code != 0 and "missing keys" in auto.output
     else:
         assert auto.exit_code == 0, auto.output
+
+
+@pytest.mark.parametrize(
+    ("option", "configured"), [(["--sharding-group-size", "4"], None), ([], 4)]
+)
+def test_balance_lookups_refuses_sharding_groups_given_either_way(tmp_path, option, configured):
+    extra = {} if configured is None else {"sharding_group_size": configured}
+    path = write_config(tmp_path, 50, {}, **extra)
+    args = ["plan", str(path), "-w", "8", "--batches", "1", "--balance-lookups", *option]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code != 0
+    assert "--balance-lookups plans one group of every rank" in result.output

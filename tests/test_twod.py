@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import yaml
+from click.testing import CliRunner
 from oracle import (
     Case,
     Table,
@@ -36,6 +37,7 @@ from torchrec import EmbeddingBagCollection
 import embshard
 from embshard import ShardingPlan, column_wise, data_parallel, row_wise, table_wise
 from embshard import checkpoint as ckpt
+from embshard.app.cli import main as cli
 from embshard.app.config import check_launch, load_config
 from embshard.app.train import train
 from embshard.errors import ConfigError
@@ -333,6 +335,9 @@ def test_checkpoints_reshard_between_group_sizes_bit_exact(world, tmp_path, save
     described = ckpt.describe(ckpt.latest(tmp_path))
     assert (described["world_size"], described["sharding_group_size"]) == (WORLD, saved), described
     assert described["replicas"] == replicas
+    inspected = CliRunner().invoke(cli, ["ckpt", "inspect", str(tmp_path)])
+    groups = f"saved by {WORLD} ranks as {replicas} sharding groups of {saved}"
+    assert (groups in inspected.output) == (replicas > 1), inspected.output
 
 
 def train_small(tmp: str, name: str, group_size: int) -> dict:

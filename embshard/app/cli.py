@@ -304,6 +304,8 @@ def inspect(directory: str, as_json: bool) -> None:
     shown = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.1f} KiB"
     world = info["world_size"]
     saved_by = "a plain state dict" if world is None else f"saved by {plural(world, 'rank')}"
+    if (info.get("replicas") or 1) > 1:
+        saved_by += f" as {info['replicas']} sharding groups of {info['sharding_group_size']}"
     click.echo(f"{info['path']}: step {info['step']}, {saved_by}, {shown} on disk")
     dense = plural(info["dense_tensors"], "tensor")
     click.echo(f"dense: {dense}, optimizer state: {info['dense_optimizer']}")
@@ -557,12 +559,12 @@ def plan(
 
     if balance_lookups and not batches:
         raise click.ClickException("--balance-lookups needs the traffic: give --batches N")
-    if balance_lookups and group is not None:
-        raise click.ClickException("--balance-lookups plans one group of every rank")
     try:
         model = load_config(config, use="plan", check_files=batches > 0)  # data: to measure
         if group is None:
             group_size(model, world_size, config)  # the config's must divide the world
+        if balance_lookups and (group or model.sharding_group_size) not in (None, world_size):
+            raise click.ClickException("--balance-lookups plans one group of every rank")
         stats = measure_traffic(model, world_size, batches) if batches else None
         if balance_lookups:
             sharding, report = lookup_balanced_plan(
