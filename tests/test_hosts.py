@@ -100,17 +100,26 @@ def wait_for(path: Path, timeout: float = 120) -> None:
         time.sleep(0.2)
 
 
-def test_a_host_lost_and_restarted_resumes_every_rank_from_the_last_checkpoint(two_hosts, tmp_path):
+RESTARTING = ("--nproc", "1", "--nnodes", "2", "--max-restarts", "1")
+
+
+def past_step_20(two_hosts: list[Host], tmp_path: Path) -> tuple[Path, Path, list[Path], list]:
+    """A 200-step job on both hosts, one rank each, restarting once, once its step-20
+    checkpoint is saved: its checkpoint root, config, hosts' logs and commands."""
     root = tmp_path / "ckpt"
     config = job_config(tmp_path, "job.yaml", 200, root)
     logs = [tmp_path / f"host{i}.log" for i in range(2)]
-    counts = ("--nproc", "1", "--nnodes", "2", "--max-restarts", "1")
-    running = [start(h, two_hosts, config, log, *counts) for h, log in zip(two_hosts, logs)]
+    running = [start(h, two_hosts, config, log, *RESTARTING) for h, log in zip(two_hosts, logs)]
     wait_for(root / "step_00000020")
+    return root, config, logs, running
+
+
+def test_a_host_lost_and_restarted_resumes_every_rank_from_the_last_checkpoint(two_hosts, tmp_path):
+    root, config, logs, running = past_step_20(two_hosts, tmp_path)
     two_hosts[1].kill_everything()  # its agent and its worker
     running[1].wait(timeout=30)
     time.sleep(2)  # the survivor's agent sees its worker fail and waits for a new round
-    running[1] = start(two_hosts[1], two_hosts, config, logs[1], *counts)
+    running[1] = start(two_hosts[1], two_hosts, config, logs[1], *RESTARTING)
     finish(running, logs)
     step = resumed_step(logs[0])
     assert 20 <= step < 200 and ckpt.latest(root).name == "step_00000200"
@@ -123,18 +132,13 @@ def test_the_survivor_restarted_last_resumes_every_rank_from_the_last_checkpoint
     """Host B is lost; the survivor, host A (which hosts the rendezvous), is stopped too
     and comes back after B: two fresh agents, no restart counted, and the job still
     continues from its own last checkpoint."""
-    root = tmp_path / "ckpt"
-    config = job_config(tmp_path, "job.yaml", 200, root)
-    logs = [tmp_path / f"host{i}.log" for i in range(2)]
-    counts = ("--nproc", "1", "--nnodes", "2", "--max-restarts", "1")
-    running = [start(h, two_hosts, config, log, *counts) for h, log in zip(two_hosts, logs)]
-    wait_for(root / "step_00000020")
+    root, config, logs, running = past_step_20(two_hosts, tmp_path)
     for host, process in zip(reversed(two_hosts), reversed(running)):  # B, then A
         host.kill_everything()
         process.wait(timeout=30)
-    lost = start(two_hosts[1], two_hosts, config, logs[1], *counts)
+    lost = start(two_hosts[1], two_hosts, config, logs[1], *RESTARTING)
     time.sleep(3)  # B waits for the rendezvous host
-    survivor = start(two_hosts[0], two_hosts, config, logs[0], *counts)
+    survivor = start(two_hosts[0], two_hosts, config, logs[0], *RESTARTING)
     finish([survivor, lost], logs)
     said = "".join(log.read_text() for log in logs)
     found = re.findall(r"embshard: resumed from \S+ at step (\d+)", said)

@@ -12,7 +12,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import click
@@ -497,6 +497,19 @@ _RANKS_PER_HOST = click.option(
 )
 
 
+def _group_size_option(does: str) -> Callable:
+    """``--sharding-group-size G|auto`` (as ``group``) for ``plan`` and ``simulate``:
+    what it ``does``, then its default."""
+    return click.option(
+        "--sharding-group-size",
+        "group",
+        type=GroupSizeParam(),
+        default=None,
+        metavar="G|auto",
+        help=f"{does} Default: the config's sharding_group_size, else one group.",
+    )
+
+
 @main.command()
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.option(
@@ -521,15 +534,9 @@ _RANKS_PER_HOST = click.option(
     "traffic, its hot rows copied on every rank (embshard.app.planning.lookup_balanced_plan), so "
     "each rank makes about as many lookups; slower steps where pooled rows dominate.",
 )
-@click.option(
-    "--sharding-group-size",
-    "group",
-    type=GroupSizeParam(),
-    default=None,
-    metavar="G|auto",
-    help="Plan for sharding groups of G ranks (2-D), each rank's cost with its all-reduce "
-    "over the copies; auto: the G of lowest step among the world and whole hosts dividing "
-    "it. Default: the config's sharding_group_size, else one group.",
+@_group_size_option(
+    "Plan for sharding groups of G ranks (2-D), each rank's cost with its all-reduce "
+    "over the copies; auto: the G of lowest step among the world and whole hosts dividing it."
 )
 def plan(
     config: str,
@@ -612,15 +619,10 @@ def plan(
     "rank at a time, memory flat in the ranks; the same report. Default: full up to 16 "
     "ranks, else streamed.",
 )
-@click.option(
-    "--sharding-group-size",
-    "group",
-    type=GroupSizeParam(),
-    default=None,
-    metavar="G|auto",
-    help="Simulate a 2-D job: the plan made for sharding groups of G ranks (a --plan is "
-    "one group's), the first group's ranks run, each with its all-reduce over its copies "
-    "priced; auto: the planner's G. Default: the config's sharding_group_size, else one group.",
+@_group_size_option(
+    "Simulate a 2-D job: the plan made for sharding groups of G ranks (a --plan is one "
+    "group's), the first group's ranks run, each with its all-reduce over its copies "
+    "priced; auto: the planner's G."
 )
 @click.option(
     "--check", is_flag=True, help="Also check a small copy's numerics against the oracle."
