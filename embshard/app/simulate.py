@@ -52,7 +52,13 @@ from embshard.app.train import fused_optimizer
 from embshard.errors import EmbshardError
 from embshard.modules.mesh import forget_meshes
 from embshard.plan.specs import ShardingPlan, plural
-from embshard.planner.groups import group_topology, spans_hosts, sync_bytes, sync_seconds
+from embshard.planner.groups import (
+    group_topology,
+    ring_bytes,
+    spans_hosts,
+    sync_bytes,
+    sync_seconds,
+)
 from embshard.planner.search import LOOKUP_PASSES, Topology, format_bytes, plan_loads
 from embshard.runtime.input_dist import InputDistribution, start_input_dist
 from embshard.runtime.routes import Routes, build_routes
@@ -352,7 +358,7 @@ def _price_sync(
     replicas = job.world_size // group
     buffers = sync_bytes(plan, config.tables, topology, config.sparse_optimizer.type)
     for r, nbytes in zip(ranks, buffers):
-        r.sync_bytes = round(2 * (replicas - 1) / replicas * nbytes)
+        r.sync_bytes = round(ring_bytes(replicas, nbytes))
         r.sync_across = spans_hosts(job, group, r.rank)
         r.sync_seconds = sync_seconds(job, group, r.rank, nbytes)
 

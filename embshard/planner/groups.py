@@ -125,12 +125,17 @@ def spans_hosts(job: Topology, size: int, rank: int) -> bool:
     return len({peer // job.ranks_per_host for peer in peers}) > 1
 
 
+def ring_bytes(replicas: int, nbytes: int) -> float:
+    """Bytes each replica sends in a ring all-reduce of ``nbytes`` over ``replicas``."""
+    return 2 * (replicas - 1) / replicas * nbytes
+
+
 def sync_seconds(job: Topology, size: int, rank: int, nbytes: int) -> float:
     """Group rank ``rank``'s all-reduce of ``nbytes``: a ring over the replicas."""
     replicas = job.world_size // size
     if replicas <= 1:
         return 0.0
-    moved = 2 * (replicas - 1) / replicas * nbytes
+    moved = ring_bytes(replicas, nbytes)
     if spans_hosts(job, size, rank):
         return job.seconds(0, moved) + 2 * (replicas - 1) * job.inter_latency
     return job.seconds(moved, 0) + 2 * (replicas - 1) * job.intra_latency
