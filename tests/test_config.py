@@ -91,6 +91,18 @@ def broken(change) -> dict:
         ),
         (lambda d: d.update(steps=0), "config.yaml.steps: must be at least 1"),
         (
+            lambda d: d.update(data={"type": "criteo", "path": "x.tsv", "drift": {}}),
+            "config.yaml.data.drift: only synthetic data drifts",
+        ),
+        (
+            lambda d: d.update(data={"drift": {"live_per_row": 0}}),
+            "config.yaml.data.drift.live_per_row: must be above 0",
+        ),
+        (
+            lambda d: d.update(data={"drift": {"turnover_steps": 0}}),
+            "config.yaml.data.drift.turnover_steps: must be at least 1",
+        ),
+        (
             lambda d: d.update(device="gpu"),
             r"config.yaml.device: expected one of \['auto', 'cpu', 'cuda'\], got 'gpu'",
         ),

@@ -227,3 +227,56 @@ def test_synthetic_feed_resumes_at_its_step():
     assert torch.equal(feed.take().dense, data.batch(6).dense)
     empty = data.empty_batch()
     assert empty.size == 0 and empty.sparse.keys() == ["user_id", "item_id", "last_item"]
+
+
+DRIFT_TABLES = [TableConfig("user", 1000, 8, ["user_id"], mean_pooling=8)]
+
+
+def drifting(live_per_row: float = 0.5, turnover_steps: int = 10, rank: int = 0):
+    from embshard.app.config import DriftConfig
+
+    return SyntheticData(DRIFT_TABLES, 5, 256, 0, rank, DriftConfig(live_per_row, turnover_steps))
+
+
+def raw_ids(data: SyntheticData, step: int, split: str = "train", at: int | None = None):
+    """The raw ids a batch was drawn with (its features hold them hashed onto rows)."""
+    return data._draw(step, split, at)[2][0][2]
+
+
+def test_drifting_ids_live_in_a_window_that_moves_one_turnover_a_live_set():
+    data = drifting()  # 500 ids live at a time, 50 born a step
+    seen = {s: set(raw_ids(data, s).tolist()) for s in (0, 1, 5, 10, 20)}
+    assert all(0 < len(ids) <= 500 for ids in seen.values())
+    assert all(0 <= i < 1 << 63 for ids in seen.values() for i in ids)
+    assert max(max(ids) for ids in seen.values()) > 1 << 40  # spread over 63 bits
+    assert not seen[0] & seen[10] and not seen[10] & seen[20]  # a whole turnover apart
+    assert seen[0] & seen[5] and seen[5] & seen[10]  # half a turnover apart
+    fresh = seen[1] - seen[0]  # born since: the newest ids are the hottest
+    counts = torch.tensor([i in fresh for i in raw_ids(data, 1).tolist()])
+    assert counts.float().mean() > 0.3  # 50 of 500 ids, drawn a third of the time or more
+
+
+def test_drifting_batches_hash_raw_ids_onto_rows_and_score_the_raw_ids():
+    data = drifting()
+    batch = data.batch(3)
+    raw = raw_ids(data, 3)
+    assert torch.equal(batch.sparse.values(), raw % 1000)
+    assert batch.sparse.values().max() < 1000
+    assert torch.equal(batch.labels, data.batch(3).labels)  # deterministic
+    assert next(data.epoch_features()).values().max() < 1000
+    # the labels come from the raw ids: hashing onto rows loses what collisions hide
+    scores = data._score("user_id", raw)
+    assert not torch.equal(scores, data._score("user_id", raw % 1000))
+
+
+def test_drifting_held_out_batches_are_the_stream_at_the_step():
+    data = drifting()
+    early, late = data.eval_batches(2, step=0), data.eval_batches(2, step=20)
+    early_ids = set(raw_ids(data, 0, "eval", 0).tolist())
+    assert early_ids & set(raw_ids(data, 0).tolist())
+    assert not early_ids & set(raw_ids(data, 20).tolist())
+    assert not torch.equal(early[0].sparse.values(), late[0].sparse.values())
+    fixed = SyntheticData(DRIFT_TABLES, 5, 256, 0, rank=0)  # no drift: one held-out set
+    assert torch.equal(
+        fixed.eval_batches(1, step=0)[0].labels, fixed.eval_batches(1, step=50)[0].labels
+    )

@@ -99,6 +99,7 @@ def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 def test_cli_trains_and_reports(tmp_path):
     data = yaml.safe_load((ROOT / "configs" / "small.yaml").read_text())
     data.update(steps=30, batch_size=64)
+    data["data"] = {"type": "synthetic", "drift": {"turnover_steps": 20}}  # held out at the step
     data["eval"] = {"every": 15, "batches": 2}
     data["logging"] = {"metrics": "metrics.jsonl", "every": 10}
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(data))

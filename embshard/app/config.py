@@ -116,12 +116,22 @@ class OptimizerConfig:
 
 
 @dataclass(frozen=True)
+class DriftConfig:
+    """Synthetic ids that come and go, as production ids do: each feature's ids are
+    born at a steady rate, hot when new and fading as they age."""
+
+    live_per_row: float = 1.0  # ids live at a time, per row of the feature's table
+    turnover_steps: int = 1000  # steps in which as many ids are born as are live
+
+
+@dataclass(frozen=True)
 class DataConfig:
     type: Literal["synthetic", "criteo"] = "synthetic"
     path: str | None = None  # Criteo TSV for training
     eval_path: str | None = None  # Criteo TSV held out for evaluation
     skip_bad_lines: bool = False  # skip malformed Criteo lines instead of failing
     epochs: int | None = None  # passes over the Criteo training file; None: until steps
+    drift: DriftConfig | None = None  # synthetic ids that drift; None: a fixed vocabulary
 
 
 @dataclass(frozen=True)
@@ -448,6 +458,13 @@ def _check(config: TrainConfig, where: str, use: Use, check_files: bool) -> None
     if dense is not None and dense.type not in DENSE_OPTIMIZERS:
         raise ConfigError(f"{where}.dense_optimizer.type: the dense layers take {DENSE_OPTIMIZERS}")
     data = config.data
+    if data.drift is not None:
+        if data.type != "synthetic":
+            raise ConfigError(f"{where}.data.drift: only synthetic data drifts")
+        if not data.drift.live_per_row > 0:
+            raise ConfigError(f"{where}.data.drift.live_per_row: must be above 0")
+        if data.drift.turnover_steps < 1:
+            raise ConfigError(f"{where}.data.drift.turnover_steps: must be at least 1")
     if data.type == "criteo":
         if config.dense_in_features != CRITEO_DENSE:
             raise ConfigError(f"{where}.model.dense_in_features: Criteo has {CRITEO_DENSE}")

@@ -18,7 +18,13 @@ from pathlib import Path
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from embshard.app.config import CRITEO_CATEGORICAL, CRITEO_DENSE, TableConfig, TrainConfig
+from embshard.app.config import (
+    CRITEO_CATEGORICAL,
+    CRITEO_DENSE,
+    DriftConfig,
+    TableConfig,
+    TrainConfig,
+)
 from embshard.errors import EmbshardError
 
 
@@ -72,6 +78,28 @@ def power_law_ids(rows: int, count: int, generator: torch.Generator) -> torch.Te
     return (torch.pow(float(rows), u).floor().long() - 1).clamp(0, rows - 1)
 
 
+_SCRAMBLE = 0x5851F42D4C957F2D  # odd: multiplying by it permutes [0, 2**63)
+_MASK63 = (1 << 63) - 1
+
+
+@dataclass(frozen=True)
+class Drift:
+    """One feature's drifting ids: the id born ``a``-th most recently before a step is
+    drawn as ``power_law_ids``' ``a``-th row, so about ``live`` ids are live at a time
+    (the newest hottest) and ``born_per_step`` new ones arrive each step. Raw ids are
+    the ids' birth numbers scrambled over ``[0, 2**63)`` (a permutation), as hashed
+    production ids look."""
+
+    live: int
+    born_per_step: float
+    salt: int
+
+    def ids(self, step: int, count: int, generator: torch.Generator) -> torch.Tensor:
+        newest = self.live - 1 + math.floor(step * self.born_per_step)
+        born = newest - power_law_ids(self.live, count, generator)
+        return (born * _SCRAMBLE + self.salt) & _MASK63
+
+
 class SyntheticData:
     """Batches that depend only on (seed, split, rank, step).
 
@@ -79,13 +107,23 @@ class SyntheticData:
     sizes are Poisson around each table's ``mean_pooling`` (at least 1), and labels
     are drawn from a fixed hidden logistic model of the dense features and the ids,
     so a model can learn them.
+
+    With ``drift``, each feature's ids come and go (``Drift``): the labels are drawn
+    from the raw ids, and a table's ids are the raw ids hashed onto its rows
+    (``raw % rows``), where ids that are live together can collide.
     """
 
     epochs = 1  # one pass that never ends
     skipped = 0  # lines skipped: none, the data is generated
 
     def __init__(
-        self, tables: Sequence[TableConfig], dense_in: int, batch_size: int, seed: int, rank: int
+        self,
+        tables: Sequence[TableConfig],
+        dense_in: int,
+        batch_size: int,
+        seed: int,
+        rank: int,
+        drift: DriftConfig | None = None,
     ) -> None:
         self.rows = feature_rows(tables)
         self.pooling = {f: t.mean_pooling for t in tables for f in t.features}
@@ -93,6 +131,23 @@ class SyntheticData:
         hidden = torch.Generator().manual_seed(_stable_seed(seed, "hidden"))
         self.dense_weight = torch.randn(dense_in, generator=hidden) / math.sqrt(dense_in)
         self.feature_salt = {f: _stable_seed(seed, f) % (1 << 16) for f in self.rows}
+        self.drift = (
+            {}
+            if drift is None
+            else {
+                f: Drift(
+                    live := max(1, round(drift.live_per_row * rows)),
+                    live / drift.turnover_steps,
+                    _stable_seed(seed, "drift", f) & _MASK63,
+                )
+                for f, rows in self.rows.items()
+            }
+        )
+
+    @property
+    def drifts(self) -> bool:
+        """Whether held-out batches change with the step (drawn at it)."""
+        return bool(self.drift)
 
     def _score(self, feature: str, ids: torch.Tensor) -> torch.Tensor:
         """A fixed pseudo-random score in [-1, 1) per (feature, id)."""
@@ -100,10 +155,11 @@ class SyntheticData:
         return mixed.float() / (1 << 15) - 1
 
     def _draw(
-        self, step: int, split: str
+        self, step: int, split: str, at: int | None = None
     ) -> tuple[torch.Generator, torch.Tensor, list[tuple[str, torch.Tensor, torch.Tensor]]]:
-        """The step's generator, dense features and each feature's (name, bags, ids), in
-        the order of their draws."""
+        """The step's generator, dense features and each feature's (name, bags, raw
+        ids), in the order of their draws; drifting ids as they are at step ``at``
+        (default ``step``)."""
         g = torch.Generator().manual_seed(_stable_seed(self.seed, split, self.rank, step))
         size = self.batch_size
         dense = torch.randn(size, self.dense_in, generator=g)
@@ -111,18 +167,33 @@ class SyntheticData:
         for feature, rows in self.rows.items():
             mean = torch.full((size,), float(self.pooling[feature]))
             bags = torch.poisson(mean, generator=g).clamp(min=1).long()
-            drawn.append((feature, bags, power_law_ids(rows, int(bags.sum()), g)))
+            count = int(bags.sum())
+            drift = self.drift.get(feature)
+            ids = (
+                power_law_ids(rows, count, g)
+                if drift is None
+                else drift.ids(step if at is None else at, count, g)
+            )
+            drawn.append((feature, bags, ids))
         return g, dense, drawn
 
-    def batch(self, step: int, split: str = "train") -> Batch:
-        g, dense, drawn = self._draw(step, split)
+    def _to_rows(
+        self, drawn: list[tuple[str, torch.Tensor, torch.Tensor]]
+    ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """Drifting raw ids hashed onto their tables' rows."""
+        if not self.drift:
+            return drawn
+        return [(f, bags, ids % self.rows[f]) for f, bags, ids in drawn]
+
+    def batch(self, step: int, split: str = "train", at: int | None = None) -> Batch:
+        g, dense, drawn = self._draw(step, split, at)
         logit = 0.5 * (dense @ self.dense_weight)
         for feature, bags, ids in drawn:
             sample = torch.repeat_interleave(torch.arange(self.batch_size), bags)
             scores = torch.zeros(self.batch_size).index_add(0, sample, self._score(feature, ids))
             logit += 3 * scores / bags / math.sqrt(len(self.rows))
         labels = torch.bernoulli(torch.sigmoid(logit), generator=g)
-        return Batch(dense, _features(drawn), labels)
+        return Batch(dense, _features(self._to_rows(drawn)), labels)
 
     def epoch_batches(self, skip: int = 0) -> Iterator[Batch]:
         """The batches of steps ``skip``, ``skip + 1``, ..."""
@@ -131,7 +202,9 @@ class SyntheticData:
     def epoch_features(self) -> Iterator[KeyedJaggedTensor]:
         """The sparse features of ``epoch_batches()``, without the labels' work: what
         ``embshard simulate`` routes."""
-        return (_features(self._draw(step, "train")[2]) for step in itertools.count())
+        return (
+            _features(self._to_rows(self._draw(step, "train")[2])) for step in itertools.count()
+        )
 
     def batches_per_epoch(self) -> int | None:
         return None
@@ -139,8 +212,10 @@ class SyntheticData:
     def empty_batch(self) -> Batch:
         return empty_batch(list(self.rows), self.dense_in)
 
-    def eval_batches(self, count: int) -> list[Batch]:
-        return [self.batch(i, "eval") for i in range(count)]
+    def eval_batches(self, count: int, step: int = 0) -> list[Batch]:
+        """The held-out batches; drifting, those of the stream as it is at ``step``
+        (a fixed set otherwise)."""
+        return [self.batch(i, "eval", step if self.drift else None) for i in range(count)]
 
 
 def _count_newlines(f, end: int, chunk: int = 1 << 20) -> int:
@@ -169,6 +244,8 @@ class CriteoData:
     malformed line raises CriteoFormatError naming file and line, or is skipped with
     ``skip_bad_lines``. ``epochs`` passes over the training file, None: no end.
     """
+
+    drifts = False  # the held-out file is the same at every step
 
     def __init__(
         self,
@@ -346,4 +423,6 @@ def build_data(config: TrainConfig, rank: int, world: int) -> SyntheticData | Cr
             epochs=config.data.epochs,
         )
     dense_in = config.dense_in_features
-    return SyntheticData(config.tables, dense_in, config.batch_size, config.seed, rank)
+    return SyntheticData(
+        config.tables, dense_in, config.batch_size, config.seed, rank, config.data.drift
+    )

@@ -537,8 +537,13 @@ def _failures_named(job: _Job, loop: _LoopState) -> Iterator[None]:
 
 
 def _evaluate(job: _Job, step: int) -> tuple[float, float]:
-    """AUC and loss on the held-out batches (collective), logged and printed."""
-    auc, eval_loss = evaluate(job.model, job.eval_batches, job.empty)
+    """AUC and loss on the held-out batches (collective), logged and printed; on
+    drifting data, the held-out batches of the stream as it is at ``step``."""
+    held_out = job.eval_batches
+    if job.data.drifts:
+        drawn = job.data.eval_batches(job.config.eval.batches, step)
+        held_out = [batch.to(default_device()) for batch in drawn]
+    auc, eval_loss = evaluate(job.model, held_out, job.empty)
     job.metrics.write({"step": step, "eval_auc": auc, "eval_loss": eval_loss})
     job.say(f"step {step}: eval AUC {auc:.4f}, eval loss {eval_loss:.4f}")
     return auc, eval_loss
