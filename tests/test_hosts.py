@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 from hosts import Host, hosts
-from test_train import run_cli
+from test_train import train_resuming
 
 from embshard import checkpoint as ckpt
 
@@ -52,9 +52,10 @@ def finish(processes, logs, timeout: float = 300) -> None:
         assert process.wait(timeout=timeout) == 0, log.read_text()[-3000:]
 
 
-def one_host(config: Path, nproc: int, *extra: str) -> None:
-    run = run_cli("train", str(config), "--nproc", str(nproc), *extra, cwd=config.parent)
-    assert run.returncode == 0, run.stderr[-3000:]
+def one_host(world, config: Path, nproc: int, resume: bool = False) -> None:
+    """``config`` trained by ``nproc`` ranks of one host: the test session's shared
+    world of them, running what each rank of ``embshard train`` runs."""
+    world(nproc).run(train_resuming, str(config), resume)
 
 
 def assert_same_weights(a: Path, b: Path) -> None:
@@ -65,12 +66,12 @@ def assert_same_weights(a: Path, b: Path) -> None:
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_two_hosts_train_as_one_host_does(two_hosts, tmp_path, nproc):
+def test_two_hosts_train_as_one_host_does(two_hosts, world, tmp_path, nproc):
     config = job_config(tmp_path, "two.yaml", 20, tmp_path / "two")
     logs = [tmp_path / f"host{i}.log" for i in range(2)]
     counts = ("--nproc", str(nproc), "--nnodes", "2")
     finish([start(h, two_hosts, config, log, *counts) for h, log in zip(two_hosts, logs)], logs)
-    one_host(job_config(tmp_path, "one.yaml", 20, tmp_path / "one"), 2 * nproc)
+    one_host(world, job_config(tmp_path, "one.yaml", 20, tmp_path / "one"), 2 * nproc)
     assert_same_weights(tmp_path / "one", tmp_path / "two")
     assert f"on {2 * nproc} ranks" in logs[0].read_text()
 
@@ -81,7 +82,7 @@ def resumed_step(log: Path) -> int:
     return int(found[0])
 
 
-def continued_alone(tmp: Path, config: Path, root: Path, step: int, nproc: int) -> Path:
+def continued_alone(world, tmp: Path, config: Path, root: Path, step: int, nproc: int) -> Path:
     """The run from ``root``'s checkpoint of ``step`` to the end, uninterrupted, on one
     host with ``nproc`` ranks."""
     alone = tmp / "alone"
@@ -89,7 +90,7 @@ def continued_alone(tmp: Path, config: Path, root: Path, step: int, nproc: int) 
     data = yaml.safe_load(config.read_text())
     data["checkpoint"]["dir"] = str(alone)
     (tmp / "alone.yaml").write_text(yaml.safe_dump(data))
-    one_host(tmp / "alone.yaml", nproc, "--resume")
+    one_host(world, tmp / "alone.yaml", nproc, resume=True)
     return alone
 
 
@@ -114,7 +115,9 @@ def past_step_20(two_hosts: list[Host], tmp_path: Path) -> tuple[Path, Path, lis
     return root, config, logs, running
 
 
-def test_a_host_lost_and_restarted_resumes_every_rank_from_the_last_checkpoint(two_hosts, tmp_path):
+def test_a_host_lost_and_restarted_resumes_every_rank_from_the_last_checkpoint(
+    two_hosts, world, tmp_path
+):
     root, config, logs, running = past_step_20(two_hosts, tmp_path)
     two_hosts[1].kill_everything()  # its agent and its worker
     running[1].wait(timeout=30)
@@ -123,11 +126,11 @@ def test_a_host_lost_and_restarted_resumes_every_rank_from_the_last_checkpoint(t
     finish(running, logs)
     step = resumed_step(logs[0])
     assert 20 <= step < 200 and ckpt.latest(root).name == "step_00000200"
-    assert_same_weights(continued_alone(tmp_path, config, root, step, 2), root)
+    assert_same_weights(continued_alone(world, tmp_path, config, root, step, 2), root)
 
 
 def test_the_survivor_restarted_last_resumes_every_rank_from_the_last_checkpoint(
-    two_hosts, tmp_path
+    two_hosts, world, tmp_path
 ):
     """Host B is lost; the survivor, host A (which hosts the rendezvous), is stopped too
     and comes back after B: two fresh agents, no restart counted, and the job still
@@ -145,10 +148,10 @@ def test_the_survivor_restarted_last_resumes_every_rank_from_the_last_checkpoint
     assert len(found) == 1, said[-3000:]
     step = int(found[0])
     assert 20 <= step < 200 and ckpt.latest(root).name == "step_00000200"
-    assert_same_weights(continued_alone(tmp_path, config, root, step, 2), root)
+    assert_same_weights(continued_alone(world, tmp_path, config, root, step, 2), root)
 
 
-def test_a_host_added_continues_the_job_from_its_last_checkpoint(two_hosts, tmp_path):
+def test_a_host_added_continues_the_job_from_its_last_checkpoint(two_hosts, world, tmp_path):
     """The first host trains alone until the second joins; the job then continues with
     two ranks, until a SIGTERM stops it (the steps are many: the first host must not
     finish before the second has joined)."""
@@ -173,4 +176,4 @@ def test_a_host_added_continues_the_job_from_its_last_checkpoint(two_hosts, tmp_
     data = yaml.safe_load(config.read_text())
     data["steps"] = end
     config.write_text(yaml.safe_dump(data))
-    assert_same_weights(continued_alone(tmp_path, config, root, step, 2), root)
+    assert_same_weights(continued_alone(world, tmp_path, config, root, step, 2), root)

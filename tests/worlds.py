@@ -13,6 +13,7 @@ import faulthandler
 import multiprocessing as mp
 import os
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -47,6 +48,11 @@ def _serve(rank: int, size: int, store_path: str, conn: Any, backend: str, cuda:
         except BaseException:
             conn.send(("error", traceback.format_exc()))
     dist.destroy_process_group()
+    # Skip the interpreter's teardown, where a rank whose gloo threads still hold
+    # tensors can hang or abort (embshard.shutdown's reason): the world's work is done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class World:
@@ -107,8 +113,9 @@ class World:
             if proc.is_alive():
                 with contextlib.suppress(OSError):
                     conn.send(None)
+        deadline = time.monotonic() + 10  # for all the ranks, not each
         for proc in self._procs:
-            proc.join(timeout=10)
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
         self._dir.cleanup()
