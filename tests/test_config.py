@@ -99,6 +99,23 @@ def broken(change) -> dict:
             "config.yaml.data.drift.live_per_row: must be above 0",
         ),
         (
+            lambda d: d["tables"][3].update(dynamic={"buckets": 300}),
+            r"tables\[3\].dynamic.buckets: must divide num_embeddings \(5000\), got 300",
+        ),
+        (
+            lambda d: d["tables"][3].update(dynamic={"buckets": 50, "policy": "ttl"}),
+            r"tables\[3\].dynamic: policy 'ttl' needs ttl_steps",
+        ),
+        (
+            lambda d: d["tables"][3].update(dynamic={"buckets": 50, "admit_after": 0}),
+            r"tables\[3\].dynamic: admit_after",
+        ),
+        (
+            lambda d: d["tables"][3].update(features=["city", "device"], dynamic={"buckets": 50}),
+            r"the dynamic table 'city' takes raw ids, so its features feed no other table; "
+            r"\['device'\] do",
+        ),
+        (
             lambda d: d.update(data={"drift": {"turnover_steps": 0}}),
             "config.yaml.data.drift.turnover_steps: must be at least 1",
         ),

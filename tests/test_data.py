@@ -280,3 +280,25 @@ def test_drifting_held_out_batches_are_the_stream_at_the_step():
     assert torch.equal(
         fixed.eval_batches(1, step=0)[0].labels, fixed.eval_batches(1, step=50)[0].labels
     )
+
+
+def test_a_dynamic_tables_features_keep_their_raw_ids(tmp_path):
+    from embshard.app.config import DriftConfig, DynamicConfig
+
+    dynamic = TableConfig("user", 1000, 8, ["user_id"], dynamic=DynamicConfig(buckets=10))
+    tables = [dynamic, TableConfig("item", 300, 8, ["item_id"])]
+    data = SyntheticData(tables, 5, 256, 0, 0, DriftConfig(0.5, 10))
+    drawn = {f: ids for f, _, ids in data._draw(4, "train")[2]}
+    features = data.batch(4).sparse.to_dict()
+    assert torch.equal(features["user_id"].values(), drawn["user_id"])  # raw, over 63 bits
+    assert features["user_id"].values().max() > 1 << 40
+    assert torch.equal(features["item_id"].values(), drawn["item_id"] % 300)
+    criteo = [TableConfig("c0", 1000, 8, ["cat_0"], dynamic=DynamicConfig(buckets=10))]
+    criteo.append(TableConfig("c1", 1000, 8, ["cat_1"]))
+    path = write_lines(tmp_path / "d.tsv", sample_lines(20, seed=5))
+    batch = next(CriteoData(str(path), None, criteo, 20, 0, 1).epoch_batches())
+    columns = [line.split("\t")[14:16] for line in sample_lines(20, seed=5)]
+    raw = [[int(c, 16) for c in column if c] for column in zip(*columns)]
+    found = batch.sparse.to_dict()
+    assert found["cat_0"].values().tolist() == raw[0]
+    assert found["cat_1"].values().tolist() == [i % 1000 for i in raw[1]]

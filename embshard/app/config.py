@@ -27,6 +27,7 @@ from torchrec.modules.embedding_configs import (
 
 from embshard.errors import ConfigError, PlanError
 from embshard.plan.specs import Kind, ShardingPlan, plural, yaml_problem
+from embshard.storage.id_map import IdMapSpec
 from embshard.storage.optimizers import FUSED_OPTIMIZERS, device_problem
 
 SPARSE_OPTIMIZERS = list(FUSED_OPTIMIZERS)
@@ -60,6 +61,18 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class DynamicConfig:
+    """A dynamic table's id map (docs/dynamic.md): its features' raw ids are remapped
+    to the table's rows, ``num_embeddings / buckets`` rows a bucket, each live id
+    owning its row alone."""
+
+    buckets: int = 1024
+    policy: Literal["lru", "lfu", "ttl", "none"] = "lru"
+    ttl_steps: int | None = None  # for policy ttl: steps unseen before an id may go
+    admit_after: int = 1  # sightings before an id gets a row
+
+
+@dataclass(frozen=True)
 class TableConfig:
     name: str
     num_embeddings: int
@@ -72,6 +85,7 @@ class TableConfig:
     shardings: list[Literal[PLANNED_KINDS]] | None = None
     ranks: list[int] | None = None
     column_blocks: int | None = None
+    dynamic: DynamicConfig | None = None  # raw ids remapped to rows; None: ids are rows
 
     @property
     def sequence(self) -> bool:
@@ -102,6 +116,14 @@ class TableConfig:
             pooling=PoolingType.MEAN if self.pooling == "mean" else PoolingType.SUM,
             data_type=self._data_type,
         )
+
+    def id_map(self, seed: int) -> IdMapSpec | None:
+        """The id map of a dynamic table (None for a static one)."""
+        if self.dynamic is None:
+            return None
+        d = self.dynamic
+        rows_per_bucket = self.num_embeddings // d.buckets
+        return IdMapSpec(d.buckets, rows_per_bucket, d.policy, d.ttl_steps, d.admit_after, seed)
 
     @property
     def _data_type(self) -> DataType:
@@ -412,6 +434,33 @@ def _check_plan(config: TrainConfig, where: str, world_size: int | None = None) 
         raise ConfigError(f"{where}.plan: {e}") from None
 
 
+def _check_dynamic(config: TrainConfig, where: str) -> None:
+    """Each dynamic table's map fits its rows, and its features feed it alone (their
+    ids are raw, no other table's rows)."""
+    for i, t in enumerate(config.tables):
+        if t.dynamic is None:
+            continue
+        at = f"{where}.tables[{i}].dynamic"
+        if t.dynamic.buckets < 1 or t.num_embeddings % t.dynamic.buckets:
+            raise ConfigError(
+                f"{at}.buckets: must divide num_embeddings ({t.num_embeddings}), "
+                f"got {t.dynamic.buckets}"
+            )
+        try:
+            t.id_map(config.seed)
+        except PlanError as e:
+            raise ConfigError(f"{at}: {str(e).removeprefix('IdMapSpec: ')}") from None
+        shared = sorted(
+            {f for other in config.tables if other is not t for f in other.features}
+            & set(t.features)
+        )
+        if shared:
+            raise ConfigError(
+                f"{where}.tables[{i}]: the dynamic table {t.name!r} takes raw ids, so its "
+                f"features feed no other table; {shared} do"
+            )
+
+
 def _check(config: TrainConfig, where: str, use: Use, check_files: bool) -> None:
     trains = use == "train"
     if not config.tables:
@@ -444,6 +493,7 @@ def _check(config: TrainConfig, where: str, use: Use, check_files: bool) -> None
         raise ConfigError(
             f"{where}.model.dense_arch_layer_sizes: the last size must equal embedding_dim"
         )
+    _check_dynamic(config, where)
     _check_plan(config, where)
     if len({t.data_type for t in config.tables}) > 1:
         raise ConfigError(

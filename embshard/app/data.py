@@ -66,6 +66,14 @@ def feature_rows(tables: Sequence[TableConfig]) -> dict[str, int]:
     return rows
 
 
+def id_moduli(tables: Sequence[TableConfig]) -> dict[str, int | None]:
+    """Every feature in model order, with the rows its raw ids are taken modulo: its
+    smallest table's, or None for a dynamic table's feature, which keeps its raw ids
+    (the table remaps them)."""
+    dynamic = {f for t in tables if t.dynamic is not None for f in t.features}
+    return {f: None if f in dynamic else rows for f, rows in feature_rows(tables).items()}
+
+
 def _stable_seed(*parts: object) -> int:
     digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
@@ -109,8 +117,9 @@ class SyntheticData:
     so a model can learn them.
 
     With ``drift``, each feature's ids come and go (``Drift``): the labels are drawn
-    from the raw ids, and a table's ids are the raw ids hashed onto its rows
-    (``raw % rows``), where ids that are live together can collide.
+    from the raw ids, and a static table's ids are the raw ids hashed onto its rows
+    (``raw % rows``), where ids that are live together can collide; a dynamic table
+    takes them raw.
     """
 
     epochs = 1  # one pass that never ends
@@ -126,6 +135,7 @@ class SyntheticData:
         drift: DriftConfig | None = None,
     ) -> None:
         self.rows = feature_rows(tables)
+        self.moduli = id_moduli(tables)
         self.pooling = {f: t.mean_pooling for t in tables for f in t.features}
         self.dense_in, self.batch_size, self.seed, self.rank = dense_in, batch_size, seed, rank
         hidden = torch.Generator().manual_seed(_stable_seed(seed, "hidden"))
@@ -180,10 +190,12 @@ class SyntheticData:
     def _to_rows(
         self, drawn: list[tuple[str, torch.Tensor, torch.Tensor]]
     ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-        """Drifting raw ids hashed onto their tables' rows."""
+        """Drifting raw ids hashed onto their static tables' rows."""
         if not self.drift:
             return drawn
-        return [(f, bags, ids % self.rows[f]) for f, bags, ids in drawn]
+        return [
+            (f, bags, ids if (m := self.moduli[f]) is None else ids % m) for f, bags, ids in drawn
+        ]
 
     def batch(self, step: int, split: str = "train", at: int | None = None) -> Batch:
         g, dense, drawn = self._draw(step, split, at)
@@ -240,7 +252,8 @@ class CriteoData:
     of each file, so ranks may get different numbers of lines (or none); a pass ends
     with a partial batch where the rank's part does not divide into whole ones. Dense
     values become log(1 + max(x, 0)), empty ones 0; a categorical value is its hex
-    number modulo the rows of the feature's table, an empty one an empty bag. A
+    number modulo the rows of the feature's table (a dynamic table takes the number
+    itself), an empty one an empty bag. A
     malformed line raises CriteoFormatError naming file and line, or is skipped with
     ``skip_bad_lines``. ``epochs`` passes over the training file, None: no end.
     """
@@ -262,8 +275,8 @@ class CriteoData:
             if file is not None and Path(file).stat().st_size == 0:
                 raise CriteoFormatError(f"{file}: the file is empty")
         self.path, self.eval_path, self.epochs = path, eval_path, epochs
-        self.rows = feature_rows(tables)
-        self.columns = [1 + CRITEO_DENSE + int(f.removeprefix("cat_")) for f in self.rows]
+        self.moduli = id_moduli(tables)
+        self.columns = [1 + CRITEO_DENSE + int(f.removeprefix("cat_")) for f in self.moduli]
         self.batch_size, self.rank, self.world = batch_size, rank, world
         self.skip_bad_lines = skip_bad_lines
         self.skipped = 0
@@ -300,8 +313,9 @@ class CriteoData:
                 self.skipped += 1
                 return None
             raise CriteoFormatError(f"{path}:{line_no}: malformed Criteo line: {e}") from None
-        rows = self.rows.values()
-        return float(fields[0]), dense, [None if i is None else i % r for i, r in zip(ids, rows)]
+        moduli = self.moduli.values()
+        found = [i if i is None or m is None else i % m for i, m in zip(ids, moduli)]
+        return float(fields[0]), dense, found
 
     def _records(self, path: str) -> Iterator[tuple]:
         for line_no, text in self._lines(path):
@@ -320,12 +334,12 @@ class CriteoData:
         labels = torch.tensor([r[0] for r in records])
         dense = torch.tensor([r[1] for r in records], dtype=torch.float32)
         lengths, values = [], []
-        for column in range(len(self.rows)):
+        for column in range(len(self.moduli)):
             ids = [r[2][column] for r in records]
             lengths += [0 if i is None else 1 for i in ids]
             values += [i for i in ids if i is not None]
         sparse = KeyedJaggedTensor(
-            keys=list(self.rows),
+            keys=list(self.moduli),
             values=torch.tensor(values, dtype=torch.long),
             lengths=torch.tensor(lengths, dtype=torch.long),
         )
@@ -344,7 +358,7 @@ class CriteoData:
         return math.ceil(sum(1 for _ in self._records(self.path)) / self.batch_size)
 
     def empty_batch(self) -> Batch:
-        return empty_batch(list(self.rows), CRITEO_DENSE)
+        return empty_batch(list(self.moduli), CRITEO_DENSE)
 
     def eval_batches(self, count: int) -> list[Batch]:
         """Up to ``count`` batches of this rank's part of the held-out file."""
