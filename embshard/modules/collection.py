@@ -42,6 +42,8 @@ from embshard.runtime.input_dist import (
 from embshard.runtime.output_dist import OutputLayout, PooledAllToAll, send_home
 from embshard.runtime.routes import build_routes
 from embshard.runtime.scratch import Scratch
+from embshard.storage.dynamic import DynamicStats, DynamicTables, check_dynamic
+from embshard.storage.id_map import IdMapSpec
 from embshard.storage.init import init_shard
 from embshard.storage.lookup import LookupBackend, TrainingTBE
 from embshard.storage.optimizers import FusedOptimizer
@@ -135,6 +137,7 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
         is_weighted: bool = False,
         comm_precision: str | None = None,
         lookup: LookupBackend = TrainingTBE(),
+        dynamic: Mapping[str, IdMapSpec] | None = None,
     ) -> None:
         super().__init__()
         self._mesh = ShardingMesh.of(mesh)
@@ -142,11 +145,15 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
         self._configs = list(configs)
         self._optimizer = optimizer
         self._tables = plan.resolve(self._configs, self._mesh.size)
+        dynamic = dict(dynamic or {})
+        check_dynamic(dynamic, self._configs, self._tables, self._mesh.replicas)
         self._plan = plan
         self._group = self._mesh.sharding_group
         self._rank = self._mesh.rank
         self._device = self._mesh.device
-        self._routes = build_routes(self._configs, self._tables, self._mesh.size, is_weighted)
+        self._routes = build_routes(
+            self._configs, self._tables, self._mesh.size, is_weighted, dynamic
+        )
         scratch = Scratch()
         self._input_dist = self._input_stage(scratch)
         self._output_layout = self._output_stage(scratch, comm_precision)
@@ -176,6 +183,20 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
             lookup,
         )
         self._fill(seed, weights)
+        self._dynamic = (
+            DynamicTables(
+                dynamic,
+                self._configs,
+                self._storage.shards,
+                self._routes.slots[self._rank],
+                self._storage.tbe,
+                self._device,
+            )
+            if dynamic
+            else None
+        )
+        if any(spec.policy == "none" for spec in dynamic.values()):
+            self._input_dist.bags.held = self._dynamic
         submesh = self._mesh.submesh
         self._weights = {
             name: table_dtensor(table, self._storage.weights[name], mesh, submesh)
@@ -314,6 +335,14 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
         with torch.no_grad():
             for tensor, part in zip(tensors, flat.split([t.numel() for t in tensors])):
                 tensor.copy_(part.view_as(tensor))
+
+    def dynamic_stats(self) -> dict[str, DynamicStats]:
+        """Each dynamic table's admitted, evicted and overflowing ids since sharding,
+        and its live ids now, over every rank (collective: every rank calls it); empty
+        without dynamic tables."""
+        if self._dynamic is None:
+            return {}
+        return self._dynamic.stats(self._group)
 
     @property
     def feature_names(self) -> set[str]:
@@ -464,8 +493,10 @@ class ShardedEmbeddingBagCollection(ShardedCollection[None, Pooled, KeyedTensor]
             else torch.empty(batch.batch_size, 0, device=self._device)
         )
         indices, offsets, weights = self._input_dist.arrived(in_flight)
+        batch_size = sum(in_flight.counts.batch_sizes)
+        if self._dynamic is not None:
+            indices, offsets, weights = self._dynamic.remap(indices, offsets, weights, batch_size)
         if self._storage.tbe is None:
-            batch_size = sum(in_flight.counts.batch_sizes)
             return Pooled(torch.zeros(batch_size, 0, device=self._device), local)
         return Pooled(self._storage.tbe(indices, offsets, per_sample_weights=weights), local)
 

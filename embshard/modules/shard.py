@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torchrec import EmbeddingBagCollection, EmbeddingCollection
 
+from embshard.errors import PlanError
 from embshard.modules.collection import ShardedCollection, ShardedEmbeddingBagCollection
 from embshard.modules.mesh import world_mesh
 from embshard.modules.sequence import ShardedEmbeddingCollection
 from embshard.plan.specs import ShardingPlan
+from embshard.storage.id_map import IdMapSpec
 from embshard.storage.lookup import LookupBackend, TrainingTBE
 from embshard.storage.optimizers import SGD, FusedOptimizer
 
@@ -25,6 +29,7 @@ def shard(
     seed: int = 0,
     comm_precision: str | None = None,
     lookup: LookupBackend = TrainingTBE(),
+    dynamic: Mapping[str, IdMapSpec] | None = None,
 ) -> ShardedCollection:
     """Shard ``module`` by ``plan`` over ``mesh`` (default: the whole default process group).
 
@@ -42,6 +47,12 @@ def shard(
 
     ``lookup`` builds each rank's lookup over its shards: FBGEMM's training TBE in
     the device's own memory by default, ``TrainingTBE(location="managed")`` for UVM.
+
+    ``dynamic`` names the dynamic tables of an EmbeddingBagCollection, each with its
+    ``IdMapSpec``: their features take raw ids in ``[0, 2**63)``, each remapped to a row
+    it owns alone until evicted (docs/dynamic.md). Such a table has ``num_embeddings ==
+    buckets * rows_per_bucket`` and a table-wise or row-wise plan cutting rows on
+    bucket boundaries.
     """
     if not isinstance(module, EmbeddingBagCollection | EmbeddingCollection):
         raise TypeError(
@@ -53,6 +64,11 @@ def shard(
     if mesh is None:
         mesh = world_mesh()
     if isinstance(module, EmbeddingCollection):
+        if dynamic:
+            raise PlanError(
+                f"dynamic tables {sorted(dynamic)}: an EmbeddingCollection cannot hold "
+                "dynamic tables yet (an EmbeddingBagCollection can)"
+            )
         return _shard_sequence(module, plan, mesh, optimizer, seed, comm_precision, lookup)
     return ShardedEmbeddingBagCollection(
         module.embedding_bag_configs(),
@@ -64,6 +80,7 @@ def shard(
         is_weighted=module.is_weighted(),
         comm_precision=comm_precision,
         lookup=lookup,
+        dynamic=dynamic,
     )
 
 
