@@ -10,7 +10,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torchrec import EmbeddingBagCollection, EmbeddingCollection
 
-from embshard.errors import PlanError
 from embshard.modules.collection import ShardedCollection, ShardedEmbeddingBagCollection
 from embshard.modules.mesh import world_mesh
 from embshard.modules.sequence import ShardedEmbeddingCollection
@@ -64,12 +63,7 @@ def shard(
     if mesh is None:
         mesh = world_mesh()
     if isinstance(module, EmbeddingCollection):
-        if dynamic:
-            raise PlanError(
-                f"dynamic tables {sorted(dynamic)}: an EmbeddingCollection cannot hold "
-                "dynamic tables yet (an EmbeddingBagCollection can)"
-            )
-        return _shard_sequence(module, plan, mesh, optimizer, seed, comm_precision, lookup)
+        return _shard_sequence(module, plan, mesh, optimizer, seed, comm_precision, lookup, dynamic)
     return ShardedEmbeddingBagCollection(
         module.embedding_bag_configs(),
         plan,
@@ -101,6 +95,7 @@ def _shard_sequence(
     seed: int,
     comm_precision: str | None,
     lookup: LookupBackend,
+    dynamic: Mapping[str, IdMapSpec] | None,
 ) -> ShardedCollection:
     if module.need_indices():
         raise ValueError("need_indices=True is not supported for an EmbeddingCollection yet")
@@ -113,4 +108,5 @@ def _shard_sequence(
         weights=_given_weights(module.embeddings),
         comm_precision=comm_precision,
         lookup=lookup,
+        dynamic=dynamic,
     )

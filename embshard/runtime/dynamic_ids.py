@@ -16,7 +16,7 @@ import torch
 
 from embshard.runtime.batch import LocalBatch
 from embshard.runtime.routes import Routes
-from embshard.storage.id_map import bucket_width, hash_ids
+from embshard.storage.id_map import KEY_LIMIT, bucket_width, hash_ids
 
 
 class DynamicIds:
@@ -25,9 +25,10 @@ class DynamicIds:
 
     def __init__(self, routes: Routes, device: torch.device) -> None:
         specs = routes.dynamic_or_none
-        self._width = torch.tensor(
-            [bucket_width(s.buckets) if s else 1 for s in specs], dtype=torch.int64, device=device
-        )
+        # One bucket's width is 2**63, no int64: any width of 2**63 - 1 or more puts
+        # every key in bucket 0 once clamped to the last bucket.
+        widths = [min(bucket_width(s.buckets), KEY_LIMIT - 1) if s else 1 for s in specs]
+        self._width = torch.tensor(widths, dtype=torch.int64, device=device)
         self._last = torch.tensor([s.buckets - 1 if s else 0 for s in specs], device=device)
         self._rows = torch.tensor([s.rows_per_bucket if s else 0 for s in specs], device=device)
         self._features = torch.arange(len(specs), device=device)

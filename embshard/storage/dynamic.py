@@ -76,18 +76,16 @@ def _problem(
             f"num_embeddings {config.num_embeddings} is not buckets x rows_per_bucket "
             f"= {spec.buckets} x {rows} = {spec.buckets * rows}"
         )
-    shared = [
-        f for f in config.feature_names for c in configs.values() if c is not config
-        if f in c.feature_names
-    ]  # fmt: skip
+    others = {f for c in configs.values() if c is not config for f in c.feature_names}
+    shared = [f for f in config.feature_names if f in others]
     if shared:
-        return f"its feature {shared[0]!r} feeds another table too; a dynamic table's feed it alone"
+        return f"its feature {shared[0]!r} feeds another table too (its raw ids are no rows there)"
     ranks = [s.rank for s in table.shards if s.rows]
     whole_rows = all(s.cols == table.embedding_dim and not s.replica for s in table.shards)
     if table.replicated_rows or not whole_rows or len(ranks) != len(set(ranks)):
         return (
-            f"a {table.kind} layout; a dynamic table is table-wise or row-wise (no hot rows) "
-            "for now"
+            f"its {table.kind} layout is refused: a dynamic table is table-wise or row-wise "
+            "without hot rows, for now"
         )
     cut = next((s.row_offset for s in table.shards if s.row_offset % rows), None)
     if cut is not None:
