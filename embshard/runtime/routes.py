@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import accumulate
 
 import torch
@@ -108,7 +109,7 @@ class Routes:
         table has 2**31 rows or more or is dynamic (its keys are 63 bits)."""
         return torch.int32 if max(self.id_limits, default=0) < 2**31 else torch.int64
 
-    @property
+    @cached_property
     def id_limits(self) -> tuple[int, ...]:
         """Per feature, the bound its ids are checked against: its rows, or 2**63 for
         the raw ids of a dynamic table."""
