@@ -39,17 +39,21 @@ _MUL2 = _signed(0x94D049BB133111EB)
 
 def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
     """Logical right shift of int64 bits (torch's ``>>`` is arithmetic)."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
+    return (x >> bits).bitwise_and_((1 << (64 - bits)) - 1)
 
 
 def mix64(x: torch.Tensor) -> torch.Tensor:
     """splitmix64 of each int64 (its bits read as unsigned, the result's bits returned as
     int64): one golden-ratio step then the finalizer. Torch's int64 add and multiply wrap
-    the same way on every device, so the bits are the same everywhere."""
+    the same way on every device, so the bits are the same everywhere. In place on one
+    new tensor: admitted rows call it on every value they start with."""
     z = x + _GAMMA
-    z = (z ^ _shr(z, 30)) * _MUL1
-    z = (z ^ _shr(z, 27)) * _MUL2
-    return z ^ _shr(z, 31)
+    z ^= _shr(z, 30)
+    z *= _MUL1
+    z ^= _shr(z, 27)
+    z *= _MUL2
+    z ^= _shr(z, 31)
+    return z
 
 
 def hash_ids(raw_ids: torch.Tensor) -> torch.Tensor:
@@ -151,8 +155,10 @@ def initial_rows(
     key = mix64(keys.to(torch.int64) ^ _table_key(seed, table))
     columns = torch.arange(dim, dtype=torch.int64, device=keys.device)
     bits = mix64(key[:, None] + columns)
-    unit = _shr(bits, 40).to(torch.float64) * 2.0**-24  # 24 bits: exact in [0, 1)
-    return (unit * (high - low) + low).to(torch.float32)
+    # 24 bits, exact in [0, 1): scaling by 2**-24 rounds nothing, so folding it into
+    # (high - low) gives the same float64 values.
+    unit = _shr(bits, 40).to(torch.float64)
+    return unit.mul_(2.0**-24 * (high - low)).add_(low).to(torch.float32)
 
 
 @dataclass(frozen=True)
