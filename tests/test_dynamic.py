@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_id_map import Reference, ref_initial, ref_key
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 
 import embshard
 from embshard import (
@@ -48,16 +48,27 @@ class Case:
     steps: int = 12
     pool: int = 40  # distinct raw ids the stream draws from
     seed: int = 0
+    weighted: bool = False  # every id weighted by ``weight(id)``
+    mean: bool = False  # the dynamic table pools by MEAN
 
     @property
     def rows(self) -> int:
         return self.spec.buckets * self.spec.rows_per_bucket
 
 
-def configs(rows: int) -> list[EmbeddingBagConfig]:
+def weight(i: int) -> float:
+    """An id's weight in weighted cases: ids differ, so a weight off its id shows."""
+    return 0.25 + (i % 13) / 8
+
+
+def configs(rows: int, mean: bool = False) -> list[EmbeddingBagConfig]:
     return [
         EmbeddingBagConfig(
-            name="d", embedding_dim=DIM, num_embeddings=rows, feature_names=list(DYN_FEATURES)
+            name="d",
+            embedding_dim=DIM,
+            num_embeddings=rows,
+            feature_names=list(DYN_FEATURES),
+            pooling=PoolingType.MEAN if mean else PoolingType.SUM,
         ),
         EmbeddingBagConfig(
             name="s", embedding_dim=DIM, num_embeddings=STATIC_ROWS, feature_names=["f_s"]
@@ -95,7 +106,9 @@ def stream(case: Case) -> list[list[tuple[list[list[int]], list[list[int]], torc
     return steps
 
 
-def kjt(dyn: list[list[list[int]]], static: list[list[list[int]]]) -> KeyedJaggedTensor:
+def kjt(
+    dyn: list[list[list[int]]], static: list[list[list[int]]], weighted: bool = False
+) -> KeyedJaggedTensor:
     bags = [*dyn, *static]
     lengths = [len(bag) for feature in bags for bag in feature]
     values = [i for feature in bags for bag in feature for i in bag]
@@ -103,6 +116,7 @@ def kjt(dyn: list[list[list[int]]], static: list[list[list[int]]]) -> KeyedJagge
         [*DYN_FEATURES, "f_s"],
         torch.tensor(values, dtype=torch.int64),
         torch.tensor(lengths, dtype=torch.int64),
+        weights=torch.tensor([weight(i) for i in values]) if weighted else None,
     )
 
 
@@ -140,29 +154,22 @@ class RefModel:
         row_of = dict(zip(dyn_keys, rows))
         live = {r: self.rows[r].clone().requires_grad_() for r in set(rows) if r >= 0}
         static = self.static.clone().requires_grad_()
+        w = weight if self.case.weighted else (lambda i: 1.0)
+
+        def dynamic_bag(bag: list[int]) -> torch.Tensor:
+            """Ids without a row add nothing; MEAN divides by the whole bag's length."""
+            rows = [(w(i), row_of[ref_key(i)]) for i in bag]
+            pooled = sum((a * live[r] for a, r in rows if r >= 0), torch.zeros(DIM))
+            return pooled / len(bag) if self.case.mean and bag else pooled
+
+        def static_bag(bag: list[int]) -> torch.Tensor:
+            return sum((w(i) * static[i] for i in bag), torch.zeros(DIM))
+
         outs, loss = [], 0
         for dyn, stat, upstream in ranks:
-            columns = []
-            for feature in dyn:
-                columns.append(
-                    torch.stack(
-                        [
-                            sum(
-                                (live[row_of[ref_key(i)]] for i in bag if row_of[ref_key(i)] >= 0),
-                                torch.zeros(DIM),
-                            )
-                            for bag in feature
-                        ]
-                    )
-                    if feature
-                    else torch.zeros(0, DIM)
-                )
-            columns.append(
-                torch.stack([static[bag].sum(0) for bag in stat[0]])
-                if stat[0]
-                else torch.zeros(0, DIM)
-            )
-            out = torch.cat(columns, 1)
+            columns = [[dynamic_bag(bag) for bag in feature] for feature in dyn]
+            columns.append([static_bag(bag) for bag in stat[0]])
+            out = torch.cat([torch.stack(c) if c else torch.zeros(0, DIM) for c in columns], 1)
             outs.append(out.detach())
             loss = loss + (out * upstream).sum()
         if isinstance(loss, torch.Tensor) and loss.requires_grad:
@@ -199,7 +206,7 @@ def _run_case(case: Case) -> dict:
     """On every rank: the sharded model and the reference side by side; the largest
     gaps of this rank's outputs and of every live row, and the stats."""
     torch.manual_seed(0)
-    ebc = EmbeddingBagCollection(tables=configs(case.rows))
+    ebc = EmbeddingBagCollection(tables=configs(case.rows, case.mean), is_weighted=case.weighted)
     static = ebc.embedding_bags["s"].weight.detach().clone()
     rank = torch.distributed.get_rank()
     sharded = embshard.shard(
@@ -212,7 +219,7 @@ def _run_case(case: Case) -> dict:
     out_gap = 0.0
     for ranks in stream(case):
         dyn, stat, upstream = ranks[rank]
-        out = sharded(kjt(dyn, stat)).values()
+        out = sharded(kjt(dyn, stat, case.weighted)).values()
         (out * upstream).sum().backward()
         expected = ref.forward_backward(ranks)[rank]
         out_gap = max(out_gap, (out.detach() - expected).abs().max().item() if out.numel() else 0)
@@ -256,6 +263,20 @@ CASES = {
         {"d": row_wise([3, 6, 3]), "s": column_wise([0, 2])},
         IdMapSpec(4, 3, "ttl", ttl_steps=3, admit_after=2),
         Adagrad(lr=0.1),
+    ),
+    "w2_weighted_row_wise_lru_admit2": Case(
+        2,
+        {"d": row_wise(), "s": table_wise(1)},
+        IdMapSpec(4, 3, "lru", admit_after=2),
+        SGD(lr=0.1),
+        weighted=True,
+    ),
+    "w2_mean_table_wise_lfu_admit2": Case(
+        2,
+        {"d": table_wise(0), "s": row_wise()},
+        IdMapSpec(4, 3, "lfu", admit_after=2),
+        SGD(lr=0.1),
+        mean=True,
     ),
 }
 

@@ -159,8 +159,9 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
         self._group = self._mesh.sharding_group
         self._rank = self._mesh.rank
         self._device = self._mesh.device
+        buckets = {n: (s.buckets, s.rows_per_bucket) for n, s in dynamic.items()}
         self._routes = build_routes(
-            self._configs, self._tables, self._mesh.size, is_weighted, dynamic
+            self._configs, self._tables, self._mesh.size, is_weighted, buckets
         )
         scratch = Scratch()
         self._input_dist = self._input_stage(scratch)

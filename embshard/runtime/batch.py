@@ -137,7 +137,7 @@ def describe_problem(features: KeyedJaggedTensor, routes: Routes) -> str:
             where = (
                 f"feature {routes.features[feature]!r} (table {routes.feature_table[feature]!r})"
             )
-            if routes.dynamic_or_none[feature] is not None:
+            if routes.buckets_or_none[feature] is not None:
                 return f"{where}: raw id {int(ids[bad[0]])} is negative (a dynamic table's are not)"
             return f"{where}: id {int(ids[bad[0]])} is outside [0, {rows})"
     raise AssertionError("describe_problem called on a valid batch")

@@ -15,8 +15,8 @@ from dataclasses import replace
 import torch
 
 from embshard.runtime.batch import LocalBatch
+from embshard.runtime.keys import KEY_LIMIT, bucket_width, hash_ids
 from embshard.runtime.routes import Routes
-from embshard.storage.id_map import KEY_LIMIT, bucket_width, hash_ids
 
 
 class DynamicIds:
@@ -24,13 +24,13 @@ class DynamicIds:
     (1, 0 and 0 for a feature of a static table), on ``device``."""
 
     def __init__(self, routes: Routes, device: torch.device) -> None:
-        specs = routes.dynamic_or_none
+        specs = routes.buckets_or_none
         # One bucket's width is 2**63, no int64: any width of 2**63 - 1 or more puts
         # every key in bucket 0 once clamped to the last bucket.
-        widths = [min(bucket_width(s.buckets), KEY_LIMIT - 1) if s else 1 for s in specs]
+        widths = [min(bucket_width(s[0]), KEY_LIMIT - 1) if s else 1 for s in specs]
         self._width = torch.tensor(widths, dtype=torch.int64, device=device)
-        self._last = torch.tensor([s.buckets - 1 if s else 0 for s in specs], device=device)
-        self._rows = torch.tensor([s.rows_per_bucket if s else 0 for s in specs], device=device)
+        self._last = torch.tensor([s[0] - 1 if s else 0 for s in specs], device=device)
+        self._rows = torch.tensor([s[1] if s else 0 for s in specs], device=device)
         self._features = torch.arange(len(specs), device=device)
 
     def keyed(self, batch: LocalBatch) -> LocalBatch:

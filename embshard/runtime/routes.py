@@ -24,7 +24,7 @@ from torchrec.modules.embedding_configs import (
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
 
 from embshard.plan.specs import ShardedTable, TableShard, local_shards
-from embshard.storage.id_map import KEY_LIMIT, IdMapSpec
+from embshard.runtime.keys import KEY_LIMIT
 
 
 @dataclass(frozen=True)
@@ -85,9 +85,9 @@ class Routes:
     # Per feature: its ids below this stay home (a row-wise table's hot rows), 0 for
     # none. Such a feature feeds no other table.
     feature_hot_rows: tuple[int, ...] = ()
-    # Per feature: the id map of the dynamic table it feeds (which it alone feeds),
-    # or None. Its raw ids travel as keys (``hash_ids``), routed by bucket.
-    feature_dynamic: tuple[IdMapSpec | None, ...] = ()
+    # Per feature: (buckets, rows per bucket) of the dynamic table it feeds (which it
+    # alone feeds), or None. Its raw ids travel as keys (``hash_ids``), routed by bucket.
+    feature_buckets: tuple[tuple[int, int] | None, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -114,14 +114,14 @@ class Routes:
         """Per feature, the bound its ids are checked against: its rows, or 2**63 for
         the raw ids of a dynamic table."""
         return tuple(
-            KEY_LIMIT if spec is not None else rows
-            for rows, spec in zip(self.feature_rows, self.dynamic_or_none)
+            KEY_LIMIT if buckets is not None else rows
+            for rows, buckets in zip(self.feature_rows, self.buckets_or_none)
         )
 
     @property
-    def dynamic_or_none(self) -> tuple[IdMapSpec | None, ...]:
-        """``feature_dynamic`` for every feature (None where no table is dynamic)."""
-        return self.feature_dynamic or (None,) * len(self.features)
+    def buckets_or_none(self) -> tuple[tuple[int, int] | None, ...]:
+        """``feature_buckets`` for every feature (None where no table is dynamic)."""
+        return self.feature_buckets or (None,) * len(self.features)
 
     @property
     def output_dim(self) -> int:
@@ -256,10 +256,10 @@ def build_routes(
     tables: dict[str, ShardedTable],
     world_size: int,
     weighted: bool,
-    dynamic: Mapping[str, IdMapSpec] | None = None,
+    dynamic: Mapping[str, tuple[int, int]] | None = None,
 ) -> Routes:
-    """The routes of ``configs`` sharded as ``tables``; ``dynamic``: the id maps of the
-    dynamic tables (checked already: ``storage.dynamic.check_dynamic``)."""
+    """The routes of ``configs`` sharded as ``tables``; ``dynamic``: the dynamic tables'
+    (buckets, rows per bucket), their plans checked (``storage.dynamic.check_dynamic``)."""
     features: list[str] = []
     for config in configs:
         features += [f for f in config.feature_names if f not in features]
@@ -325,20 +325,20 @@ def build_routes(
         feature_table=tuple(smallest),
         weighted=weighted,
         feature_hot_rows=hot_rows,
-        feature_dynamic=_feature_dynamic(configs, features, dynamic or {}),
+        feature_buckets=_feature_buckets(configs, features, dynamic or {}),
     )
 
 
-def _feature_dynamic(
+def _feature_buckets(
     configs: Sequence[BaseEmbeddingConfig],
     features: Sequence[str],
-    dynamic: Mapping[str, IdMapSpec],
-) -> tuple[IdMapSpec | None, ...]:
-    """``Routes.feature_dynamic``; empty when no table is dynamic."""
+    dynamic: Mapping[str, tuple[int, int]],
+) -> tuple[tuple[int, int] | None, ...]:
+    """``Routes.feature_buckets``; empty when no table is dynamic."""
     if not dynamic:
         return ()
-    spec = {f: dynamic[c.name] for c in configs if c.name in dynamic for f in c.feature_names}
-    return tuple(spec.get(f) for f in features)
+    of = {f: dynamic[c.name] for c in configs if c.name in dynamic for f in c.feature_names}
+    return tuple(of.get(f) for f in features)
 
 
 def _feature_hot_rows(

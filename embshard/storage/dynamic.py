@@ -20,8 +20,9 @@ from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
 from embshard.errors import PlanError
 from embshard.plan.specs import ShardedTable, TableShard
+from embshard.runtime.keys import initial_rows
 from embshard.runtime.routes import Slot
-from embshard.storage.id_map import IdMap, IdMapSpec, RemapResult, initial_rows
+from embshard.storage.id_map import IdMap, IdMapSpec, RemapResult
 from embshard.storage.init import init_bounds
 from embshard.storage.lookup import LookupModule
 
