@@ -56,6 +56,8 @@ _MODULES = {
         "plan_tables",
     ],
     "embshard.storage.shards": ["LocalShardsWrapper", "gather_table"],
+    "embshard.storage.id_map": ["IdMapSpec"],
+    "embshard.storage.dynamic": ["DynamicStats"],
     "embshard.storage.lookup": ["LookupBackend", "LookupModule", "TrainingTBE"],
     "embshard.plan.torchrec": ["from_torchrec_plan", "to_torchrec_plan"],
     "embshard.runtime.teardown": ["shutdown"],

@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from embshard.errors import CheckpointError, InputError, PlanError
-from embshard.storage.id_map import IdMap, IdMapSpec, bucket_of, hash_ids, initial_rows
+from embshard.runtime.keys import bucket_of, hash_ids, initial_rows
+from embshard.storage.id_map import IdMap, IdMapSpec
 
 M64, M63 = (1 << 64) - 1, (1 << 63) - 1
 EXTREMES = [0, 1, 2, 3, 2**63 - 1, 2**63 - 2, 2**62, 2**62 - 1, 2**32, 2**32 - 1]

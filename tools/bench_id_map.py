@@ -24,7 +24,8 @@ import click
 import torch
 
 from embshard.app.data import power_law_ids
-from embshard.storage.id_map import IdMap, IdMapSpec, hash_ids
+from embshard.runtime.keys import hash_ids
+from embshard.storage.id_map import IdMap, IdMapSpec
 
 
 def stream(ids: int, vocabulary: int, drift: int, steps: int, seed: int) -> list[torch.Tensor]:

@@ -30,6 +30,7 @@ from torchrec.modules.embedding_configs import (
 )
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from embshard.errors import PlanError
 from embshard.modules.mesh import ShardingMesh
 from embshard.plan.specs import ShardedTable, ShardingPlan
 from embshard.runtime.columns import ColumnPlacement
@@ -42,6 +43,8 @@ from embshard.runtime.input_dist import (
 from embshard.runtime.output_dist import OutputLayout, PooledAllToAll, send_home
 from embshard.runtime.routes import build_routes
 from embshard.runtime.scratch import Scratch
+from embshard.storage.dynamic import DynamicStats, DynamicTables, check_dynamic
+from embshard.storage.id_map import IdMapSpec
 from embshard.storage.init import init_shard
 from embshard.storage.lookup import LookupBackend, TrainingTBE
 from embshard.storage.optimizers import FusedOptimizer
@@ -123,6 +126,8 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
 
     # The unsharded module's attribute holding the tables: state dict keys start so.
     _PREFIX: str
+    # Whether its lookup remaps dynamic tables' keys (storage.dynamic).
+    _DYNAMIC: bool = False
 
     def __init__(
         self,
@@ -135,6 +140,7 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
         is_weighted: bool = False,
         comm_precision: str | None = None,
         lookup: LookupBackend = TrainingTBE(),
+        dynamic: Mapping[str, IdMapSpec] | None = None,
     ) -> None:
         super().__init__()
         self._mesh = ShardingMesh.of(mesh)
@@ -142,11 +148,21 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
         self._configs = list(configs)
         self._optimizer = optimizer
         self._tables = plan.resolve(self._configs, self._mesh.size)
+        dynamic = dict(dynamic or {})
+        if dynamic and not self._DYNAMIC:
+            raise PlanError(
+                f"dynamic tables {sorted(dynamic)}: a {type(self).__name__} cannot hold "
+                "dynamic tables yet (a ShardedEmbeddingBagCollection can)"
+            )
+        check_dynamic(dynamic, self._configs, self._tables, self._mesh.replicas)
         self._plan = plan
         self._group = self._mesh.sharding_group
         self._rank = self._mesh.rank
         self._device = self._mesh.device
-        self._routes = build_routes(self._configs, self._tables, self._mesh.size, is_weighted)
+        buckets = {n: (s.buckets, s.rows_per_bucket) for n, s in dynamic.items()}
+        self._routes = build_routes(
+            self._configs, self._tables, self._mesh.size, is_weighted, buckets
+        )
         scratch = Scratch()
         self._input_dist = self._input_stage(scratch)
         self._output_layout = self._output_stage(scratch, comm_precision)
@@ -176,6 +192,20 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
             lookup,
         )
         self._fill(seed, weights)
+        self._dynamic = (
+            DynamicTables(
+                dynamic,
+                self._configs,
+                self._storage.shards,
+                self._routes.slots[self._rank],
+                self._storage.tbe,
+                self._device,
+            )
+            if dynamic
+            else None
+        )
+        if any(spec.policy == "none" for spec in dynamic.values()):
+            self._input_dist.bags.held = self._dynamic
         submesh = self._mesh.submesh
         self._weights = {
             name: table_dtensor(table, self._storage.weights[name], mesh, submesh)
@@ -315,6 +345,14 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
             for tensor, part in zip(tensors, flat.split([t.numel() for t in tensors])):
                 tensor.copy_(part.view_as(tensor))
 
+    def dynamic_stats(self) -> dict[str, DynamicStats]:
+        """Each dynamic table's admitted, evicted and overflowing ids since sharding,
+        and its live ids now, over every rank (collective: every rank calls it); empty
+        without dynamic tables."""
+        if self._dynamic is None:
+            return {}
+        return self._dynamic.stats(self._group)
+
     @property
     def feature_names(self) -> set[str]:
         """The keys its input KeyedJaggedTensor holds."""
@@ -422,6 +460,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection[None, Pooled, KeyedTensor]
     """The sharded form of a TorchRec ``EmbeddingBagCollection``; build it with ``shard()``."""
 
     _PREFIX = "embedding_bags"
+    _DYNAMIC = True
 
     @functools.cached_property
     def _mean_feature(self) -> torch.Tensor | None:
@@ -464,8 +503,10 @@ class ShardedEmbeddingBagCollection(ShardedCollection[None, Pooled, KeyedTensor]
             else torch.empty(batch.batch_size, 0, device=self._device)
         )
         indices, offsets, weights = self._input_dist.arrived(in_flight)
+        batch_size = sum(in_flight.counts.batch_sizes)
+        if self._dynamic is not None:
+            indices, offsets, weights = self._dynamic.remap(indices, offsets, weights, batch_size)
         if self._storage.tbe is None:
-            batch_size = sum(in_flight.counts.batch_sizes)
             return Pooled(torch.zeros(batch_size, 0, device=self._device), local)
         return Pooled(self._storage.tbe(indices, offsets, per_sample_weights=weights), local)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -12,6 +14,7 @@ from embshard.modules.collection import ShardedCollection, ShardedEmbeddingBagCo
 from embshard.modules.mesh import world_mesh
 from embshard.modules.sequence import ShardedEmbeddingCollection
 from embshard.plan.specs import ShardingPlan
+from embshard.storage.id_map import IdMapSpec
 from embshard.storage.lookup import LookupBackend, TrainingTBE
 from embshard.storage.optimizers import SGD, FusedOptimizer
 
@@ -25,6 +28,7 @@ def shard(
     seed: int = 0,
     comm_precision: str | None = None,
     lookup: LookupBackend = TrainingTBE(),
+    dynamic: Mapping[str, IdMapSpec] | None = None,
 ) -> ShardedCollection:
     """Shard ``module`` by ``plan`` over ``mesh`` (default: the whole default process group).
 
@@ -42,6 +46,12 @@ def shard(
 
     ``lookup`` builds each rank's lookup over its shards: FBGEMM's training TBE in
     the device's own memory by default, ``TrainingTBE(location="managed")`` for UVM.
+
+    ``dynamic`` names the dynamic tables of an EmbeddingBagCollection, each with its
+    ``IdMapSpec``: their features take raw ids in ``[0, 2**63)``, each remapped to a row
+    it owns alone until evicted (docs/dynamic.md). Such a table has ``num_embeddings ==
+    buckets * rows_per_bucket`` and a table-wise or row-wise plan cutting rows on
+    bucket boundaries.
     """
     if not isinstance(module, EmbeddingBagCollection | EmbeddingCollection):
         raise TypeError(
@@ -53,7 +63,7 @@ def shard(
     if mesh is None:
         mesh = world_mesh()
     if isinstance(module, EmbeddingCollection):
-        return _shard_sequence(module, plan, mesh, optimizer, seed, comm_precision, lookup)
+        return _shard_sequence(module, plan, mesh, optimizer, seed, comm_precision, lookup, dynamic)
     return ShardedEmbeddingBagCollection(
         module.embedding_bag_configs(),
         plan,
@@ -64,6 +74,7 @@ def shard(
         is_weighted=module.is_weighted(),
         comm_precision=comm_precision,
         lookup=lookup,
+        dynamic=dynamic,
     )
 
 
@@ -84,6 +95,7 @@ def _shard_sequence(
     seed: int,
     comm_precision: str | None,
     lookup: LookupBackend,
+    dynamic: Mapping[str, IdMapSpec] | None,
 ) -> ShardedCollection:
     if module.need_indices():
         raise ValueError("need_indices=True is not supported for an EmbeddingCollection yet")
@@ -96,4 +108,5 @@ def _shard_sequence(
         weights=_given_weights(module.embeddings),
         comm_precision=comm_precision,
         lookup=lookup,
+        dynamic=dynamic,
     )

@@ -14,10 +14,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
+from embshard.errors import PlanError
 from embshard.modules.collection import ShardedCollection
 from embshard.modules.mesh import ShardingMesh, world_mesh
 from embshard.modules.shard import shard
 from embshard.plan.specs import ShardingPlan
+from embshard.storage.id_map import IdMapSpec
 from embshard.storage.lookup import LookupBackend, TrainingTBE
 from embshard.storage.optimizers import SGD, FusedOptimizer
 
@@ -62,6 +64,7 @@ def shard_model(
     data_parallel_wrapper: Callable[[nn.Module], nn.Module] | None = None,
     comm_precision: str | None = None,
     lookup: LookupBackend = TrainingTBE(),
+    dynamic: Mapping[str, IdMapSpec] | None = None,
 ) -> nn.Module:
     """Shard every EmbeddingBagCollection and EmbeddingCollection of ``model`` by
     ``plan`` (one plan naming the tables of all of them) and wrap the model in DDP,
@@ -93,6 +96,9 @@ def shard_model(
     gradients: see ``shard``.
 
     ``lookup`` builds every sharded collection's per-rank lookup: see ``shard``.
+
+    ``dynamic`` names the dynamic tables, of any collection, with their ``IdMapSpec``s:
+    see ``shard``.
 
     A 2-D ``mesh`` (``sharding_mesh(group_size)``) shards the tables by ``plan``, made
     for ``group_size`` ranks, inside every sharding group; DDP still averages the dense
@@ -128,6 +134,10 @@ def shard_model(
     if mesh.device_type != device.type:
         raise ValueError(f"device {device} does not match the mesh's {mesh.device_type!r}")
     plan.resolve(configs, ShardingMesh.of(mesh).size)  # one error naming every problem
+    dynamic = dict(dynamic or {})
+    unknown = sorted(set(dynamic) - set(names))
+    if unknown:
+        raise PlanError(f"dynamic tables {unknown} are not tables of the model's collections")
     for path, collection in collections.items():
         own = {c.name for c in _configs(collection)}
         sub_plan = ShardingPlan({n: s for n, s in plan.tables.items() if n in own})
@@ -140,6 +150,7 @@ def shard_model(
             seed=seed,
             comm_precision=comm_precision if pooled else None,
             lookup=lookup,
+            dynamic={n: spec for n, spec in dynamic.items() if n in own},
         )
         _replace(model, path, sharded)
     _place_dense(model, device)

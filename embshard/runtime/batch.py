@@ -131,13 +131,15 @@ def describe_problem(features: KeyedJaggedTensor, routes: Routes) -> str:
         return f"lengths add up to {int(lengths.sum())} but there are {values.numel()} ids"
     lengths, values, _ = _in_model_order(features, routes, lengths)
     for feature, ids in enumerate(values.split(lengths.sum(1).tolist())):
-        rows = routes.feature_rows[feature]
+        rows = routes.id_limits[feature]
         bad = ((ids < 0) | (ids >= rows)).nonzero()
         if len(bad):
-            return (
-                f"feature {routes.features[feature]!r} (table {routes.feature_table[feature]!r}): "
-                f"id {int(ids[bad[0]])} is outside [0, {rows})"
+            where = (
+                f"feature {routes.features[feature]!r} (table {routes.feature_table[feature]!r})"
             )
+            if routes.buckets_or_none[feature] is not None:
+                return f"{where}: raw id {int(ids[bad[0]])} is negative (a dynamic table's are not)"
+            return f"{where}: id {int(ids[bad[0]])} is outside [0, {rows})"
     raise AssertionError("describe_problem called on a valid batch")
 
 

@@ -19,6 +19,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embshard.errors import InputError
 from embshard.runtime.batch import CheckInputs, LocalBatch, check_batch, describe_problem
+from embshard.runtime.dynamic_ids import DynamicIds
 from embshard.runtime.routes import Routes
 from embshard.runtime.scratch import Scratch
 
@@ -27,6 +28,17 @@ from embshard.runtime.scratch import Scratch
 # ran out. A lookup's ExtraCounts columns follow.
 COUNT_COLUMNS = 2
 _ENDED = -1
+
+
+class HeldProblem(Protocol):
+    """A problem a lookup found after its step's exchanges (a dynamic table's overflow):
+    ``fine`` (a 0-dim bool on the device, no host read) joins the next batch's validity
+    flag in the counts exchange, so every rank raises together; ``take`` says what it
+    was (a host read, only once some rank's flag is down) and forgets it."""
+
+    def fine(self) -> torch.Tensor: ...
+
+    def take(self) -> str | None: ...
 
 
 @dataclass(frozen=True)
@@ -121,7 +133,7 @@ class InputDistribution:
         self.world = routes.world_size
         self.scratch = scratch
         self.device = device
-        self.check_inputs = CheckInputs(routes.features, routes.feature_rows, device)
+        self.check_inputs = CheckInputs(routes.features, routes.id_limits, device)
         self.slots_per_rank = [len(s) for s in routes.slots]
         # On one rank without hot rows every bucketizing pass keeps each feature whole
         # in bucket 0 (its own rows, none rebased): the TBE's bags are rows of the
@@ -143,6 +155,9 @@ class InputDistribution:
         self.passes = [] if whole else [_bucket_pass(b, device) for b in routes.bucket_passes]
         self.ids_per_element = 2 if routes.weighted else 1
         self._slot_major: tuple[tuple[int, ...], torch.Tensor] | None = None
+        self.dynamic = DynamicIds(routes, device) if routes.feature_buckets else None
+        # What the lookup holds against the next step (a dynamic table's overflow).
+        self.held: HeldProblem | None = None
 
     @property
     def bags(self) -> InputDistribution:
@@ -154,7 +169,9 @@ class InputDistribution:
         each slot of each rank gets. Ids of hot rows stay home, in bucket 0. Without
         bucketizing, the batch's own lengths are only summed before the counts have
         said the batch is good, so they need no stand-in; a TBE that takes the
-        batch's own bags gets them as they are."""
+        batch's own bags gets them as they are. Dynamic tables' raw ids go as keys."""
+        if self.dynamic is not None:
+            batch = self.dynamic.keyed(batch)
         if self.takes_batch:
             return Routed(
                 batch.lengths, batch.values, batch.weights, None, batch.batch_size, batch.offsets
@@ -174,12 +191,15 @@ class InputDistribution:
         lengths, values, weights = batch.routable_lengths, batch.values, batch.weights
         if not self.passes:
             return lengths, values, weights, positions
+        keys, is_key = values, None
+        if self.dynamic is not None:  # keys are routed by their buckets' first rows
+            values, is_key = self.dynamic.stand_ins(lengths, keys)
         buckets = [
             torch.ops.fbgemm.block_bucketize_sparse_features(
                 lengths.view(-1),
                 values,
                 False,
-                positions is not None,
+                positions is not None or is_key is not None,
                 bucket_pass.block_sizes[values.dtype],
                 self.routes.buckets,
                 weights,
@@ -191,7 +211,10 @@ class InputDistribution:
         ]
         table_rows = len(self.passes) * self.routes.buckets * len(self.routes.features)
         lengths = _cat([b[0] for b in buckets]).view(table_rows, batch.batch_size)
-        values = _cat([b[1] for b in buckets])
+        if is_key is not None:
+            values = _cat([self.dynamic.put_back(b[1], b[4], keys, is_key) for b in buckets])
+        else:
+            values = _cat([b[1] for b in buckets])
         weights = None if weights is None else _cat([b[2] for b in buckets])
         if positions is not None:  # b[4][i]: where id i went in its pass's buckets
             ids = positions
@@ -502,12 +525,14 @@ def start_input_dist(
         batch, routed, problem = _route(features, stage)
         bad = batch is None  # its structure is wrong: a valid flag of False
         valid = torch.zeros((), dtype=torch.bool, device=bags.device) if bad else batch.valid
+        if bags.held is not None:
+            valid = valid & bags.held.fine()
     sent = stage.to_send(routed)
     counts = bags.exchange_counts(sent, valid, group, stage.extra_counts(batch, routed))
     if counts.ended:
         return _ended(counts)
     if counts.failed:
-        problem = _problem(features, bags.routes, batch, problem)
+        problem = _problem(features, bags, batch, problem)
         return InputInFlight(error=gather_input_error(problem, group))
     payload = bags.pack(sent, counts)
     received, work = bags.exchange(payload, counts.send_sizes, counts.recv_sizes, group)
@@ -526,11 +551,14 @@ def _start_on_one_rank(
     batch, routed, problem = _route(features, stage)
     if problem is None:
         sent = stage.to_send(routed)
-        counts = bags.counts_on_one_rank(sent, batch.problems, stage.extra_counts(batch, routed))
+        problems = batch.problems
+        if bags.held is not None:
+            problems = problems + (~bags.held.fine()).long()
+        counts = bags.counts_on_one_rank(sent, problems, stage.extra_counts(batch, routed))
         if not counts.failed:
             own = bags.own_bags(sent, counts)
             return InputInFlight(counts, batch, kept=stage.keep(routed, counts), own=own)
-        problem = _problem(features, bags.routes, batch, problem)
+        problem = _problem(features, bags, batch, problem)
     return InputInFlight(error=_input_error([problem]))
 
 
@@ -561,12 +589,17 @@ def _route(
 
 
 def _problem(
-    features: KeyedJaggedTensor, routes: Routes, batch: LocalBatch | None, problem: str | None
+    features: KeyedJaggedTensor,
+    bags: InputDistribution,
+    batch: LocalBatch | None,
+    problem: str | None,
 ) -> str | None:
-    """What is wrong with this rank's batch, if anything, once some rank's is bad."""
-    if problem is not None or batch is None or not bool(batch.problems):
-        return problem
-    try:
-        return describe_problem(features, routes)
-    except Exception as e:
-        return f"checking the batch failed: {e!r}"
+    """What is wrong with this rank's batch, or held against it by its lookup, if
+    anything, once some rank's is bad."""
+    held = bags.held.take() if bags.held is not None else None
+    if problem is None and batch is not None and bool(batch.problems):
+        try:
+            problem = describe_problem(features, bags.routes)
+        except Exception as e:
+            problem = f"checking the batch failed: {e!r}"
+    return "; ".join(p for p in (problem, held) if p) or None

@@ -10,8 +10,9 @@ shards, the rebased ids of that rank's row block for row-wise and grid shards.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import accumulate
 
 import torch
@@ -23,6 +24,7 @@ from torchrec.modules.embedding_configs import (
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
 
 from embshard.plan.specs import ShardedTable, TableShard, local_shards
+from embshard.runtime.keys import KEY_LIMIT
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,9 @@ class Routes:
     # Per feature: its ids below this stay home (a row-wise table's hot rows), 0 for
     # none. Such a feature feeds no other table.
     feature_hot_rows: tuple[int, ...] = ()
+    # Per feature: (buckets, rows per bucket) of the dynamic table it feeds (which it
+    # alone feeds), or None. Its raw ids travel as keys (``hash_ids``), routed by bucket.
+    feature_buckets: tuple[tuple[int, int] | None, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -101,8 +106,22 @@ class Routes:
     @property
     def id_dtype(self) -> torch.dtype:
         """What ids and lengths travel as: int32, half the bytes of int64, unless a
-        table has 2**31 rows or more."""
-        return torch.int32 if max(self.feature_rows, default=0) < 2**31 else torch.int64
+        table has 2**31 rows or more or is dynamic (its keys are 63 bits)."""
+        return torch.int32 if max(self.id_limits, default=0) < 2**31 else torch.int64
+
+    @cached_property
+    def id_limits(self) -> tuple[int, ...]:
+        """Per feature, the bound its ids are checked against: its rows, or 2**63 for
+        the raw ids of a dynamic table."""
+        return tuple(
+            KEY_LIMIT if buckets is not None else rows
+            for rows, buckets in zip(self.feature_rows, self.buckets_or_none)
+        )
+
+    @property
+    def buckets_or_none(self) -> tuple[tuple[int, int] | None, ...]:
+        """``feature_buckets`` for every feature (None where no table is dynamic)."""
+        return self.feature_buckets or (None,) * len(self.features)
 
     @property
     def output_dim(self) -> int:
@@ -237,7 +256,10 @@ def build_routes(
     tables: dict[str, ShardedTable],
     world_size: int,
     weighted: bool,
+    dynamic: Mapping[str, tuple[int, int]] | None = None,
 ) -> Routes:
+    """The routes of ``configs`` sharded as ``tables``; ``dynamic``: the dynamic tables'
+    (buckets, rows per bucket), their plans checked (``storage.dynamic.check_dynamic``)."""
     features: list[str] = []
     for config in configs:
         features += [f for f in config.feature_names if f not in features]
@@ -303,7 +325,20 @@ def build_routes(
         feature_table=tuple(smallest),
         weighted=weighted,
         feature_hot_rows=hot_rows,
+        feature_buckets=_feature_buckets(configs, features, dynamic or {}),
     )
+
+
+def _feature_buckets(
+    configs: Sequence[BaseEmbeddingConfig],
+    features: Sequence[str],
+    dynamic: Mapping[str, tuple[int, int]],
+) -> tuple[tuple[int, int] | None, ...]:
+    """``Routes.feature_buckets``; empty when no table is dynamic."""
+    if not dynamic:
+        return ()
+    of = {f: dynamic[c.name] for c in configs if c.name in dynamic for f in c.feature_names}
+    return tuple(of.get(f) for f in features)
 
 
 def _feature_hot_rows(

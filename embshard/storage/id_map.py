@@ -1,7 +1,8 @@
 """A collision-free map from raw ids to the rows of a bounded table.
 
-A raw id in ``[0, 2**63)`` hashes one-to-one to a key (``hash_ids``); a bucket is a
-contiguous range of keys (``bucket_of``) and owns ``rows_per_bucket`` consecutive rows.
+A raw id in ``[0, 2**63)`` hashes one-to-one to a key (``hash_ids``, with ``bucket_of``
+and ``initial_rows`` from ``runtime.keys``); a bucket is a contiguous range of keys and
+owns ``rows_per_bucket`` consecutive rows.
 An ``IdMap`` holds a contiguous range of buckets on one rank: a live key owns one row
 of its bucket alone until it is evicted. Every decision (which slot, which victim,
 which candidate waits) depends only on the keys a bucket receives at each step, never
@@ -11,73 +12,16 @@ any split of the buckets over ranks gives the same map.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import torch
 
 from embshard.errors import CheckpointError, InputError, PlanError
+from embshard.runtime.keys import KEY_LIMIT, bucket_of, bucket_width
 
 POLICIES = ("lru", "lfu", "ttl", "none")
 
-_MASK64 = (1 << 64) - 1
-KEY_LIMIT = 1 << 63  # keys, and the raw ids they come from, are in [0, KEY_LIMIT)
-_MASK63 = KEY_LIMIT - 1
 _STEP_LIMIT = 1 << 61  # victims sort on a step or a count with two bits above it
-
-
-def _signed(value: int) -> int:
-    """The int64 with the same 64 bits as the unsigned ``value``."""
-    value &= _MASK64
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-_GAMMA = _signed(0x9E3779B97F4A7C15)
-_MUL1 = _signed(0xBF58476D1CE4E5B9)
-_MUL2 = _signed(0x94D049BB133111EB)
-
-
-def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 bits (torch's ``>>`` is arithmetic)."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def mix64(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64 of each int64 (its bits read as unsigned, the result's bits returned as
-    int64): one golden-ratio step then the finalizer. Torch's int64 add and multiply wrap
-    the same way on every device, so the bits are the same everywhere."""
-    z = x + _GAMMA
-    z = (z ^ _shr(z, 30)) * _MUL1
-    z = (z ^ _shr(z, 27)) * _MUL2
-    return z ^ _shr(z, 31)
-
-
-def hash_ids(raw_ids: torch.Tensor) -> torch.Tensor:
-    """The key of each raw id in ``[0, 2**63)``: splitmix64's steps on 63 bits (add, then
-    xor-shifts and odd multiplies, all modulo 2**63), so a bijection of ``[0, 2**63)``.
-
-    Keys, not raw ids, are what travels and what maps hold: one is as good as the other
-    (no two ids share a key), and contiguous ranges of keys are the buckets, so ranks
-    owning ranges of buckets route keys as they route rows. Negative raw ids have no
-    key; the caller refuses them."""
-    z = (raw_ids + (_GAMMA & _MASK63)) & _MASK63
-    z = ((z ^ (z >> 30)) * (_MUL1 & _MASK63)) & _MASK63
-    z = ((z ^ (z >> 27)) * (_MUL2 & _MASK63)) & _MASK63
-    return z ^ (z >> 31)
-
-
-def bucket_width(buckets: int) -> int:
-    """How many keys a bucket spans: bucket ``b`` holds keys ``[b * width, (b + 1) * width)``
-    (the last one fewer when ``buckets`` does not divide 2**63)."""
-    return -(-KEY_LIMIT // buckets)
-
-
-def bucket_of(keys: torch.Tensor, buckets: int) -> torch.Tensor:
-    """The bucket in ``[0, buckets)`` of each key (``hash_ids``): its range of keys, so
-    the same on every device, run and world size; negative for a negative key."""
-    if buckets == 1:  # a width of 2**63 is no int64
-        return torch.where(keys < 0, -1, 0)
-    return torch.div(keys, bucket_width(buckets), rounding_mode="floor")
 
 
 @dataclass(frozen=True)
@@ -132,27 +76,6 @@ def _spec_problem(spec: IdMapSpec) -> str | None:
     if not isinstance(spec.seed, int) or isinstance(spec.seed, bool):
         return f"seed must be an int, got {spec.seed!r}"
     return None
-
-
-def _table_key(seed: int, table: str) -> int:
-    digest = hashlib.blake2b(f"{seed}/{table}".encode(), digest_size=8).digest()
-    return _signed(int.from_bytes(digest, "little"))
-
-
-def initial_rows(
-    keys: torch.Tensor, dim: int, seed: int, table: str, bounds: tuple[float, float]
-) -> torch.Tensor:
-    """The initial float32 rows ``(len(keys), dim)`` of admitted keys, uniform in
-    ``bounds`` (``init.init_bounds`` gives TorchRec's default for a config).
-
-    Value ``[i, c]`` is a counter-based hash of (seed, table, key, column): it does not
-    depend on the row the key got, the batch, the device or the world size."""
-    low, high = bounds
-    key = mix64(keys.to(torch.int64) ^ _table_key(seed, table))
-    columns = torch.arange(dim, dtype=torch.int64, device=keys.device)
-    bits = mix64(key[:, None] + columns)
-    unit = _shr(bits, 40).to(torch.float64) * 2.0**-24  # 24 bits: exact in [0, 1)
-    return (unit * (high - low) + low).to(torch.float32)
 
 
 @dataclass(frozen=True)

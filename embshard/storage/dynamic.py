@@ -1,0 +1,232 @@
+"""Dynamic tables on a rank: the id maps of its dynamic shards, and the remap that turns
+the keys arriving for them into rows of its lookup.
+
+A dynamic table's shard on a rank is a whole range of buckets (its plan cuts rows on
+bucket boundaries), so the shard's local rows are its ``IdMap``'s: bucket ``b`` of the
+range owns rows ``[(b - first) * rows_per_bucket, +rows_per_bucket)``. After the ids
+all-to-all the rank remaps each dynamic shard's keys, writes the initial rows of the ids
+it admitted (and resets their optimizer state), and drops the ids left without a row
+from the lookup's bags: they add nothing to their bag and take no update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
+
+from embshard.errors import PlanError
+from embshard.plan.specs import ShardedTable, TableShard
+from embshard.runtime.keys import initial_rows
+from embshard.runtime.routes import Slot
+from embshard.storage.id_map import IdMap, IdMapSpec, RemapResult
+from embshard.storage.init import init_bounds
+from embshard.storage.lookup import LookupModule
+
+# The counts kept per dynamic table, in this order.
+STATS = ("admitted", "evicted", "overflow")
+
+
+@dataclass(frozen=True)
+class DynamicStats:
+    """A dynamic table's counts over every rank since sharding: ids given a row
+    (``admitted``), live ids that lost theirs (``evicted``), ids due a row that found
+    none in their bucket (``overflow``), and ids holding a row now (``live``)."""
+
+    admitted: int
+    evicted: int
+    overflow: int
+    live: int
+
+
+def check_dynamic(
+    dynamic: Mapping[str, IdMapSpec],
+    configs: Sequence[BaseEmbeddingConfig],
+    tables: Mapping[str, ShardedTable],
+    replicas: int = 1,
+) -> None:
+    """Raise a one-line PlanError unless every dynamic table can be sharded as planned:
+    a table of the module whose rows are its buckets' (``buckets * rows_per_bucket``),
+    whose features feed it alone, laid out table-wise or row-wise with rows cut on
+    bucket boundaries, on a mesh without replicas. Reads only the plan: the same on
+    every rank, before anything is allocated or sent."""
+    by_name = {c.name: c for c in configs}
+    for name, spec in dynamic.items():
+        problem = _problem(name, spec, by_name, tables, replicas)
+        if problem:
+            raise PlanError(f"dynamic table {name!r}: {problem}")
+
+
+def _problem(
+    name: str,
+    spec: object,
+    configs: Mapping[str, BaseEmbeddingConfig],
+    tables: Mapping[str, ShardedTable],
+    replicas: int,
+) -> str | None:
+    if name not in configs:
+        return f"not a table of the module (its tables: {sorted(configs)})"
+    if not isinstance(spec, IdMapSpec):
+        return f"expected an IdMapSpec, got {type(spec).__name__}"
+    config, table, rows = configs[name], tables[name], spec.rows_per_bucket
+    if config.num_embeddings != spec.buckets * rows:
+        return (
+            f"num_embeddings {config.num_embeddings} is not buckets x rows_per_bucket "
+            f"= {spec.buckets} x {rows} = {spec.buckets * rows}"
+        )
+    others = {f for c in configs.values() if c is not config for f in c.feature_names}
+    shared = [f for f in config.feature_names if f in others]
+    if shared:
+        return f"its feature {shared[0]!r} feeds another table too (its raw ids are no rows there)"
+    ranks = [s.rank for s in table.shards if s.rows]
+    whole_rows = all(s.cols == table.embedding_dim and not s.replica for s in table.shards)
+    if table.replicated_rows or not whole_rows or len(ranks) != len(set(ranks)):
+        return (
+            f"its {table.kind} layout is refused: a dynamic table is table-wise or row-wise "
+            "without hot rows, for now"
+        )
+    cut = next((s.row_offset for s in table.shards if s.row_offset % rows), None)
+    if cut is not None:
+        return f"the plan cuts its rows at {cut}, not a multiple of rows_per_bucket {rows}"
+    if replicas > 1:
+        return "a mesh with replicas (2-D) is not supported for dynamic tables yet"
+    return None
+
+
+@dataclass(frozen=True)
+class _Shard:
+    """A dynamic shard of this rank: its table's index in the stats, its id map, and
+    the views of its rows and optimizer state in the lookup."""
+
+    stat: int
+    tag: int  # its slots' tag in DynamicTables' per-id tags
+    name: str
+    spec: IdMapSpec
+    idmap: IdMap
+    weights: torch.Tensor
+    states: tuple[torch.Tensor, ...]
+    bounds: tuple[float, float]
+
+    def admit(self, result: RemapResult) -> None:
+        """Write the admitted ids' initial rows and reset their rows' optimizer state
+        (FBGEMM's starts at zero): an evicted id's row starts afresh for its new id."""
+        rows = result.admitted
+        if not len(rows):
+            return
+        start = initial_rows(
+            result.admitted_keys, self.weights.shape[1], self.spec.seed, self.name, self.bounds
+        )
+        with torch.no_grad():
+            self.weights[rows] = start.to(self.weights.dtype)
+            for state in self.states:
+                state[rows] = 0
+
+
+class DynamicTables:
+    """This rank's dynamic shards and the remap of their keys; every rank has one (with
+    no shards where it holds none), as the forward count is every rank's step.
+
+    ``specs``: every dynamic table's id map spec; ``shards``: the rank's lookup tables,
+    ``slots``: its lookup features (``Routes.slots[rank]``)."""
+
+    def __init__(
+        self,
+        specs: Mapping[str, IdMapSpec],
+        configs: Sequence[BaseEmbeddingConfig],
+        shards: Sequence[tuple[str, TableShard]],
+        slots: Sequence[Slot],
+        lookup: LookupModule | None,
+        device: torch.device,
+    ) -> None:
+        self.names = sorted(specs)
+        self.step = 0
+        self._device = device
+        bounds = {c.name: init_bounds(c) for c in configs}
+        weights = lookup.split_embedding_weights() if lookup is not None else []
+        states = lookup.split_optimizer_states() if lookup is not None else []
+        self._shards: list[_Shard] = []
+        tags = [0] * len(shards)
+        for index, (name, shard) in enumerate(shards):
+            if name not in specs:
+                continue
+            spec, rows = specs[name], specs[name].rows_per_bucket
+            first = shard.row_offset // rows
+            idmap = IdMap(spec, first, first + shard.rows // rows, str(device))
+            tags[index] = len(self._shards) + 1
+            self._shards.append(
+                _Shard(
+                    stat=self.names.index(name),
+                    tag=tags[index],
+                    name=name,
+                    spec=spec,
+                    idmap=idmap,
+                    weights=weights[index],
+                    states=tuple(s.view(s.shape[0], -1) for s in states[index]) if states else (),
+                    bounds=bounds[name],
+                )
+            )
+        self._slot_tags = torch.tensor([tags[s.tbe_table] for s in slots], device=device)
+        self._counts = torch.zeros(len(self.names), len(STATS), dtype=torch.int64, device=device)
+        # Per table: overflow not yet raised of the tables that evict nothing.
+        self._refused = torch.zeros(len(self.names), dtype=torch.int64, device=device)
+
+    def remap(
+        self,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None,
+        batch_size: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The lookup's input (indices, offsets, per-id weights; bags slot by slot, each
+        ``batch_size`` bags) with every dynamic shard's keys remapped at this step to
+        its rows, and the ids left without a row dropped from their bags. Counts a
+        step on every rank, shards or none."""
+        step, self.step = self.step, self.step + 1
+        if not self._shards:
+            return indices, offsets, weights
+        lengths = offsets[1:] - offsets[:-1]
+        bag_tags = self._slot_tags.repeat_interleave(batch_size)
+        tags = bag_tags.repeat_interleave(lengths, output_size=indices.numel())
+        for shard in self._shards:
+            mine = (tags == shard.tag).nonzero()[:, 0]
+            result = shard.idmap.remap(indices[mine], step)
+            indices[mine] = result.rows
+            shard.admit(result)
+            admitted = torch.tensor(len(result.admitted), device=self._device)
+            self._counts[shard.stat] += torch.stack([admitted, result.evicted, result.overflow])
+            if shard.spec.policy == "none":
+                self._refused[shard.stat] += result.overflow
+        kept = indices >= 0
+        before = torch.cat([kept.new_zeros(1, dtype=torch.int64), torch.cumsum(kept, 0)])
+        offsets = before[offsets]
+        return indices[kept], offsets, None if weights is None else weights[kept]
+
+    def fine(self) -> torch.Tensor:
+        """No id of a table with policy ``"none"`` found its bucket full (0-dim bool)."""
+        return (self._refused == 0).all()
+
+    def take(self) -> str | None:
+        """What overflowed, since the last call, in the tables that evict nothing."""
+        refused = self._refused.tolist()
+        self._refused.zero_()
+        found = [
+            f"dynamic table {name!r}: {count} ids found their bucket full and got no row "
+            "(policy 'none' evicts nothing): give it more rows or an eviction policy"
+            for name, count in zip(self.names, refused)
+            if count
+        ]
+        return "; ".join(found) or None
+
+    def stats(self, group: dist.ProcessGroup | None) -> dict[str, DynamicStats]:
+        """Every dynamic table's counts, summed over the ranks of ``group``
+        (collective where it has several ranks)."""
+        live = torch.zeros(len(self.names), 1, dtype=torch.int64, device=self._device)
+        for shard in self._shards:
+            live[shard.stat] += shard.idmap.slots.occupied.sum()
+        table = torch.cat([self._counts, live], 1)
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(table, group=group)
+        return {name: DynamicStats(*row) for name, row in zip(self.names, table.tolist())}

@@ -1,0 +1,455 @@
+"""Dynamic tables, sharded, against a plain reference model written here: the id map's
+reference of test_id_map (Python slots per bucket, the same policies and ties), rows
+kept in a dict by row, initialized by the documented formula, and plain SGD / Adagrad /
+row-wise Adagrad on autograd's gradients of the global batch's loss over the world
+size (the sharded backward averages over ranks, as DDP does)."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_id_map import Reference, ref_initial, ref_key
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+
+import embshard
+from embshard import (
+    SGD,
+    Adagrad,
+    IdMapSpec,
+    InputError,
+    PlanError,
+    RowWiseAdagrad,
+    ShardingPlan,
+    column_wise,
+    row_wise,
+    table_wise,
+)
+from embshard.storage.shards import gather_table
+
+TOL = 1e-5
+DIM = 8
+DYN_FEATURES = ("f_d1", "f_d2")  # both look up the dynamic table "d"
+STATIC_ROWS = 10
+EXTREMES = [0, 1, 2**63 - 1, 2**63 - 2, 2**62]
+
+
+@dataclass(frozen=True)
+class Case:
+    world: int
+    plan: dict  # table -> spec
+    spec: IdMapSpec
+    optimizer: object
+    steps: int = 12
+    pool: int = 40  # distinct raw ids the stream draws from
+    seed: int = 0
+    weighted: bool = False  # every id weighted by ``weight(id)``
+    mean: bool = False  # the dynamic table pools by MEAN
+
+    @property
+    def rows(self) -> int:
+        return self.spec.buckets * self.spec.rows_per_bucket
+
+
+def weight(i: int) -> float:
+    """An id's weight in weighted cases: ids differ, so a weight off its id shows."""
+    return 0.25 + (i % 13) / 8
+
+
+def configs(rows: int, mean: bool = False) -> list[EmbeddingBagConfig]:
+    return [
+        EmbeddingBagConfig(
+            name="d",
+            embedding_dim=DIM,
+            num_embeddings=rows,
+            feature_names=list(DYN_FEATURES),
+            pooling=PoolingType.MEAN if mean else PoolingType.SUM,
+        ),
+        EmbeddingBagConfig(
+            name="s", embedding_dim=DIM, num_embeddings=STATIC_ROWS, feature_names=["f_s"]
+        ),
+    ]
+
+
+def stream(case: Case) -> list[list[tuple[list[list[int]], list[list[int]], torch.Tensor]]]:
+    """Per step, per rank: each feature's bags (lists of ids) and the upstream gradient
+    of the rank's output, drawn from ``case.seed``: the same on every rank."""
+    rng = random.Random(case.seed)
+    pool = EXTREMES + [rng.randrange(2**63) for _ in range(case.pool - len(EXTREMES))]
+    generator = torch.Generator().manual_seed(case.seed)
+    steps = []
+    for step in range(case.steps):
+        # A window that drifts over the pool: old ids fall out of use, new ones arrive.
+        window = pool[step * 2 % len(pool) :] + pool[: step * 2 % len(pool)]
+        ranks = []
+        for rank in range(case.world):
+            batch = rng.randrange(0, 4) if rank else rng.randrange(1, 4)
+            dyn = [
+                [
+                    [rng.choice(window[:16]) for _ in range(rng.randrange(0, 4))]
+                    for _ in range(batch)
+                ]
+                for _ in DYN_FEATURES
+            ]
+            static = [
+                [rng.randrange(STATIC_ROWS) for _ in range(rng.randrange(0, 3))]
+                for _ in range(batch)
+            ]
+            upstream = torch.randn(batch, DIM * 3, generator=generator)
+            ranks.append((dyn, [static], upstream))
+        steps.append(ranks)
+    return steps
+
+
+def kjt(
+    dyn: list[list[list[int]]], static: list[list[list[int]]], weighted: bool = False
+) -> KeyedJaggedTensor:
+    bags = [*dyn, *static]
+    lengths = [len(bag) for feature in bags for bag in feature]
+    values = [i for feature in bags for bag in feature for i in bag]
+    return KeyedJaggedTensor.from_lengths_sync(
+        [*DYN_FEATURES, "f_s"],
+        torch.tensor(values, dtype=torch.int64),
+        torch.tensor(lengths, dtype=torch.int64),
+        weights=torch.tensor([weight(i) for i in values]) if weighted else None,
+    )
+
+
+class RefModel:
+    """The unsharded model: a map of keys to rows, the dynamic table's live rows by row
+    (and their optimizer state), the static table as a tensor."""
+
+    def __init__(self, case: Case, static: torch.Tensor) -> None:
+        self.case = case
+        self.map = Reference(case.spec, 0, case.spec.buckets)
+        self.rows: dict[int, torch.Tensor] = {}
+        self.state: dict[int, torch.Tensor] = {}
+        self.static = static.clone()
+        self.static_state = torch.zeros_like(static)
+        self.admitted = self.evicted = self.overflow = 0
+        self.step = 0
+        bound = math.sqrt(1 / case.rows)
+        self.bounds = (-bound, bound)
+
+    def forward_backward(self, ranks) -> list[torch.Tensor]:
+        """Every rank's output for this step, then the optimizer's update."""
+        dyn_keys = [
+            ref_key(i) for dyn, _, _ in ranks for feature in dyn for bag in feature for i in bag
+        ]
+        rows, admitted, evicted, overflow = self.map.remap(dyn_keys, self.step)
+        self.step += 1
+        self.admitted += len(admitted)
+        self.evicted += evicted
+        self.overflow += overflow
+        for row, key in admitted:
+            self.rows[row] = torch.tensor(
+                ref_initial(key, DIM, self.case.spec.seed, "d", *self.bounds)
+            )
+            self.state[row] = torch.zeros(DIM)
+        row_of = dict(zip(dyn_keys, rows))
+        live = {r: self.rows[r].clone().requires_grad_() for r in set(rows) if r >= 0}
+        static = self.static.clone().requires_grad_()
+        w = weight if self.case.weighted else (lambda i: 1.0)
+
+        def dynamic_bag(bag: list[int]) -> torch.Tensor:
+            """Ids without a row add nothing; MEAN divides by the whole bag's length."""
+            rows = [(w(i), row_of[ref_key(i)]) for i in bag]
+            pooled = sum((a * live[r] for a, r in rows if r >= 0), torch.zeros(DIM))
+            return pooled / len(bag) if self.case.mean and bag else pooled
+
+        def static_bag(bag: list[int]) -> torch.Tensor:
+            return sum((w(i) * static[i] for i in bag), torch.zeros(DIM))
+
+        outs, loss = [], 0
+        for dyn, stat, upstream in ranks:
+            columns = [[dynamic_bag(bag) for bag in feature] for feature in dyn]
+            columns.append([static_bag(bag) for bag in stat[0]])
+            out = torch.cat([torch.stack(c) if c else torch.zeros(0, DIM) for c in columns], 1)
+            outs.append(out.detach())
+            loss = loss + (out * upstream).sum()
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            # The sharded backward averages the sparse gradients over ranks, as DDP
+            # averages the dense ones: the loss of the global batch over the world size.
+            (loss / len(ranks)).backward()
+        with torch.no_grad():
+            for row, param in live.items():
+                if param.grad is not None:
+                    self.rows[row], self.state[row] = self._update(
+                        param, param.grad, self.state[row]
+                    )
+            if static.grad is not None:
+                touched = static.grad.abs().sum(1) > 0
+                new, state = self._update(static, static.grad, self.static_state)
+                self.static = torch.where(touched[:, None], new, self.static)
+                self.static_state = torch.where(touched[:, None], state, self.static_state)
+        return outs
+
+    def _update(self, weight, grad, state):
+        opt = self.case.optimizer
+        weight = weight.detach()
+        if isinstance(opt, SGD):
+            return weight - opt.lr * grad, state
+        if isinstance(opt, Adagrad):
+            state = state + grad**2
+            return weight - opt.lr * grad / (state.sqrt() + opt.eps), state
+        # Row-wise Adagrad: one accumulator per row, the mean of the squared gradient.
+        state = state + (grad**2).mean(-1, keepdim=True).expand_as(grad)
+        return weight - opt.lr * grad / (state.sqrt() + opt.eps), state
+
+
+def _run_case(case: Case) -> dict:
+    """On every rank: the sharded model and the reference side by side; the largest
+    gaps of this rank's outputs and of every live row, and the stats."""
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(tables=configs(case.rows, case.mean), is_weighted=case.weighted)
+    static = ebc.embedding_bags["s"].weight.detach().clone()
+    rank = torch.distributed.get_rank()
+    sharded = embshard.shard(
+        ebc,
+        ShardingPlan(case.plan),
+        optimizer=case.optimizer,
+        dynamic={"d": case.spec},
+    )
+    ref = RefModel(case, static)
+    out_gap = 0.0
+    for ranks in stream(case):
+        dyn, stat, upstream = ranks[rank]
+        out = sharded(kjt(dyn, stat, case.weighted)).values()
+        (out * upstream).sum().backward()
+        expected = ref.forward_backward(ranks)[rank]
+        out_gap = max(out_gap, (out.detach() - expected).abs().max().item() if out.numel() else 0)
+    table = gather_table(sharded.weights["d"])
+    row_gap = max(((table[r] - v).abs().max().item() for r, v in ref.rows.items()), default=0)
+    static_gap = (gather_table(sharded.weights["s"]) - ref.static).abs().max().item()
+    stats = sharded.dynamic_stats()["d"]
+    return {
+        "out_gap": out_gap,
+        "row_gap": row_gap,
+        "static_gap": static_gap,
+        "stats": (stats.admitted, stats.evicted, stats.overflow, stats.live),
+        "ref": (ref.admitted, ref.evicted, ref.overflow, len(ref.rows)),
+    }
+
+
+CASES = {
+    "w1_table_wise_lru": Case(
+        1, {"d": table_wise(0), "s": table_wise(0)}, IdMapSpec(4, 3, "lru"), SGD(lr=0.1)
+    ),
+    "w2_row_wise_lru_admit2_rowwise_adagrad": Case(
+        2,
+        {"d": row_wise(), "s": row_wise()},
+        IdMapSpec(4, 3, "lru", admit_after=2, seed=5),
+        RowWiseAdagrad(lr=0.1),
+    ),
+    "w2_table_wise_ttl_adagrad": Case(
+        2,
+        {"d": table_wise(1), "s": table_wise(0)},
+        IdMapSpec(4, 3, "ttl", ttl_steps=2),
+        Adagrad(lr=0.1),
+    ),
+    "w3_uneven_row_wise_lfu": Case(
+        3,
+        {"d": row_wise([6, 0, 6]), "s": row_wise()},
+        IdMapSpec(4, 3, "lfu"),
+        SGD(lr=0.1),
+    ),
+    "w3_row_wise_ttl_admit2_static_column_wise": Case(
+        3,
+        {"d": row_wise([3, 6, 3]), "s": column_wise([0, 2])},
+        IdMapSpec(4, 3, "ttl", ttl_steps=3, admit_after=2),
+        Adagrad(lr=0.1),
+    ),
+    "w2_weighted_row_wise_lru_admit2": Case(
+        2,
+        {"d": row_wise(), "s": table_wise(1)},
+        IdMapSpec(4, 3, "lru", admit_after=2),
+        SGD(lr=0.1),
+        weighted=True,
+    ),
+    "w2_mean_table_wise_lfu_admit2": Case(
+        2,
+        {"d": table_wise(0), "s": row_wise()},
+        IdMapSpec(4, 3, "lfu", admit_after=2),
+        SGD(lr=0.1),
+        mean=True,
+    ),
+}
+
+
+def _check(results: list[dict]) -> None:
+    for r in results:
+        assert r["out_gap"] < TOL, r
+        assert r["row_gap"] < TOL, r
+        assert r["static_gap"] < TOL, r
+        assert r["stats"] == r["ref"], r
+    assert results[0]["ref"][1] > 0, "the stream must evict"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_sharded_dynamic_table_equals_the_reference(world, name: str) -> None:
+    case = CASES[name]
+    _check(world(case.world).run(_run_case, case))
+
+
+@settings(
+    max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    seed=st.integers(0, 2**31),
+    world_size=st.sampled_from([2, 3]),
+    policy=st.sampled_from(["lru", "lfu", "ttl"]),
+    admit_after=st.integers(1, 3),
+    pool=st.integers(len(EXTREMES), 60),
+    buckets=st.sampled_from([1, 3, 6]),
+)
+def test_drawn_id_streams_equal_the_reference(
+    world, seed: int, world_size: int, policy: str, admit_after: int, pool: int, buckets: int
+) -> None:
+    """Any stream, any row-wise cut on bucket boundaries: buckets go to ranks in blocks."""
+    spec = IdMapSpec(
+        buckets, 2, policy, ttl_steps=2 if policy == "ttl" else None, admit_after=admit_after
+    )
+    cuts = sorted(random.Random(seed).choices(range(buckets + 1), k=world_size - 1))
+    sizes = [2 * (b - a) for a, b in zip([0, *cuts], [*cuts, buckets])]
+    case = Case(
+        world_size, {"d": row_wise(sizes), "s": row_wise()}, spec, SGD(lr=0.1), seed=seed, pool=pool
+    )
+    for result in world(world_size).run(_run_case, case):
+        assert result["out_gap"] < TOL and result["row_gap"] < TOL, result
+        assert result["stats"] == result["ref"], result
+
+
+def _raises(fn) -> str:
+    try:
+        fn()
+    except (InputError, PlanError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _negative_raw_id() -> list[str]:
+    """Rank 1 sends a negative raw id at the second step."""
+    rank = torch.distributed.get_rank()
+    sharded = embshard.shard(
+        EmbeddingBagCollection(tables=configs(12), device=torch.device("meta")),
+        ShardingPlan({"d": row_wise(), "s": table_wise(0)}),
+        dynamic={"d": IdMapSpec(4, 3)},
+    )
+    messages = []
+    for raw in (5, -5 if rank == 1 else 7):
+        messages.append(_raises(lambda raw=raw: sharded(kjt([[[raw]], [[]]], [[[1]]]))))
+    return messages
+
+
+def test_negative_raw_ids_are_refused_on_every_rank(world) -> None:
+    for ok, refused in world(2).run(_negative_raw_id):
+        assert ok == "no error"
+        assert refused.startswith("InputError: bad input batch")
+        assert "rank 1: feature 'f_d1' (table 'd'): raw id -5 is negative" in refused
+        assert "rank 0" not in refused
+
+
+def _overflow_without_eviction() -> list[str]:
+    """Policy "none": 2 buckets of 2 rows; step 0 brings 12 distinct ids."""
+    rank = torch.distributed.get_rank()
+    sharded = embshard.shard(
+        EmbeddingBagCollection(tables=configs(4), device=torch.device("meta")),
+        ShardingPlan({"d": row_wise(), "s": table_wise(0)}),
+        dynamic={"d": IdMapSpec(2, 2, "none")},
+    )
+    ids = [[list(range(rank * 6, rank * 6 + 6))], [[]]]
+    return [_raises(lambda: sharded(kjt(ids, [[[1]]]))) for _ in range(4)]
+
+
+def test_overflow_with_no_eviction_raises_on_every_rank_at_the_next_step(world) -> None:
+    results = world(2).run(_overflow_without_eviction)
+    for first, second, third, fourth in results:
+        assert first == "no error"  # the step that overflowed ran, its extra ids without rows
+        assert second.startswith("InputError: bad input batch")
+        assert "dynamic table 'd':" in second and "policy 'none'" in second
+        assert third == "no error"  # raised once; this step overflows again,
+        assert fourth == second  # and the next raises again
+    # Each rank names what its own buckets refused; the message is the same everywhere.
+    assert results[0][1] == results[1][1]
+
+
+BAD_PLANS = {
+    "rows": (13, {"d": table_wise(0)}, {"d": IdMapSpec(4, 3)}, "num_embeddings 13 is not"),
+    "cut": (12, {"d": row_wise([4, 8])}, {"d": IdMapSpec(4, 3)}, "cuts its rows at 4"),
+    "unknown": (12, {"d": table_wise(0)}, {"x": IdMapSpec(4, 3)}, "'x': not a table"),
+    "column_wise": (
+        12,
+        {"d": column_wise([0, 1])},
+        {"d": IdMapSpec(4, 3)},
+        "its column_wise layout is refused",
+    ),
+    "hot_rows": (
+        12,
+        {"d": row_wise(hot_rows=3)},
+        {"d": IdMapSpec(4, 3)},
+        "its row_wise layout is refused",
+    ),
+    "spec": (12, {"d": table_wise(0)}, {"d": 3}, "expected an IdMapSpec"),
+}
+
+
+def _bad_plan(rows: int, plan: dict, dynamic: dict) -> str:
+    plan = {"s": table_wise(0), **plan}
+    return _raises(
+        lambda: embshard.shard(
+            EmbeddingBagCollection(tables=configs(rows), device=torch.device("meta")),
+            ShardingPlan(plan),
+            dynamic=dynamic,
+        )
+    )
+
+
+@pytest.mark.parametrize("name", list(BAD_PLANS))
+def test_bad_dynamic_plans_are_one_line_plan_errors_on_every_rank(world, name: str) -> None:
+    rows, plan, dynamic, expected = BAD_PLANS[name]
+    messages = world(2).run(_bad_plan, rows, plan, dynamic)
+    assert messages[0] == messages[1]
+    assert messages[0].startswith("PlanError: dynamic table"), messages[0]
+    assert expected in messages[0] and "\n" not in messages[0]
+
+
+def _other_refusals() -> list[str]:
+    """A feature feeding the dynamic table and a static one; an EmbeddingCollection."""
+    from torchrec import EmbeddingCollection, EmbeddingConfig
+
+    shared = [
+        *configs(12),
+        EmbeddingBagConfig(name="t", embedding_dim=DIM, num_embeddings=5, feature_names=["f_d2"]),
+    ]
+    plan = ShardingPlan({"d": table_wise(0), "s": table_wise(0), "t": table_wise(1)})
+    sequence = EmbeddingCollection(
+        tables=[
+            EmbeddingConfig(name="d", embedding_dim=DIM, num_embeddings=12, feature_names=["x"])
+        ],
+        device=torch.device("meta"),
+    )
+    return [
+        _raises(
+            lambda: embshard.shard(
+                EmbeddingBagCollection(tables=shared, device=torch.device("meta")),
+                plan,
+                dynamic={"d": IdMapSpec(4, 3)},
+            )
+        ),
+        _raises(
+            lambda: embshard.shard(
+                sequence, ShardingPlan({"d": table_wise(0)}), dynamic={"d": IdMapSpec(4, 3)}
+            )
+        ),
+    ]
+
+
+def test_shared_features_and_sequence_collections_are_refused(world) -> None:
+    for shared, sequence in world(2).run(_other_refusals):
+        assert shared.startswith("PlanError: dynamic table 'd': its feature 'f_d2' feeds another")
+        assert sequence.startswith("PlanError: dynamic tables ['d']: a ShardedEmbeddingCollection")
