@@ -116,6 +116,18 @@ def broken(change) -> dict:
             r"\['device'\] do",
         ),
         (
+            lambda d: d["tables"][3].update(dynamic={"buckets": 50}, shardings=["column_wise"]),
+            r"tables\[3\].shardings: a dynamic table is table_wise or row_wise, got "
+            r"\[.column_wise.\]",
+        ),
+        (
+            lambda d: (
+                d.update(checkpoint={"dir": "ckpt"})
+                or d["tables"][3].update(dynamic={"buckets": 50})
+            ),
+            r"tables\[3\].dynamic: checkpoints do not hold dynamic tables' id maps yet",
+        ),
+        (
             lambda d: d.update(data={"drift": {"turnover_steps": 0}}),
             "config.yaml.data.drift.turnover_steps: must be at least 1",
         ),
@@ -259,3 +271,13 @@ def test_relative_paths_are_read_from_the_configs_folder(tmp_path, monkeypatch):
         f"Error: {folder / 'criteo.yaml'}.data.path: cannot read {folder / 'data' / 'train.tsv'} "
         "(a relative path in a config is read from the config's folder)\n"
     )
+
+
+def test_simulate_refuses_dynamic_tables_for_now(tmp_path):
+    data = small()
+    data["tables"][3]["dynamic"] = {"buckets": 50}
+    with pytest.raises(
+        ConfigError, match=r"`embshard simulate` does not simulate dynamic tables yet"
+    ):
+        load_config(write(tmp_path, data), use="simulate")
+    assert load_config(write(tmp_path, data), use="plan").tables[3].dynamic.buckets == 50

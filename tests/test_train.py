@@ -100,6 +100,7 @@ def test_cli_trains_and_reports(tmp_path):
     data = yaml.safe_load((ROOT / "configs" / "small.yaml").read_text())
     data.update(steps=30, batch_size=64)
     data["data"] = {"type": "synthetic", "drift": {"turnover_steps": 20}}  # held out at the step
+    data["tables"][0]["dynamic"] = {"buckets": 1000}  # user: raw ids over 63 bits, remapped
     data["eval"] = {"every": 15, "batches": 2}
     data["logging"] = {"metrics": "metrics.jsonl", "every": 10}
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(data))
@@ -109,6 +110,9 @@ def test_cli_trains_and_reports(tmp_path):
     assert "per rank (table weights + rowwise_adagrad state):" in run.stdout
     assert "step 0: eval AUC" in run.stdout and "step 30: eval AUC" in run.stdout
     assert '"steps": 30' in run.stdout
+    summary = json.loads(run.stdout.rsplit("embshard: done ", 1)[1].splitlines()[0])
+    user = summary["dynamic"]["user"]
+    assert user["live"] == user["admitted"] - user["evicted"] > 0 and user["overflow"] == 0
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3 + 3
 
 

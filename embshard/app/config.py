@@ -234,6 +234,10 @@ class TrainConfig:
         """Every table's TorchRec config, sequence tables' included."""
         return [t.torchrec_config() for t in self.tables]
 
+    def id_maps(self) -> dict[str, IdMapSpec]:
+        """The dynamic tables' id maps, by table (``shard_model``'s ``dynamic``)."""
+        return {t.name: spec for t in self.tables if (spec := t.id_map(self.seed)) is not None}
+
     def sharding_plan(self, world_size: int | None = None) -> ShardingPlan | None:
         """The config's own plan, checked against its tables (and ``world_size``, where
         given) in one round."""
@@ -434,13 +438,34 @@ def _check_plan(config: TrainConfig, where: str, world_size: int | None = None) 
         raise ConfigError(f"{where}.plan: {e}") from None
 
 
-def _check_dynamic(config: TrainConfig, where: str) -> None:
-    """Each dynamic table's map fits its rows, and its features feed it alone (their
-    ids are raw, no other table's rows)."""
+# The layouts a dynamic table takes: each rank a contiguous range of its buckets.
+DYNAMIC_KINDS = (Kind.TABLE_WISE.value, Kind.ROW_WISE.value)
+
+
+def _check_dynamic(config: TrainConfig, where: str, use: Use) -> None:
+    """Each dynamic table's map fits its rows, its features feed it alone (their ids
+    are raw, no other table's rows), and it is sharded a way it can be; a job with one
+    neither simulates nor saves checkpoints (neither holds id maps yet)."""
     for i, t in enumerate(config.tables):
         if t.dynamic is None:
             continue
         at = f"{where}.tables[{i}].dynamic"
+        if use == "simulate":
+            raise ConfigError(
+                f"{at}: `embshard simulate` does not simulate dynamic tables yet "
+                f"({t.name!r} is one)"
+            )
+        if use == "train" and config.checkpoint.dir is not None:
+            raise ConfigError(
+                f"{at}: checkpoints do not hold dynamic tables' id maps yet, so a job with "
+                f"one ({t.name!r}) cannot save them: remove checkpoint.dir"
+            )
+        others = sorted(set(t.shardings or ()) - set(DYNAMIC_KINDS))
+        if others:
+            raise ConfigError(
+                f"{where}.tables[{i}].shardings: a dynamic table is table_wise or "
+                f"row_wise, got {others}"
+            )
         if t.dynamic.buckets < 1 or t.num_embeddings % t.dynamic.buckets:
             raise ConfigError(
                 f"{at}.buckets: must divide num_embeddings ({t.num_embeddings}), "
@@ -493,7 +518,7 @@ def _check(config: TrainConfig, where: str, use: Use, check_files: bool) -> None
         raise ConfigError(
             f"{where}.model.dense_arch_layer_sizes: the last size must equal embedding_dim"
         )
-    _check_dynamic(config, where)
+    _check_dynamic(config, where, use)
     _check_plan(config, where)
     if len({t.data_type for t in config.tables}) > 1:
         raise ConfigError(

@@ -8,7 +8,7 @@ from dataclasses import fields
 
 import numpy as np
 
-from embshard.app.config import GroupSize, TrainConfig
+from embshard.app.config import DYNAMIC_KINDS, GroupSize, TrainConfig
 from embshard.app.data import Batch, build_data
 from embshard.errors import ConfigError, PlanningError
 from embshard.plan.specs import ShardingPlan
@@ -107,7 +107,7 @@ def _plan_on(
         return given, _report(given, config, topology, "the config's own plan says so")
     constraints = {
         t.name: TableConstraint(
-            tuple(t.shardings) if t.shardings else None,
+            tuple(t.shardings or (DYNAMIC_KINDS if t.dynamic else ())) or None,
             tuple(t.ranks) if t.ranks else None,
             t.column_blocks,
         )

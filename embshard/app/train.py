@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -53,7 +54,7 @@ from embshard.checkpoint.store import first_line, rank_failures
 from embshard.errors import CheckpointError, ConfigError, EmbshardError, InputError
 from embshard.modules.mesh import default_device, sharding_mesh
 from embshard.modules.pipeline import drain, prefetch
-from embshard.modules.shard_model import shard_model, sync_replicas
+from embshard.modules.shard_model import shard_model, sharded_collections, sync_replicas
 from embshard.plan.specs import ShardingPlan, plural
 from embshard.planner.search import format_bytes, plan_loads
 from embshard.runtime.teardown import shutdown
@@ -347,6 +348,7 @@ def _sharded_model(
         optimizer=fused_optimizer(config.sparse_optimizer),
         seed=config.seed,
         comm_precision=config.comm_precision,
+        dynamic=config.id_maps(),
     )
     if rank == 0:
         layout = describe_plan(plan, config, group)
@@ -622,19 +624,31 @@ def _next_pass_if_due(job: _Job, loop: _LoopState, stop: bool) -> bool:
 
 
 def _log_step(job: _Job, loop: _LoopState, stats: _StepStats, done: bool) -> None:
-    """Every ``logging.every`` steps and at the last: the loss and the samples a second
-    since the last log, to the metrics log and the progress bar."""
+    """Every ``logging.every`` steps and at the last: the loss, the samples a second
+    since the last log and the dynamic tables' id counts, to the metrics log and the
+    progress bar (the counts, at the last, to the summary too)."""
     loop.samples_since += stats.samples
     now = time.perf_counter()
     if loop.step % job.config.logging.every == 0 or done:
         rate = loop.samples_since / (now - loop.last)
         elapsed = now - loop.began
-        job.metrics.write(
-            {"step": loop.step, "loss": stats.loss, "samples_per_s": rate, "elapsed_s": elapsed}
-        )
+        line = {"step": loop.step, "loss": stats.loss, "samples_per_s": rate, "elapsed_s": elapsed}
+        dynamic = _dynamic_stats(job.model)
+        job.metrics.write(line | dynamic)
+        if done:
+            loop.summary.update(dynamic)
         job.progress.set_postfix(loss=f"{stats.loss:.4f}", samples_s=f"{rate:,.0f}")
         loop.last, loop.samples_since = now, 0
     job.progress.update(1)
+
+
+def _dynamic_stats(model: torch.nn.Module) -> dict[str, dict[str, int]]:
+    """Each dynamic table's ids admitted, evicted and overflowing so far and live now,
+    over every rank (collective); empty without dynamic tables."""
+    found = {}
+    for collection in sharded_collections(model).values():
+        found |= {n: dataclasses.asdict(s) for n, s in collection.dynamic_stats().items()}
+    return {"dynamic": found} if found else {}
 
 
 def _evaluate_if_due(job: _Job, loop: _LoopState, done: bool) -> None:

@@ -1,0 +1,86 @@
+"""A config with dynamic tables against its static twin: the same model, data and memory,
+each dynamic table made static (its raw ids hashed onto its rows, where ids live at
+the same time collide).
+
+    PYTHONPATH=$PWD .venv/bin/python tools/compare_dynamic.py configs/dynamic.yaml \\
+        [--nproc 2] [--steps N] [--json out.json]
+
+Trains both with ``embshard train CONFIG --nproc N``, one after the other, and prints
+each evaluation's AUC and loss side by side, then the dynamic tables' id counts at the
+end (admitted, evicted, overflowing, live).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+COMMAND = [sys.executable, "-c", "from embshard.app.cli import main; main()", "train"]
+
+
+def twin(config: dict) -> dict:
+    """``config`` with every table static."""
+    tables = [{k: v for k, v in t.items() if k != "dynamic"} for t in config["tables"]]
+    return config | {"tables": tables}
+
+
+def train(config: dict, folder: Path, name: str, nproc: int) -> tuple[list[dict], dict]:
+    """One run of ``config`` in ``folder``: its evaluations and its summary."""
+    metrics = folder / f"{name}.jsonl"
+    config = config | {"logging": {"metrics": str(metrics), "every": 20, "progress": False}}
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    done = subprocess.run(
+        [*COMMAND, str(path), "--nproc", str(nproc)], capture_output=True, text=True
+    )
+    if done.returncode:
+        sys.exit(f"{name} run failed:\n{done.stderr[-3000:]}")
+    summary = json.loads(done.stdout.rsplit("embshard: done ", 1)[1].splitlines()[0])
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [r for r in records if "eval_auc" in r], summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("config")
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--steps", type=int, help="in place of the config's")
+    parser.add_argument("--json", help="write both runs' evaluations and summaries here")
+    args = parser.parse_args()
+    config_path = Path(args.config).resolve()
+    config = yaml.safe_load(config_path.read_text())
+    if args.steps:
+        config["steps"] = args.steps
+    if not any("dynamic" in t for t in config["tables"]):
+        sys.exit(f"{args.config} has no dynamic table")
+    data = config.get("data", {})
+    for key in ("path", "eval_path"):  # read from the config's folder, as train reads them
+        if data.get(key):
+            data[key] = str(config_path.parent / data[key])
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = {
+            name: train(c, Path(tmp), name, args.nproc)
+            for name, c in (("dynamic", config), ("static", twin(config)))
+        }
+    (dynamic, end), (static, _) = runs["dynamic"], runs["static"]
+    print(f"{args.config}, {args.nproc} ranks: eval AUC (loss), dynamic tables vs hashed static")
+    for d, s in zip(dynamic, static, strict=True):
+        gain = d["eval_auc"] - s["eval_auc"]
+        print(
+            f"  step {d['step']:>6}: {d['eval_auc']:.4f} ({d['eval_loss']:.4f})  "
+            f"{s['eval_auc']:.4f} ({s['eval_loss']:.4f})  {gain:+.4f}"
+        )
+    for table, counts in end.get("dynamic", {}).items():
+        print(f"  {table}: " + ", ".join(f"{k} {v:,}" for k, v in counts.items()))
+    if args.json:
+        Path(args.json).write_text(json.dumps(runs, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
