@@ -453,3 +453,36 @@ def test_shared_features_and_sequence_collections_are_refused(world) -> None:
     for shared, sequence in world(2).run(_other_refusals):
         assert shared.startswith("PlanError: dynamic table 'd': its feature 'f_d2' feeds another")
         assert sequence.startswith("PlanError: dynamic tables ['d']: a ShardedEmbeddingCollection")
+
+
+class _Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ebc = EmbeddingBagCollection(tables=configs(12), device=torch.device("meta"))
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        return self.ebc(features).values()
+
+
+def _through_shard_model() -> tuple[object, str]:
+    """shard_model passes each collection its dynamic tables; names none of them refused."""
+    plan = ShardingPlan({"d": row_wise(), "s": table_wise(0)})
+    model = embshard.shard_model(
+        _Model(), plan, dynamic={"d": IdMapSpec(4, 3)}, data_parallel_wrapper=lambda m: m
+    )
+    rank = torch.distributed.get_rank()
+    model(kjt([[[rank, 7]], [[2**63 - 1]]], [[[1]]]))
+    unknown = _raises(
+        lambda: embshard.shard_model(
+            _Model(), plan, dynamic={"x": IdMapSpec(4, 3)}, data_parallel_wrapper=lambda m: m
+        )
+    )
+    return model.ebc.dynamic_stats()["d"], unknown
+
+
+def test_shard_model_takes_dynamic_tables(world) -> None:
+    for stats, unknown in world(2).run(_through_shard_model):
+        assert (stats.admitted, stats.live, stats.overflow) == (4, 4, 0)  # ids 0, 1, 7, 2**63-1
+        assert (
+            unknown == "PlanError: dynamic tables ['x'] are not tables of the model's collections"
+        )
