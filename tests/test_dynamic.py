@@ -14,7 +14,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_id_map import Reference, ref_initial, ref_key
+from test_id_map import Reference, ref_bucket, ref_initial, ref_key
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 
 import embshard
@@ -50,6 +50,7 @@ class Case:
     seed: int = 0
     weighted: bool = False  # every id weighted by ``weight(id)``
     mean: bool = False  # the dynamic table pools by MEAN
+    evaluate: bool = False  # after each step, the next step's batch in eval mode
 
     @property
     def rows(self) -> int:
@@ -136,6 +137,43 @@ class RefModel:
         bound = math.sqrt(1 / case.rows)
         self.bounds = (-bound, bound)
 
+    def row(self, key: int) -> int:
+        """The key's row in the map now, -1 for none."""
+        bucket, rows = ref_bucket(key, self.case.spec.buckets), self.case.spec.rows_per_bucket
+        slots = self.map.slots[bucket]
+        return next((bucket * rows + i for i, e in enumerate(slots) if e and e.key == key), -1)
+
+    def evaluate(self, ranks) -> list[torch.Tensor]:
+        """Every rank's output for this batch in eval mode: the live ids' rows, as they
+        are; no sighting, admission, eviction or update."""
+        keys = [
+            ref_key(i) for dyn, _, _ in ranks for feature in dyn for bag in feature for i in bag
+        ]
+        return self._outputs(ranks, {k: self.row(k) for k in keys}, self.rows, self.static)
+
+    def _outputs(self, ranks, row_of: dict, rows: dict, static: torch.Tensor) -> list:
+        """Every rank's pooled output, from ``rows`` and ``static`` (autograd's leaves
+        or plain rows); each is ``[batch, 3 * DIM]``."""
+        w = weight if self.case.weighted else (lambda i: 1.0)
+
+        def dynamic_bag(bag: list[int]) -> torch.Tensor:
+            """Ids without a row add nothing; MEAN divides by the whole bag's length."""
+            found = [(w(i), row_of[ref_key(i)]) for i in bag]
+            pooled = sum((a * rows[r] for a, r in found if r >= 0), torch.zeros(DIM))
+            return pooled / len(bag) if self.case.mean and bag else pooled
+
+        def static_bag(bag: list[int]) -> torch.Tensor:
+            return sum((w(i) * static[i] for i in bag), torch.zeros(DIM))
+
+        outs = []
+        for dyn, stat, _ in ranks:
+            columns = [[dynamic_bag(bag) for bag in feature] for feature in dyn]
+            columns.append([static_bag(bag) for bag in stat[0]])
+            outs.append(
+                torch.cat([torch.stack(c) if c else torch.zeros(0, DIM) for c in columns], 1)
+            )
+        return outs
+
     def forward_backward(self, ranks) -> list[torch.Tensor]:
         """Every rank's output for this step, then the optimizer's update."""
         dyn_keys = [
@@ -154,22 +192,8 @@ class RefModel:
         row_of = dict(zip(dyn_keys, rows))
         live = {r: self.rows[r].clone().requires_grad_() for r in set(rows) if r >= 0}
         static = self.static.clone().requires_grad_()
-        w = weight if self.case.weighted else (lambda i: 1.0)
-
-        def dynamic_bag(bag: list[int]) -> torch.Tensor:
-            """Ids without a row add nothing; MEAN divides by the whole bag's length."""
-            rows = [(w(i), row_of[ref_key(i)]) for i in bag]
-            pooled = sum((a * live[r] for a, r in rows if r >= 0), torch.zeros(DIM))
-            return pooled / len(bag) if self.case.mean and bag else pooled
-
-        def static_bag(bag: list[int]) -> torch.Tensor:
-            return sum((w(i) * static[i] for i in bag), torch.zeros(DIM))
-
         outs, loss = [], 0
-        for dyn, stat, upstream in ranks:
-            columns = [[dynamic_bag(bag) for bag in feature] for feature in dyn]
-            columns.append([static_bag(bag) for bag in stat[0]])
-            out = torch.cat([torch.stack(c) if c else torch.zeros(0, DIM) for c in columns], 1)
+        for out, (_, _, upstream) in zip(self._outputs(ranks, row_of, live, static), ranks):
             outs.append(out.detach())
             loss = loss + (out * upstream).sum()
         if isinstance(loss, torch.Tensor) and loss.requires_grad:
@@ -217,12 +241,20 @@ def _run_case(case: Case) -> dict:
     )
     ref = RefModel(case, static)
     out_gap = 0.0
-    for ranks in stream(case):
+    steps = stream(case)
+    for ranks, following in zip(steps, [*steps[1:], None]):
         dyn, stat, upstream = ranks[rank]
         out = sharded(kjt(dyn, stat, case.weighted)).values()
         (out * upstream).sum().backward()
         expected = ref.forward_backward(ranks)[rank]
         out_gap = max(out_gap, (out.detach() - expected).abs().max().item() if out.numel() else 0)
+        if case.evaluate and following is not None:  # ids not seen yet: looked up only
+            dyn, stat, _ = following[rank]
+            with torch.no_grad():
+                out = sharded.eval()(kjt(dyn, stat, case.weighted)).values()
+            sharded.train()
+            expected = ref.evaluate(following)[rank]
+            out_gap = max(out_gap, (out - expected).abs().max().item() if out.numel() else 0)
     table = gather_table(sharded.weights["d"])
     row_gap = max(((table[r] - v).abs().max().item() for r, v in ref.rows.items()), default=0)
     static_gap = (gather_table(sharded.weights["s"]) - ref.static).abs().max().item()
@@ -270,6 +302,13 @@ CASES = {
         IdMapSpec(4, 3, "lru", admit_after=2),
         SGD(lr=0.1),
         weighted=True,
+    ),
+    "w2_row_wise_lru_evaluated_between_steps": Case(
+        2,
+        {"d": row_wise(), "s": table_wise(0)},
+        IdMapSpec(4, 3, "lru", admit_after=2),
+        Adagrad(lr=0.1),
+        evaluate=True,
     ),
     "w2_mean_table_wise_lfu_admit2": Case(
         2,

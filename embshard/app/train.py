@@ -111,11 +111,13 @@ def evaluate(model: nn.Module, batches: list[Batch], empty: Batch) -> tuple[floa
     hold different numbers: those done step with ``empty`` until every rank is."""
     count = all_reduced([len(batches)], dist.ReduceOp.MAX)  # forward is collective: same count
     preds, labels = [], []
+    model.eval()  # dynamic tables look ids up without admitting them
     with torch.no_grad():
         for i in range(int(count)):
             batch = batches[i] if i < len(batches) else empty
             preds.append(model(batch.dense, batch.sparse).squeeze(1))
             labels.append(batch.labels)
+    model.train()
     mine = (torch.cat(preds).cpu(), torch.cat(labels).cpu()) if preds else (torch.zeros(0),) * 2
     everyone: list = [None] * dist.get_world_size()  # CPU tensors: unpickled on any rank
     dist.all_gather_object(everyone, mine)

@@ -505,7 +505,9 @@ class ShardedEmbeddingBagCollection(ShardedCollection[None, Pooled, KeyedTensor]
         indices, offsets, weights = self._input_dist.arrived(in_flight)
         batch_size = sum(in_flight.counts.batch_sizes)
         if self._dynamic is not None:
-            indices, offsets, weights = self._dynamic.remap(indices, offsets, weights, batch_size)
+            indices, offsets, weights = self._dynamic.remap(
+                indices, offsets, weights, batch_size, learn=self.training
+            )
         if self._storage.tbe is None:
             return Pooled(torch.zeros(batch_size, 0, device=self._device), local)
         return Pooled(self._storage.tbe(indices, offsets, per_sample_weights=weights), local)

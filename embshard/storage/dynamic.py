@@ -179,12 +179,16 @@ class DynamicTables:
         offsets: torch.Tensor,
         weights: torch.Tensor | None,
         batch_size: int,
+        learn: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The lookup's input (indices, offsets, per-id weights; bags slot by slot, each
         ``batch_size`` bags) with every dynamic shard's keys remapped at this step to
         its rows, and the ids left without a row dropped from their bags. Counts a
-        step on every rank, shards or none."""
-        step, self.step = self.step, self.step + 1
+        step on every rank, shards or none. Without ``learn`` (a module in eval mode)
+        the keys are only looked up: the maps, the rows and the step stay as they are."""
+        step = self.step
+        if learn:
+            self.step += 1
         if not self._shards:
             return indices, offsets, weights
         lengths = offsets[1:] - offsets[:-1]
@@ -192,6 +196,9 @@ class DynamicTables:
         tags = bag_tags.repeat_interleave(lengths, output_size=indices.numel())
         for shard in self._shards:
             mine = (tags == shard.tag).nonzero()[:, 0]
+            if not learn:
+                indices[mine] = shard.idmap.lookup(indices[mine])
+                continue
             result = shard.idmap.remap(indices[mine], step)
             indices[mine] = result.rows
             shard.admit(result)

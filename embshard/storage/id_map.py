@@ -232,6 +232,17 @@ class IdMap:
                 f"(bucket {bucket_of(bad[:1], self.spec.buckets).item()})"
             )
 
+    def lookup(self, keys: torch.Tensor) -> torch.Tensor:
+        """Each key's local row, -1 for a key without one, changing nothing (no
+        sighting, admission or eviction): what a forward that must not learn reads
+        (evaluation, as TorchRec's managed-collision modules outside training)."""
+        self._check(keys, self.step)
+        if len(keys) == 0:
+            return keys.new_empty(0)
+        uniq, inverse = torch.unique(keys, return_inverse=True)
+        touched = torch.unique_consecutive(bucket_of(uniq, self.spec.buckets) - self.first)
+        return self.slots.find(touched, uniq)[inverse]
+
     def remap(self, keys: torch.Tensor, step: int) -> RemapResult:
         """Each key's local row (-1: none) at ``step`` (non-decreasing over calls), admitting
         and evicting by the spec. Depends on the set of keys and their counts, not their
