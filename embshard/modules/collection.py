@@ -12,9 +12,10 @@ stage ahead, for a pipeline. ``state_dict()`` has the unsharded module's keys
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Generic, NamedTuple, TypeVar
 
 import torch
@@ -314,6 +315,20 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
         with torch.no_grad():
             for tensor, part in zip(tensors, flat.split([t.numel() for t in tensors])):
                 tensor.copy_(part.view_as(tensor))
+
+    def replace_lookup(
+        self, build: Callable[[list[tuple[str, torch.Tensor]], list[int]], nn.Module]
+    ) -> None:
+        """Look up from ``build(tables, feature_table_map)`` from now on: ``tables`` are
+        this rank's shards in lookup order, each ``(name, float weights)``. The float
+        tables, their views and the optimizer state go: the module then serves only."""
+        storage, lookup = self._storage, None
+        if storage.tbe is not None:
+            weights = storage.tbe.split_embedding_weights()
+            shards = [(n, w) for (n, _), w in zip(storage.shards, weights, strict=True)]
+            lookup = build(shards, [s.tbe_table for s in self._routes.slots[self._rank]])
+        self._storage = dataclasses.replace(storage, tbe=lookup, weights={}, optimizer_state={})
+        self._weights, self._optimizer_state = {}, {}
 
     @property
     def feature_names(self) -> set[str]:
