@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -413,7 +414,15 @@ def _save(
     rank with what failed where."""
     saves = config.checkpoint
     try:
-        checkpoint.save(saves.dir, model, optimizer, step=step, keep=saves.keep, job=job_id())
+        checkpoint.save(
+            saves.dir,
+            model,
+            optimizer,
+            step=step,
+            keep=saves.keep,
+            job=job_id(),
+            config=dataclasses.asdict(config),
+        )
     except CheckpointException as e:  # DCP raises it on every rank
         raise TrainingError(f"{phase} failed: {rank_failures(e)}") from None
 

@@ -10,6 +10,7 @@ rank, as in training.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -24,9 +25,9 @@ from embshard.errors import ConfigError
 from embshard.modules.collection import ShardedCollection
 from embshard.modules.shard import shard
 from embshard.modules.shard_model import shard_model
-from embshard.plan.specs import ShardingPlan
+from embshard.plan.specs import ShardedTable, ShardingPlan
 from embshard.serving.precision import Precision
-from embshard.serving.tables import QuantizedRows
+from embshard.serving.tables import PackedRows, QuantizedRows
 from embshard.storage.optimizers import SGD
 
 # Sharding for serving builds each rank's float shards first (then quantized): SGD keeps
@@ -38,18 +39,34 @@ class ServedShards(nn.Module):
     """A sharded collection whose rows are quantized: its forward, without autograd
     (so the output all-to-all runs forward alone and nothing is kept for a backward).
     Collective, as the sharded collection's: every rank calls it with its own batch.
-    ``shards`` is this rank's quantized lookup (None where the rank holds no shard)."""
+    ``shards`` is this rank's quantized lookup (None where the rank holds no shard).
 
-    def __init__(self, sharded: ShardedCollection, precision: Precision) -> None:
+    The rows are the collection's own float shards quantized to ``precision``, or
+    ``packed``: this rank's shards quantized before (a sharded artifact's), in the
+    collection's lookup order."""
+
+    def __init__(
+        self,
+        sharded: ShardedCollection,
+        precision: Precision,
+        packed: Sequence[PackedRows] | None = None,
+    ) -> None:
         super().__init__()
         self.sharded, self.precision = sharded, precision
         self.shards: QuantizedRows | None = None
         device = sharded.sharding_mesh.device
 
         def build(tables: list[tuple[str, torch.Tensor]], feature_table_map: list[int]):
-            self.shards = QuantizedRows(
-                tables, feature_table_map, precision, device, PoolingMode.SUM
-            )
+            rows = packed
+            if rows is None:
+                rows = [PackedRows.of(name, weight, precision) for name, weight in tables]
+            shapes = [(t.name, t.values.shape[0], t.dim) for t in rows]
+            if shapes != [(name, *weight.shape) for name, weight in tables]:
+                raise ConfigError(
+                    f"rank {sharded.rank}: the quantized shards {shapes} are not those the "
+                    "plan puts on this rank"
+                )
+            self.shards = QuantizedRows(rows, feature_table_map, precision, device, PoolingMode.SUM)
             return self.shards
 
         sharded.replace_lookup(build)
@@ -65,12 +82,14 @@ class ServedShards(nn.Module):
         return self.sharded(features)
 
 
-def check_servable(sharded: ShardedCollection, precision: Precision) -> None:
+def check_servable(
+    tables: Mapping[str, ShardedTable], precision: Precision, device: torch.device
+) -> None:
     """One-line errors, the same on every rank (they read the plan only), for what
     cannot be served sharded: copies of rows on every rank (data-parallel tables, hot
     rows), a shard width ``precision`` cannot pack, a device FBGEMM cannot serve on."""
-    precision.check_device(sharded.sharding_mesh.device)
-    for name, table in sharded.tables.items():
+    precision.check_device(device)
+    for name, table in tables.items():
         if table.replicated_rows:
             raise ConfigError(
                 f"table {name!r}: data-parallel tables and hot rows are not served "
@@ -80,18 +99,23 @@ def check_servable(sharded: ShardedCollection, precision: Precision) -> None:
             precision.check_dim(f"{name} (columns {s.col_offset}+)", s.cols)
 
 
-def quantize_sharded(model: nn.Module, precision: Precision | str) -> nn.Module:
+def quantize_sharded(
+    model: nn.Module,
+    precision: Precision | str,
+    packed: Mapping[str, Sequence[PackedRows]] | None = None,
+) -> nn.Module:
     """``model`` (a sharded collection, or a model holding them) with every sharded
     collection's lookup quantized to ``precision``, in place, in eval mode without
-    gradients."""
+    gradients: from its own float shards, or from ``packed``, this rank's shards
+    quantized before, by the collection's path in the model."""
     precision = Precision.parse(precision)
     found = {p: m for p, m in model.named_modules() if isinstance(m, ShardedCollection)}
     if not found:
         raise ValueError("the model has no sharded collection to quantize (shard it first)")
     for sharded in found.values():
-        check_servable(sharded, precision)
+        check_servable(sharded.tables, precision, sharded.sharding_mesh.device)
     for path, sharded in found.items():
-        served = ServedShards(sharded, precision)
+        served = ServedShards(sharded, precision, None if packed is None else packed[path])
         if not path:
             return served.eval()
         parent, _, name = path.rpartition(".")

@@ -11,6 +11,7 @@ export cannot trace) and every table is looked up in one kernel.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from fbgemm_gpu.split_embedding_configs import SparseType
@@ -44,15 +45,32 @@ _LAYOUT_INTS = (
 )
 
 
+@dataclass(frozen=True)
+class PackedRows:
+    """One table's rows as FBGEMM's inference TBE stores them: packed values (uint8)
+    and, for integer precisions, each row's scale and bias (uint8 view of two fp16)."""
+
+    name: str
+    dim: int
+    values: torch.Tensor
+    scale_bias: torch.Tensor | None
+
+    @classmethod
+    def of(cls, name: str, weight: torch.Tensor, precision: Precision) -> PackedRows:
+        """``weight`` ([rows, dim], float) quantized to ``precision``."""
+        precision.check_dim(name, weight.shape[1])
+        return cls(name, weight.shape[1], *precision.quantize(weight))
+
+
 class QuantizedRows(nn.Module):
-    """Tables quantized to ``precision`` in FBGEMM's inference layout on ``device``,
-    pooled by ``pooling`` (SUM, or NONE: one row per id); feature ``f`` looks up table
-    ``feature_table_map[f]``. ``tables`` are ``(name, float weights)``. The lookup takes
-    ids and offsets as FBGEMM's TBE does and checks nothing. Forward only."""
+    """Tables of ``precision`` rows in FBGEMM's inference layout on ``device``, pooled
+    by ``pooling`` (SUM, or NONE: one row per id); feature ``f`` looks up table
+    ``feature_table_map[f]``. The lookup takes ids and offsets as FBGEMM's TBE does and
+    checks nothing. Forward only."""
 
     def __init__(
         self,
-        tables: Sequence[tuple[str, torch.Tensor]],
+        tables: Sequence[PackedRows],
         feature_table_map: Sequence[int],
         precision: Precision,
         device: torch.device,
@@ -60,8 +78,6 @@ class QuantizedRows(nn.Module):
     ) -> None:
         super().__init__()
         precision.check_device(device)
-        for name, weight in tables:
-            precision.check_dim(name, weight.shape[1])
         self.pooling = pooling
         tbe = _build_tbe(tables, feature_table_map, precision, device, pooling)
         self.register_buffer("weights", tbe.weights_host if tbe.host_size else tbe.weights_dev)
@@ -122,7 +138,7 @@ class QuantizedTables(nn.Module):
         super().__init__()
         _check_tables(tables, weights)
         self.quantized = QuantizedRows(
-            [(t.name, weights[t.name]) for t in tables],
+            [PackedRows.of(t.name, weights[t.name], precision) for t in tables],
             [i for i, t in enumerate(tables) for _ in t.feature_names],
             precision,
             device,
@@ -213,18 +229,15 @@ def _check_tables(
 
 
 def _build_tbe(
-    tables: Sequence[tuple[str, torch.Tensor]],
+    tables: Sequence[PackedRows],
     feature_table_map: Sequence[int],
     precision: Precision,
     device: torch.device,
     pooling: PoolingMode,
 ) -> IntNBitTableBatchedEmbeddingBagsCodegen:
-    """FBGEMM's inference TBE holding every table quantized."""
+    """FBGEMM's inference TBE holding the tables' rows."""
     location = EmbeddingLocation.HOST if device.type == "cpu" else EmbeddingLocation.DEVICE
-    specs = [
-        (name, weight.shape[0], weight.shape[1], precision.sparse_type, location)
-        for name, weight in tables
-    ]
+    specs = [(t.name, t.values.shape[0], t.dim, precision.sparse_type, location) for t in tables]
     return IntNBitTableBatchedEmbeddingBagsCodegen(
         specs,
         feature_table_map=list(feature_table_map),
@@ -232,5 +245,8 @@ def _build_tbe(
         device=device,
         bounds_check_mode=BoundsCheckMode.NONE,
         output_dtype=SparseType.FP32,
-        weight_lists=[precision.quantize(weight.to(device)) for _, weight in tables],
+        weight_lists=[
+            (t.values.to(device), None if t.scale_bias is None else t.scale_bias.to(device))
+            for t in tables
+        ],
     )
