@@ -27,7 +27,7 @@ from torchrec.quant.embedding_modules import EmbeddingCollection as TorchRecQuan
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embshard import ShardingPlan, column_wise, data_parallel, grid, row_wise, table_wise
-from embshard.errors import ConfigError, InputError
+from embshard.errors import InputError
 from embshard.serving.sharded import shard_quantized
 
 TORCH_DTYPES = {"int8": torch.qint8, "int4": torch.quint4x2, "fp16": torch.half}
@@ -41,7 +41,7 @@ BAG_TABLES = (
     ("d", 20, 16, ("fd",), False),
 )
 SEQUENCE_TABLES = tuple((n, rows, 8, f, False) for n, rows, _, f, _ in BAG_TABLES)
-PLANS = ("table_wise", "row_wise", "column_wise", "mixed")
+PLANS = ("table_wise", "row_wise", "column_wise", "mixed", "copies")
 
 
 def widths(plan: str, dim: int, table: int) -> list[int]:
@@ -56,6 +56,7 @@ def widths(plan: str, dim: int, table: int) -> list[int]:
 def plans(name: str, world: int, tables: tuple) -> ShardingPlan:
     last, everyone = world - 1, list(range(world))
     dims = {t[0]: t[2] for t in tables}
+    sequence = tables == SEQUENCE_TABLES
     by_plan = {
         "table_wise": {n: table_wise(i % world) for i, n in enumerate(dims)},
         "row_wise": {n: row_wise() for n in dims},
@@ -68,6 +69,13 @@ def plans(name: str, world: int, tables: tuple) -> ShardingPlan:
             "b": row_wise(ranks=everyone[::-1]),  # row blocks out of rank order
             "c": column_wise([0, last]),
             "d": grid(2, [everyone, [last]]),
+        },
+        # Copies on every rank (data-parallel, hot rows) beside shards.
+        "copies": {
+            "a": data_parallel(),
+            "b": row_wise() if sequence else row_wise(hot_rows=4),  # hot rows: bags only
+            "c": row_wise(),
+            "d": table_wise(last),
         },
     }
     return ShardingPlan(by_plan[name])
@@ -184,6 +192,7 @@ def serve_case(plan: str, precision: str, sequence: bool) -> dict:
         "bytes": served.table_bytes(),
         "buffers": sum(b.numel() * b.element_size() for b in served.buffers()),
         "params": sum(1 for _ in served.parameters()),
+        "lookups": len(served.lookups),
     }
 
 
@@ -197,6 +206,8 @@ def test_sharded_outputs_equal_torchrec_quantized(world, world_size, plan, seque
             assert r["optimizer_state"] == r["float_tables"] == r["params"] == 0, r
             assert r["buffers"] >= r["bytes"]
         assert sum(r["bytes"] for r in results) > 0
+        if plan == "copies":  # every rank looks its copies up in a quantized lookup too
+            assert all(r["lookups"] == 2 for r in results), results
         if precision != "fp16" and plan == "column_wise":
             # Quantizing each block on its own is what makes these equal.
             assert max(r["off_if_whole"] for r in results) > 100 * ATOL
@@ -226,21 +237,3 @@ def test_an_id_out_of_range_is_named_on_every_rank(world, sequence):
     errors = world(2).run(bad_id, sequence)
     assert errors[0] == errors[1]
     assert "rank 0: feature 'fa' (table 'a'): id 1000 is outside [0, 40)" in errors[0]
-
-
-def refused(plan: ShardingPlan, precision: str) -> str:
-    module = float_module(BAG_TABLES, False)
-    with pytest.raises(ConfigError) as caught:
-        shard_quantized(module, plan, precision)
-    return str(caught.value)
-
-
-def test_what_cannot_be_served_sharded_is_named_on_every_rank(world):
-    copies = ShardingPlan({"a": data_parallel(), "b": row_wise(), "c": row_wise(), "d": row_wise()})
-    hot = ShardingPlan(
-        {"a": row_wise(hot_rows=4), "b": row_wise(), "c": row_wise(), "d": row_wise()}
-    )
-    for plan in (copies, hot):
-        errors = world(2).run(refused, plan, "int8")
-        assert errors[0] == errors[1]
-        assert errors[0].startswith("table 'a': data-parallel tables and hot rows"), errors[0]

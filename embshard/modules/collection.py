@@ -44,7 +44,7 @@ from embshard.runtime.output_dist import OutputLayout, PooledAllToAll, send_home
 from embshard.runtime.routes import build_routes
 from embshard.runtime.scratch import Scratch
 from embshard.storage.init import init_shard
-from embshard.storage.lookup import LookupBackend, TrainingTBE
+from embshard.storage.lookup import LookupBackend, LookupModule, TrainingTBE
 from embshard.storage.optimizers import FusedOptimizer
 from embshard.storage.replicated import build_replicated
 from embshard.storage.shards import allocate_storage, gather_table, table_dtensor
@@ -319,15 +319,28 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
     def replace_lookup(
         self, build: Callable[[list[tuple[str, torch.Tensor]], list[int]], nn.Module]
     ) -> None:
-        """Look up from ``build(tables, feature_table_map)`` from now on: ``tables`` are
-        this rank's shards in lookup order, each ``(name, float weights)``. The float
-        tables, their views and the optimizer state go: the module then serves only."""
-        storage, lookup = self._storage, None
-        if storage.tbe is not None:
-            weights = storage.tbe.split_embedding_weights()
-            shards = [(n, w) for (n, _), w in zip(storage.shards, weights, strict=True)]
-            lookup = build(shards, [s.tbe_table for s in self._routes.slots[self._rank]])
-        self._storage = dataclasses.replace(storage, tbe=lookup, weights={}, optimizer_state={})
+        """Look up from what ``build(tables, feature_table_map)`` makes from now on, for
+        the sharded tables and then the copies: ``tables`` are a lookup's tables in
+        order, each ``(name, float weights)``. The float tables, their views and the
+        optimizer state go: the module then serves only."""
+        storage = self._storage
+
+        def rebuilt(lookup: LookupModule, shards: list, feature_table_map: list[int]):
+            weights = lookup.split_embedding_weights()
+            return build(
+                [(n, w) for (n, _), w in zip(shards, weights, strict=True)], feature_table_map
+            )
+
+        tbe, replicated = storage.tbe, storage.replicated
+        if tbe is not None:
+            slots = self._routes.slots[self._rank]
+            tbe = rebuilt(tbe, storage.shards, [s.tbe_table for s in slots])
+        if replicated is not None:
+            copies = rebuilt(replicated.tbe, storage.replicas, replicated.tbe.feature_table_map)
+            replicated = dataclasses.replace(replicated, tbe=copies)
+        self._storage = dataclasses.replace(
+            storage, tbe=tbe, replicated=replicated, weights={}, optimizer_state={}
+        )
         self._weights, self._optimizer_state = {}, {}
 
     @property

@@ -25,25 +25,26 @@ from embshard.errors import ConfigError
 from embshard.modules.collection import ShardedCollection
 from embshard.modules.shard import shard
 from embshard.modules.shard_model import shard_model
-from embshard.plan.specs import ShardedTable, ShardingPlan
+from embshard.plan.specs import ShardedTable, ShardingPlan, TableShard, local_shards
 from embshard.serving.precision import Precision
 from embshard.serving.tables import PackedRows, QuantizedRows
 from embshard.storage.optimizers import SGD
 
 # Sharding for serving builds each rank's float shards first (then quantized): SGD keeps
 # no optimizer state, and a learning rate of 0 could change nothing if it ran.
-_NO_OPTIMIZER = SGD(lr=0.0)
+NO_OPTIMIZER = SGD(lr=0.0)
 
 
 class ServedShards(nn.Module):
     """A sharded collection whose rows are quantized: its forward, without autograd
     (so the output all-to-all runs forward alone and nothing is kept for a backward).
     Collective, as the sharded collection's: every rank calls it with its own batch.
-    ``shards`` is this rank's quantized lookup (None where the rank holds no shard).
+    ``lookups`` are this rank's quantized lookups: of its shards, then of its copies of
+    data-parallel tables and hot rows (each present where the rank holds any).
 
     The rows are the collection's own float shards quantized to ``precision``, or
     ``packed``: this rank's shards quantized before (a sharded artifact's), in the
-    collection's lookup order."""
+    order of ``served_shards``."""
 
     def __init__(
         self,
@@ -53,28 +54,33 @@ class ServedShards(nn.Module):
     ) -> None:
         super().__init__()
         self.sharded, self.precision = sharded, precision
-        self.shards: QuantizedRows | None = None
+        self.lookups = nn.ModuleList()
         device = sharded.sharding_mesh.device
+        given = None if packed is None else iter(packed)
 
         def build(tables: list[tuple[str, torch.Tensor]], feature_table_map: list[int]):
-            rows = packed
-            if rows is None:
+            if given is None:
                 rows = [PackedRows.of(name, weight, precision) for name, weight in tables]
-            shapes = [(t.name, t.values.shape[0], t.dim) for t in rows]
+            else:
+                rows = [next(given, None) for _ in tables]
+            shapes = [None if t is None else (t.name, t.values.shape[0], t.dim) for t in rows]
             if shapes != [(name, *weight.shape) for name, weight in tables]:
                 raise ConfigError(
                     f"rank {sharded.rank}: the quantized shards {shapes} are not those the "
                     "plan puts on this rank"
                 )
-            self.shards = QuantizedRows(rows, feature_table_map, precision, device, PoolingMode.SUM)
-            return self.shards
+            lookup = QuantizedRows(rows, feature_table_map, precision, device, PoolingMode.SUM)
+            self.lookups.append(lookup)
+            return lookup
 
         sharded.replace_lookup(build)
+        if given is not None and next(given, None) is not None:
+            raise ConfigError(f"rank {sharded.rank}: more quantized shards than the plan puts here")
         self.requires_grad_(False)
 
     def table_bytes(self) -> int:
-        """Bytes this rank's quantized shards take (scale, bias, alignment included)."""
-        return 0 if self.shards is None else self.shards.table_bytes()
+        """Bytes this rank's quantized rows take (scale, bias, alignment included)."""
+        return sum(lookup.table_bytes() for lookup in self.lookups)
 
     @torch.no_grad()
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor | dict[str, JaggedTensor]:
@@ -82,19 +88,25 @@ class ServedShards(nn.Module):
         return self.sharded(features)
 
 
+def served_shards(tables: Mapping[str, ShardedTable], rank: int) -> list[tuple[str, TableShard]]:
+    """The shards ``rank`` looks up, in the order ``ServedShards`` quantizes them: those
+    the all-to-alls serve (``local_shards``), then the rank's copies of data-parallel
+    tables and hot rows, in table order."""
+    copies = [
+        (name, next(s for s in table.shards_on(rank) if s.replica))
+        for name, table in tables.items()
+        if table.replicated_rows
+    ]
+    return local_shards(tables, rank) + copies
+
+
 def check_servable(
     tables: Mapping[str, ShardedTable], precision: Precision, device: torch.device
 ) -> None:
-    """One-line errors, the same on every rank (they read the plan only), for what
-    cannot be served sharded: copies of rows on every rank (data-parallel tables, hot
-    rows), a shard width ``precision`` cannot pack, a device FBGEMM cannot serve on."""
+    """One-line errors, the same on every rank (they read the plan only), for a shard
+    width ``precision`` cannot pack or a device FBGEMM cannot serve on."""
     precision.check_device(device)
     for name, table in tables.items():
-        if table.replicated_rows:
-            raise ConfigError(
-                f"table {name!r}: data-parallel tables and hot rows are not served "
-                "sharded; plan it table-, row- or column-wise"
-            )
         for s in table.shards:
             precision.check_dim(f"{name} (columns {s.col_offset}+)", s.cols)
 
@@ -139,10 +151,10 @@ def shard_quantized(
     Collective; ``torch.distributed`` must be initialized."""
     precision = Precision.parse(precision)
     if isinstance(model, EmbeddingBagCollection | EmbeddingCollection):
-        sharded: nn.Module = shard(model, plan, mesh=mesh, optimizer=_NO_OPTIMIZER)
+        sharded: nn.Module = shard(model, plan, mesh=mesh, optimizer=NO_OPTIMIZER)
     else:
         sharded = shard_model(
-            model, plan, mesh=mesh, optimizer=_NO_OPTIMIZER, data_parallel_wrapper=lambda m: m
+            model, plan, mesh=mesh, optimizer=NO_OPTIMIZER, data_parallel_wrapper=lambda m: m
         )
     if checkpoint_path is not None:
         checkpoint.load(checkpoint_path, sharded)
