@@ -198,7 +198,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
         for precision in PRECISIONS:
             out = work / precision
-            manifest: Manifest = export_checkpoint(ckpt, config_path, out, precision)
+            manifest: Manifest = export_checkpoint(ckpt, out, precision, config_path)
             program = load_program(out)
             scores, _ = score(program, manifest, batches, progress=False)
             results["precisions"][precision] = {
