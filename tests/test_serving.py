@@ -27,12 +27,13 @@ from torchrec.quant.embedding_modules import EmbeddingBagCollection as TorchRecQ
 from torchrec.quant.embedding_modules import EmbeddingCollection as TorchRecQuantEC
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from embshard import ShardingPlan, row_wise, table_wise
 from embshard import checkpoint as ckpt
 from embshard.app.cli import main as cli
 from embshard.app.config import load_config
 from embshard.app.data import CriteoData, SyntheticData
 from embshard.app.serve import load_program, serving_model
-from embshard.app.train import train
+from embshard.app.train import build_model, train
 from embshard.errors import ConfigError, InputError
 from embshard.serving.collection import (
     QuantizedEmbeddingBagCollection,
@@ -40,6 +41,7 @@ from embshard.serving.collection import (
 )
 from embshard.serving.model import quantize_model
 from embshard.serving.precision import Precision
+from embshard.serving.sharded import shard_quantized
 
 # TorchRec's quantization config for each precision: float activations (pooled output).
 TORCH_DTYPES = {"int8": torch.qint8, "int4": torch.quint4x2, "fp16": torch.half}
@@ -538,3 +540,36 @@ def test_a_sharded_artifact_scores_as_the_one_host_one(trained, precision):
     wrong = CliRunner().invoke(cli, ["predict", str(sharded), "synthetic", "--nproc", "3"])
     assert wrong.exit_code == 1
     assert "sharded over 2 ranks: --nproc must be 2" in wrong.output
+
+
+def _served_from_checkpoint(config_path: str, root: str, eval_path: str) -> list:
+    """This rank's first eval batches and their logits from the model sharded over this
+    world (table- and row-wise), its weights from the 2-rank checkpoint, int8."""
+    config = load_config(config_path, check_files=False)
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    plan = ShardingPlan(
+        {
+            t.name: table_wise(i % world) if i % 2 else row_wise()
+            for i, t in enumerate(config.tables)
+        }
+    )
+    served = shard_quantized(build_model(config), plan, "int8", checkpoint_path=root)
+    data = CriteoData(eval_path, None, config.tables, 50, rank, world, epochs=1)
+    batches = list(data.epoch_batches())[:3]  # every rank has 3: the forward is collective
+    return [(b.dense, b.sparse, served(b.dense, b.sparse).reshape(-1)) for b in batches]
+
+
+def test_a_model_served_over_3_ranks_from_a_2_rank_checkpoint_equals_torchrec(world, trained):
+    """The checkpoint layer reshards the 2-rank checkpoint (mixed plan) onto 3 ranks
+    (table- and row-wise: rows quantized as the whole table's), then each rank's tables
+    are quantized: every rank's logits are those of TorchRec's DLRM with its quantized
+    collection, up to the float summation order of row-wise partial sums."""
+    paths = (str(trained[k]) for k in ("config", "ckpt", "eval"))
+    results = world(3).run(_served_from_checkpoint, *paths)
+    oracle = _torchrec_serving_model(trained, "int8")
+    for batches in results:
+        assert len(batches) == 3
+        for dense, sparse, logits in batches:
+            with torch.no_grad():
+                want = oracle(dense, sparse).reshape(-1)
+            torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
