@@ -81,7 +81,7 @@ def plans(name: str, world: int, tables: tuple) -> ShardingPlan:
     return ShardingPlan(by_plan[name])
 
 
-def float_module(tables: tuple, sequence: bool) -> torch.nn.Module:
+def float_module(tables: tuple, sequence: bool, weighted: bool = False) -> torch.nn.Module:
     """Seeded float tables, the same on every rank."""
     torch.manual_seed(0)
     if sequence:
@@ -101,13 +101,13 @@ def float_module(tables: tuple, sequence: bool) -> torch.nn.Module:
             )
             for n, r, d, f, mean in tables
         ]
-        module = EmbeddingBagCollection(tables=configs)
+        module = EmbeddingBagCollection(tables=configs, is_weighted=weighted)
     for p in module.parameters():
         torch.nn.init.normal_(p.data)
     return module
 
 
-def local_batch(tables: tuple, rank: int) -> KeyedJaggedTensor:
+def local_batch(tables: tuple, rank: int, weighted: bool = False) -> KeyedJaggedTensor:
     """Rank ``rank``'s batch: ranks' batch sizes differ (rank 1's is empty)."""
     size = [5, 0, 3, 6][rank]
     g = torch.Generator().manual_seed(100 + rank)
@@ -118,7 +118,9 @@ def local_batch(tables: tuple, rank: int) -> KeyedJaggedTensor:
             keys.append(f)
             lengths.append(bags)
             values.append(torch.randint(0, rows, (int(bags.sum()),), generator=g))
-    return KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
+    values = torch.cat(values)
+    weights = torch.rand(len(values), generator=g) if weighted else None
+    return KeyedJaggedTensor(keys=keys, values=values, lengths=torch.cat(lengths), weights=weights)
 
 
 def torchrec_quantized(module: torch.nn.Module, precision: str) -> torch.nn.Module:
@@ -144,7 +146,10 @@ def oracle(
         parts, start = [], 0
         for width in blocks[config.name]:
             block = dataclasses.replace(config, embedding_dim=width)
-            one = (EmbeddingCollection if sequence else EmbeddingBagCollection)([block])
+            if sequence:
+                one = EmbeddingCollection([block])
+            else:
+                one = EmbeddingBagCollection([block], is_weighted=module.is_weighted())
             weight = tables[config.name].weight.detach()[:, start : start + width]
             (one.embeddings if sequence else one.embedding_bags)[config.name].weight.data.copy_(
                 weight
@@ -165,13 +170,16 @@ def outputs(result, sequence: bool) -> dict[str, torch.Tensor]:
     return result.to_dict()
 
 
-def serve_case(plan: str, precision: str, sequence: bool) -> dict:
-    """One rank: the served collection's output for its batch against the oracle's."""
+def serve_case(plan: str, precision: str, sequence: bool, weighted: bool = False) -> dict:
+    """One rank: the served collection's output for its batch against the oracle's.
+    ``weighted``: SUM-pooled features with a weight per id."""
     world, rank = dist.get_world_size(), dist.get_rank()
     tables = SEQUENCE_TABLES if sequence else BAG_TABLES
-    module = float_module(tables, sequence)
+    if weighted:
+        tables = tuple((*t[:4], False) for t in tables)
+    module = float_module(tables, sequence, weighted)
     served = shard_quantized(module, plans(plan, world, tables), precision)
-    batch = local_batch(tables, rank)
+    batch = local_batch(tables, rank, weighted)
     got = outputs(served(batch), sequence)
     blocks = {t[0]: widths(plan, t[2], i) for i, t in enumerate(tables)}
     want = oracle(module, blocks, precision, batch)
@@ -211,6 +219,12 @@ def test_sharded_outputs_equal_torchrec_quantized(world, world_size, plan, seque
         if precision != "fp16" and plan == "column_wise":
             # Quantizing each block on its own is what makes these equal.
             assert max(r["off_if_whole"] for r in results) > 100 * ATOL
+
+
+@pytest.mark.parametrize("plan", ["mixed", "copies"])
+def test_weighted_features(world, plan):
+    for precision in PRECISIONS:
+        world(2).run(serve_case, plan, precision, False, True)
 
 
 def test_four_ranks_mixed_int4(world):
