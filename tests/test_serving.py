@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 import yaml
 from click.testing import CliRunner
 from torch.ao import quantization as quant
+from torch.distributed.checkpoint.metadata import MetadataIndex
 from torchmetrics.functional.classification import binary_auroc
 from torchrec.models.dlrm import DLRM
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
@@ -25,12 +27,13 @@ from torchrec.quant.embedding_modules import EmbeddingBagCollection as TorchRecQ
 from torchrec.quant.embedding_modules import EmbeddingCollection as TorchRecQuantEC
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from embshard import ShardingPlan, row_wise, table_wise
 from embshard import checkpoint as ckpt
 from embshard.app.cli import main as cli
 from embshard.app.config import load_config
 from embshard.app.data import CriteoData, SyntheticData
-from embshard.app.serve import serving_model
-from embshard.app.train import train
+from embshard.app.serve import load_program, serving_model
+from embshard.app.train import build_model, train
 from embshard.errors import ConfigError, InputError
 from embshard.serving.collection import (
     QuantizedEmbeddingBagCollection,
@@ -38,6 +41,7 @@ from embshard.serving.collection import (
 )
 from embshard.serving.model import quantize_model
 from embshard.serving.precision import Precision
+from embshard.serving.sharded import shard_quantized
 
 # TorchRec's quantization config for each precision: float activations (pooled output).
 TORCH_DTYPES = {"int8": torch.qint8, "int4": torch.quint4x2, "fp16": torch.half}
@@ -447,3 +451,125 @@ def test_predict_scores_the_synthetic_held_out_batches_of_a_plain_dcp_checkpoint
     assert figures["auc"] == pytest.approx(
         float(binary_auroc(torch.sigmoid(logits), labels.long()))
     )
+
+
+# --- The checkpoint carries its config; sharded artifacts --------------------------------
+
+
+def test_export_takes_the_config_the_checkpoint_carries(trained):
+    out = trained["tmp"] / "carried"
+    args = ["export", str(trained["ckpt"]), str(out), "--quantize", "int8"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    given = trained["tmp"] / "given"
+    assert _export(trained, given, "int8").exit_code == 0
+    carried = load_config(out / "config.yaml", check_files=False)
+    assert carried.tables == load_config(trained["config"], check_files=False).tables
+    assert carried.model == load_config(trained["config"], check_files=False).model
+    program, reference = load_program(out), load_program(given)
+    for batch in _eval_batches(trained)[:2]:
+        inputs = (batch.dense, batch.sparse.values(), batch.sparse.lengths())
+        assert torch.equal(program(*inputs), reference(*inputs))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process
+def test_a_checkpoint_without_its_config_asks_for_it(tmp_path):
+    ebc = EmbeddingBagCollection(tables=_tables())
+    dcp.save(ebc.state_dict(), checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    args = ["export", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--quantize", "int8"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 1
+    assert result.output == (
+        f"Error: {tmp_path / 'ckpt'} does not carry its training config (saved before "
+        "embshard kept it, or not by `embshard train`): pass --config\n"
+    )
+
+
+def test_a_changed_byte_in_the_carried_config_is_caught(trained, tmp_path):
+    step = ckpt.latest(trained["ckpt"])
+    copy = tmp_path / step.name
+    shutil.copytree(step, copy)
+    where = ckpt.read_metadata(copy).storage_data[MetadataIndex(ckpt.META)]
+    data = bytearray((copy / where.relative_path).read_bytes())
+    found = data.find(b"embedding_dim", where.offset, where.offset + where.length)
+    assert found >= 0  # the config is in the description's bytes
+    data[found] ^= 0x20
+    (copy / where.relative_path).write_bytes(bytes(data))
+    result = CliRunner().invoke(
+        cli, ["export", str(copy), str(tmp_path / "out"), "--quantize", "int8"]
+    )
+    assert result.exit_code == 1
+    assert result.output.startswith(f"Error: {copy}: corrupt checkpoint"), result.output
+    assert "embshard" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def _predict(trained: dict[str, Path], artifact: Path, *extra: str) -> tuple[dict, torch.Tensor]:
+    """``embshard predict`` of the eval file: its figures and logits."""
+    out = artifact.with_suffix(".logits")
+    args = ["predict", str(artifact), str(trained["eval"]), "--json", "--out", str(out)]
+    result = CliRunner().invoke(cli, [*args, "--batch-size", "100", *extra])
+    assert result.exit_code == 0, result.output
+    figures = json.loads(result.stdout[: result.stdout.rindex("}") + 1])
+    return figures, torch.tensor([float(v) for v in out.read_text().split()])
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int8"])
+def test_a_sharded_artifact_scores_as_the_one_host_one(trained, precision):
+    """Exported for 2 ranks under the config's mixed plan (row-, column-, table-wise),
+    scored by 2 processes, against the one-host artifact. fp16: the same logits up to
+    the float summation order of row-wise partial sums. int8: a column block's rows are
+    quantized on their own (their own scale and bias), so the logits move by that
+    rounding, and the AUC by less than 1e-3."""
+    one_host, sharded = trained["tmp"] / f"one-{precision}", trained["tmp"] / f"two-{precision}"
+    assert _export(trained, one_host, precision).exit_code == 0
+    args = ["export", str(trained["ckpt"]), str(sharded), "--quantize", precision]
+    result = CliRunner().invoke(cli, [*args, "--world-size", "2"])
+    assert result.exit_code == 0, result.output
+    assert f"tables {precision} over 2 ranks" in result.output
+    manifest = json.loads((sharded / "serving.json").read_text())
+    assert manifest["sharded"]["world_size"] == 2
+    one, one_logits = _predict(trained, one_host)
+    two, two_logits = _predict(trained, sharded, "--nproc", "2")
+    assert two["samples"] == one["samples"] == 700
+    if precision == "fp16":
+        torch.testing.assert_close(two_logits, one_logits, rtol=1e-5, atol=1e-5)
+    else:
+        assert 0 < (two_logits - one_logits).abs().max() < 0.05
+    assert two["auc"] == pytest.approx(one["auc"], abs=1e-3)
+    wrong = CliRunner().invoke(cli, ["predict", str(sharded), "synthetic", "--nproc", "3"])
+    assert wrong.exit_code == 1
+    assert "sharded over 2 ranks: --nproc must be 2" in wrong.output
+
+
+def _served_from_checkpoint(config_path: str, root: str, eval_path: str) -> list:
+    """This rank's first eval batches and their logits from the model sharded over this
+    world (table- and row-wise), its weights from the 2-rank checkpoint, int8."""
+    config = load_config(config_path, check_files=False)
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    plan = ShardingPlan(
+        {
+            t.name: table_wise(i % world) if i % 2 else row_wise()
+            for i, t in enumerate(config.tables)
+        }
+    )
+    served = shard_quantized(build_model(config), plan, "int8", checkpoint_path=root)
+    data = CriteoData(eval_path, None, config.tables, 50, rank, world, epochs=1)
+    batches = list(data.epoch_batches())[:3]  # every rank has 3: the forward is collective
+    return [(b.dense, b.sparse, served(b.dense, b.sparse).reshape(-1)) for b in batches]
+
+
+def test_a_model_served_over_3_ranks_from_a_2_rank_checkpoint_equals_torchrec(world, trained):
+    """The checkpoint layer reshards the 2-rank checkpoint (mixed plan) onto 3 ranks
+    (table- and row-wise: rows quantized as the whole table's), then each rank's tables
+    are quantized: every rank's logits are those of TorchRec's DLRM with its quantized
+    collection, up to the float summation order of row-wise partial sums."""
+    paths = (str(trained[k]) for k in ("config", "ckpt", "eval"))
+    results = world(3).run(_served_from_checkpoint, *paths)
+    oracle = _torchrec_serving_model(trained, "int8")
+    for batches in results:
+        assert len(batches) == 3
+        for dense, sparse, logits in batches:
+            with torch.no_grad():
+                want = oracle(dense, sparse).reshape(-1)
+            torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)

@@ -2,7 +2,10 @@
 then exported at fp16, int8 and int4 and scored on the same synthetic held-out batches
 as the float32 model: AUC against float32, table memory against float32, and the
 lookup's throughput and latency (p50, p99) for a batch of 512 against TorchRec's
-quantized EmbeddingBagCollection on the same tables and inputs.
+quantized EmbeddingBagCollection on the same tables and inputs; the same lookup sharded
+over 2 gloo ranks on this host (the planner's plan), each rank a batch of 512 a step,
+beside the float32 sharded module's forward without autograd, timed in the same rounds;
+and the tables' bytes against float32 at wider rows.
 
     PYTHONPATH=. .venv/bin/python tools/bench_serving.py --json docs/bench_serving.json
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import platform
@@ -19,23 +23,28 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import yaml
 from torch.ao import quantization as quant
 from torchmetrics.functional.classification import binary_auroc
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.quant.embedding_modules import EmbeddingBagCollection as TorchRecQuantEBC
 
-from embshard import checkpoint
+from embshard import ShardingPlan, checkpoint, shard
 from embshard.app.config import TrainConfig, load_config
 from embshard.app.data import Batch, SyntheticData
+from embshard.app.planning import plan_config
 from embshard.app.serve import export_checkpoint, load_program, score
 from embshard.app.train import build_model
 from embshard.serving.collection import QuantizedEmbeddingBagCollection
 from embshard.serving.export import Manifest
 from embshard.serving.precision import Precision
+from embshard.serving.sharded import shard_quantized
 
 ROOT = Path(__file__).resolve().parents[1]
 PRECISIONS = ("fp16", "int8", "int4")
@@ -141,6 +150,108 @@ def lookup_bench(float_ebc: EmbeddingBagCollection, batch: Batch, iters: int, wa
     return found
 
 
+def memory_by_dim(config: TrainConfig, dims: tuple[int, ...] = (16, 64, 128)) -> dict:
+    """The quantized tables' bytes (FBGEMM's layout: scale, bias, alignment) against
+    float32 for the config's tables at each row width."""
+    found = {}
+    for dim in dims:
+        tables = [dataclasses.replace(t, embedding_dim=dim) for t in config.embedding_bag_configs()]
+        ebc = EmbeddingBagCollection(tables=tables)
+        float32 = sum(t.num_embeddings * dim * 4 for t in tables)
+        found[dim] = {
+            p: QuantizedEmbeddingBagCollection.from_float(ebc, p).table_bytes() / float32
+            for p in PRECISIONS
+        }
+    return found
+
+
+def sharded_bench(
+    work: Path, config_path: Path, float_ebc: EmbeddingBagCollection, args: argparse.Namespace
+) -> dict:
+    """The lookup sharded over ``args.world`` gloo ranks (the planner's plan for them),
+    rank ``r`` a batch of ``args.batch`` a step, its output checked against the one-host
+    collection's; on rank 0, the one-host embshard and TorchRec lookups timed in the
+    same rounds (the other ranks wait in the round's barrier)."""
+    config = load_config(config_path, check_files=False)
+    plan, _ = plan_config(config, args.world)
+    torch.save(float_ebc.state_dict(), work / "tables.pt")
+    (work / "plan.yaml").write_text(plan.to_yaml())
+    job = (args.world, str(work), str(config_path), args.batch, args.iters, args.warmup)
+    mp.start_processes(_sharded_rank, job, nprocs=args.world, start_method="spawn")
+    found = json.loads((work / "sharded.json").read_text())
+    return {"plan": plan.to_yaml(), **found}
+
+
+def _sharded_rank(
+    rank: int, world: int, work: str, config_path: str, size: int, iters: int, warmup: int
+) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{work}/store",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=300),
+    )
+    config = load_config(config_path, check_files=False)
+    plan = ShardingPlan.load(Path(work) / "plan.yaml")
+    ebc = EmbeddingBagCollection(tables=config.embedding_bag_configs())
+    ebc.load_state_dict(torch.load(Path(work) / "tables.pt", weights_only=True))
+    batch = held_out(config, world, size)[rank]
+    float32 = shard(ebc, plan)  # the training module's forward, without autograd
+    found = {}
+    for precision in PRECISIONS:
+        served = shard_quantized(ebc, plan, precision)
+        one_host = QuantizedEmbeddingBagCollection.from_float(ebc, precision)
+        got, want = served(batch.sparse).values(), one_host(batch.sparse).values()
+        calls = {
+            "sharded": lambda served=served: served(batch.sparse),
+            "sharded_float32": lambda: _no_grad(float32, batch),
+        }
+        if rank == 0:
+            theirs = torchrec_quantized(ebc, precision)
+            calls |= {
+                "embshard": lambda one_host=one_host: one_host(batch.sparse),
+                "torchrec": lambda theirs=theirs: theirs(batch.sparse),
+            }
+        times: dict[str, list[float]] = {name: [] for name in calls}
+        for step in range(warmup + iters):
+            for name, call in calls.items():
+                if name.startswith("sharded"):
+                    dist.barrier()  # the ranks start the step together
+                began = time.perf_counter()
+                call()
+                if step >= warmup:
+                    times[name].append((time.perf_counter() - began) * 1e3)
+        per_rank: list = [None] * world
+        dist.all_gather_object(
+            per_rank,
+            {
+                "max_abs_diff_vs_one_host": float((got - want).abs().max()),
+                "table_bytes": served.table_bytes(),
+                **{name: summary(ms) for name, ms in times.items()},
+            },
+        )
+        if rank == 0:
+            step = max(r["sharded"]["p50_ms"] for r in per_rank)
+            step_float32 = max(r["sharded_float32"]["p50_ms"] for r in per_rank)
+            found[precision] = {
+                "ranks": per_rank,
+                "sharded_samples_per_s": world * size / (step / 1e3),
+                "sharded_float32_samples_per_s": world * size / (step_float32 / 1e3),
+                "embshard_one_host_samples_per_s": size / (per_rank[0]["embshard"]["p50_ms"] / 1e3),
+                "torchrec_samples_per_s": size / (per_rank[0]["torchrec"]["p50_ms"] / 1e3),
+            }
+    if rank == 0:
+        (Path(work) / "sharded.json").write_text(json.dumps(found))
+    dist.destroy_process_group()
+
+
+def _no_grad(module: torch.nn.Module, batch: Batch) -> object:
+    with torch.no_grad():
+        return module(batch.sparse)
+
+
 def model_bench(
     reference: torch.nn.Module, artifact: Path, batch: Batch, iters: int, warmup: int
 ) -> dict:
@@ -176,6 +287,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=1000)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1, help="torch threads when timing")
+    parser.add_argument("--world", type=int, default=2, help="ranks of the sharded lookup")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
 
@@ -198,7 +310,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
         for precision in PRECISIONS:
             out = work / precision
-            manifest: Manifest = export_checkpoint(ckpt, config_path, out, precision)
+            manifest: Manifest = export_checkpoint(ckpt, out, precision, config_path)
             program = load_program(out)
             scores, _ = score(program, manifest, batches, progress=False)
             results["precisions"][precision] = {
@@ -220,6 +332,8 @@ def main() -> None:
         results["int8_model"] = model_bench(
             reference, work / "int8", timed, args.iters, args.warmup
         )
+        results["sharded_lookup"] = sharded_bench(work, config_path, float_ebc, args)
+        results["memory_vs_float32_by_dim"] = memory_by_dim(config)
     results["machine"] = {
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),

@@ -378,35 +378,58 @@ def export(directory: str, out: str, module: str | None) -> None:
 @click.argument("checkpoint_dir", metavar="CKPT", type=click.Path(exists=True, file_okay=False))
 @click.argument("out", type=click.Path(file_okay=False))
 @click.option(
-    "--config",
-    required=True,
-    type=click.Path(exists=True, dir_okay=False),
-    help="The training config of the job that saved CKPT (its model and tables).",
-)
-@click.option(
     "--quantize",
     type=click.Choice(["int8", "int4", "fp16"]),
     required=True,
     help="The tables' stored precision (int8, int4: row-wise scale and bias).",
 )
-def export_serving(checkpoint_dir: str, out: str, config: str, quantize: str) -> None:
+@click.option(
+    "--config",
+    type=click.Path(exists=True, dir_okay=False),
+    help="The training config of the job that saved CKPT (its model and tables); "
+    "default: the one CKPT carries.",
+)
+@click.option(
+    "--world-size",
+    type=click.IntRange(min=1),
+    help="Shard the served tables over this many ranks (`predict --nproc` runs them); "
+    "default: one host, an exported program.",
+)
+@click.option(
+    "--plan",
+    "plan_path",
+    type=click.Path(exists=True, dir_okay=False),
+    help="With --world-size: the sharding plan (YAML); default: the config's, else the planner's.",
+)
+def export_serving(
+    checkpoint_dir: str,
+    out: str,
+    quantize: str,
+    config: str | None,
+    world_size: int | None,
+    plan_path: str | None,
+) -> None:
     """Export CKPT's model for serving, tables quantized, to the folder OUT.
 
     OUT holds the model exported with torch.export (model.pt2: it loads with torch
-    and fbgemm_gpu alone), serving.json and the config. CKPT is a checkpoint (step_*)
-    or a root of them, for the latest, saved by any world size under any plan.
-    (`ckpt export` writes a plain float state dict instead.)
+    and fbgemm_gpu alone), serving.json and the config; with --world-size N, each of
+    N ranks' quantized shards and the dense part instead, for `predict --nproc N`.
+    CKPT is a checkpoint (step_*) or a root of them, for the latest, saved by any world
+    size under any plan. (`ckpt export` writes a plain float state dict instead.)
     """
     from embshard.app.serve import export_checkpoint
     from embshard.errors import EmbshardError
 
+    if plan_path is not None and world_size is None:
+        raise click.UsageError("--plan needs --world-size")
     try:
-        manifest = export_checkpoint(checkpoint_dir, config, out, quantize)
+        manifest = export_checkpoint(checkpoint_dir, out, quantize, config, world_size, plan_path)
     except EmbshardError as e:
         raise click.ClickException(str(e)) from None
     ratio = manifest.table_bytes / manifest.float32_bytes
+    ranks = f" over {world_size} ranks" if world_size else ""
     click.echo(
-        f"wrote {out}: {len(manifest.features)} features, tables {quantize} "
+        f"wrote {out}: {len(manifest.features)} features, tables {quantize}{ranks} "
         f"{manifest.table_bytes / 2**20:.1f} MiB ({ratio:.3f}x float32)"
     )
 
@@ -428,6 +451,11 @@ def export_serving(checkpoint_dir: str, out: str, config: str, quantize: str) ->
     type=click.IntRange(min=1),
     help="Torch threads (default: torch's, one a core); 1 on a busy host.",
 )
+@click.option(
+    "--nproc",
+    type=click.IntRange(min=1),
+    help="A sharded artifact's ranks, one process each (default and only value: its world size).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 def predict(
     artifact: str,
@@ -436,6 +464,7 @@ def predict(
     batches: int | None,
     scores_out: str | None,
     threads: int | None,
+    nproc: int | None,
     as_json: bool,
 ) -> None:
     """Score DATA with a serving artifact: throughput, latency, AUC.
@@ -444,16 +473,18 @@ def predict(
     latency (p50, p99) and, with labels, AUC and loss; a progress bar goes to stderr.
 
     DATA is a file in the training job's Criteo TSV format, or `synthetic` for the
-    job's synthetic held-out batches.
+    job's synthetic held-out batches. A sharded artifact (`export --world-size N`)
+    is scored by N gloo processes on this host, each a batch at a time.
     """
     import json
 
     import torch
 
     from embshard.app.data import CriteoFormatError
-    from embshard.app.serve import SYNTHETIC, is_artifact
+    from embshard.app.serve import SYNTHETIC, is_artifact, predict_sharded
     from embshard.app.serve import predict as score_data
     from embshard.errors import EmbshardError
+    from embshard.serving.export import Manifest
 
     if not is_artifact(artifact):
         raise click.ClickException(
@@ -463,8 +494,14 @@ def predict(
         raise click.ClickException(f"{data}: no such data file (or `synthetic`)")
     if threads:
         torch.set_num_threads(threads)
+    sharded = Manifest.read(artifact).sharded is not None
+    if nproc is not None and not sharded:
+        raise click.UsageError("--nproc is for a sharded artifact (export --world-size)")
     try:
-        scores, logits = score_data(artifact, data, batch_size, batches)
+        if sharded:
+            scores, logits = predict_sharded(artifact, data, batch_size, batches, nproc)
+        else:
+            scores, logits = score_data(artifact, data, batch_size, batches)
     except (EmbshardError, CriteoFormatError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     if scores_out:

@@ -417,7 +417,15 @@ def _save(
     rank with what failed where."""
     saves = config.checkpoint
     try:
-        checkpoint.save(saves.dir, model, optimizer, step=step, keep=saves.keep, job=job_id())
+        checkpoint.save(
+            saves.dir,
+            model,
+            optimizer,
+            step=step,
+            keep=saves.keep,
+            job=job_id(),
+            config=dataclasses.asdict(config),
+        )
     except CheckpointException as e:  # DCP raises it on every rank
         raise TrainingError(f"{phase} failed: {rank_failures(e)}") from None
 

@@ -10,7 +10,8 @@ Inside, DCP's files hold one state dict:
                                 Adam's and LAMB's, an int64 scalar)
     dense_optimizer.*           the dense optimizer (FQN-keyed, DCP's state_dict API)
     embshard                    JSON: step, world size, sharding group size and replicas
-                                (2-D meshes), each table's shards and optimizer
+                                (2-D meshes), each table's shards and optimizer, and
+                                the training config where the saver gave it
 
 and beside them ``embshard_checksums.json``: the crc32 of every saved chunk's bytes
 (file, offset, length) and of DCP's ``.metadata``, written after DCP's save and before
@@ -37,7 +38,7 @@ import os
 import shutil
 import warnings
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from itertools import groupby
 from pathlib import Path
@@ -96,7 +97,9 @@ def _optimizer_kind(module: ShardedCollection) -> str | None:
     return None if kind == SGD.KIND else kind
 
 
-def _describe(model: nn.Module, step: int, job: str | None) -> dict[str, Any]:
+def _describe(
+    model: nn.Module, step: int, job: str | None, config: Mapping[str, Any] | None
+) -> dict[str, Any]:
     tables = {}
     for prefix, module in _sharded(model).items():
         for name, table in module.tables.items():
@@ -120,6 +123,7 @@ def _describe(model: nn.Module, step: int, job: str | None) -> dict[str, Any]:
         "replicas": world // group,
         "job": job,
         "tables": tables,
+        "config": None if config is None else dict(config),
     }
 
 
@@ -147,11 +151,14 @@ def save(
     step: int,
     keep: int = 3,
     job: str | None = None,
+    config: Mapping[str, Any] | None = None,
 ) -> Path:
     """Save ``root/step_<step>`` atomically; collective. Keeps the last ``keep``.
 
     ``job`` names the job that saves it (a training job's rendezvous id): a job that
-    finds its own checkpoint knows it is continuing, whatever its local restart count."""
+    finds its own checkpoint knows it is continuing, whatever its local restart count.
+    ``config`` (JSON data: the training config) is kept in the description, under the
+    checksums, for what reads the checkpoint later (``saved_config``)."""
     root = Path(root)
     name = f"{_STEP_PREFIX}{step:08d}"
     final, aside = root / name, root / f".{name}.tmp"
@@ -160,7 +167,7 @@ def save(
         shutil.rmtree(aside, ignore_errors=True)
     dist.barrier()
     state = _state(model, optimizer)
-    state[META] = json.dumps(_describe(model, step, job))
+    state[META] = json.dumps(_describe(model, step, job, config))
     dcp.save(state, checkpoint_id=aside)
     _record_checksums(aside)
     dist.barrier()
@@ -233,6 +240,18 @@ def read_description(path: str | Path) -> dict[str, Any]:
         return json.loads(holder[META])
     except (CheckpointException, ValueError) as e:
         raise _read_failed(path, e) from None
+
+
+def saved_config(path: str | Path) -> dict[str, Any] | None:
+    """The training config saved in the checkpoint's description, its bytes first
+    checked against their checksums (a changed byte is a CheckpointError); None for a
+    checkpoint saved without one. Needs no process group."""
+    path = resolve(path)
+    metadata = read_metadata(path)
+    if META not in metadata.state_dict_metadata:
+        return None
+    _verify_layout(path, metadata, _recorded_checksums(path))
+    return read_description(path).get("config")
 
 
 @dataclass(frozen=True)

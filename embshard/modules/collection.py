@@ -12,9 +12,10 @@ stage ahead, for a pipeline. ``state_dict()`` has the unsharded module's keys
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Generic, NamedTuple, TypeVar
 
 import torch
@@ -46,7 +47,7 @@ from embshard.runtime.scratch import Scratch
 from embshard.storage.dynamic import DynamicStats, DynamicTables, check_dynamic
 from embshard.storage.id_map import IdMapSpec
 from embshard.storage.init import init_shard
-from embshard.storage.lookup import LookupBackend, TrainingTBE
+from embshard.storage.lookup import LookupBackend, LookupModule, TrainingTBE
 from embshard.storage.optimizers import FusedOptimizer
 from embshard.storage.replicated import build_replicated
 from embshard.storage.shards import allocate_storage, gather_table, table_dtensor
@@ -352,6 +353,38 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
         if self._dynamic is None:
             return {}
         return self._dynamic.stats(self._group)
+
+    def replace_lookup(
+        self, build: Callable[[list[tuple[str, torch.Tensor]], list[int]], nn.Module]
+    ) -> None:
+        """Look up from what ``build(tables, feature_table_map)`` makes from now on, for
+        the sharded tables and then the copies: ``tables`` are a lookup's tables in
+        order, each ``(name, float weights)``. The float tables, their views and the
+        optimizer state go: the module then serves only."""
+        if self._dynamic is not None:
+            raise ValueError(
+                f"dynamic tables {self._dynamic.names} cannot be served yet: their id maps "
+                "would admit ids into the quantized rows"
+            )
+        storage = self._storage
+
+        def rebuilt(lookup: LookupModule, shards: list, feature_table_map: list[int]):
+            weights = lookup.split_embedding_weights()
+            return build(
+                [(n, w) for (n, _), w in zip(shards, weights, strict=True)], feature_table_map
+            )
+
+        tbe, replicated = storage.tbe, storage.replicated
+        if tbe is not None:
+            slots = self._routes.slots[self._rank]
+            tbe = rebuilt(tbe, storage.shards, [s.tbe_table for s in slots])
+        if replicated is not None:
+            copies = rebuilt(replicated.tbe, storage.replicas, replicated.tbe.feature_table_map)
+            replicated = dataclasses.replace(replicated, tbe=copies)
+        self._storage = dataclasses.replace(
+            storage, tbe=tbe, replicated=replicated, weights={}, optimizer_state={}
+        )
+        self._weights, self._optimizer_state = {}, {}
 
     @property
     def feature_names(self) -> set[str]:

@@ -1,6 +1,7 @@
 """Serving: trained tables quantized (int8, int4, fp16 rows with FBGEMM's row-wise scale
 and bias) and looked up in FBGEMM's inference TBE, forward only, on one host; the
-model exported with ``torch.export`` for a predictor that does not import embshard.
+model exported with ``torch.export`` for a predictor that does not import embshard;
+or sharded over ranks as in training, forward only (``shard_quantized``).
 ``from embshard import serving`` gives the calls below."""
 
 from embshard.serving.collection import (
@@ -10,13 +11,17 @@ from embshard.serving.collection import (
 from embshard.serving.export import Manifest, export_model
 from embshard.serving.model import from_checkpoint, quantize_model
 from embshard.serving.precision import Precision
+from embshard.serving.sharded import ServedShards, quantize_sharded, shard_quantized
 
 __all__ = [
     "Manifest",
     "Precision",
     "QuantizedEmbeddingBagCollection",
     "QuantizedEmbeddingCollection",
+    "ServedShards",
     "export_model",
     "from_checkpoint",
     "quantize_model",
+    "quantize_sharded",
+    "shard_quantized",
 ]

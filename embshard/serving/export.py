@@ -13,13 +13,14 @@ size and the number of ids are dynamic.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embshard.serving.collection import QuantizedEmbeddingBagCollection
@@ -40,6 +41,11 @@ class Manifest:
     float32_bytes: int  # the same tables in float32
     extra: dict[str, Any]  # what the exporter adds (the training config, the step)
     format: int = FORMAT
+    # A sharded artifact's ``world_size`` and ``plan`` (YAML form); None: one host.
+    sharded: dict[str, Any] | None = None
+
+    def write(self, out: str | Path) -> None:
+        (Path(out) / MANIFEST).write_text(json.dumps(asdict(self), indent=2) + "\n")
 
     @classmethod
     def read(cls, artifact: str | Path) -> Manifest:
@@ -103,14 +109,18 @@ def export_model(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     torch.export.save(program, out / PROGRAM)
-    float32 = sum(t.num_embeddings * t.embedding_dim * 4 for t in ebc.embedding_bag_configs())
     manifest = Manifest(
         features=ebc.features,
         dense_in=dense_in,
         precision=ebc.precision.value,
         table_bytes=ebc.table_bytes(),
-        float32_bytes=float32,
+        float32_bytes=float32_bytes(ebc.embedding_bag_configs()),
         extra=dict(extra or {}),
     )
-    (out / MANIFEST).write_text(json.dumps(asdict(manifest), indent=2) + "\n")
+    manifest.write(out)
     return manifest
+
+
+def float32_bytes(tables: Iterable[BaseEmbeddingConfig]) -> int:
+    """Bytes ``tables`` take in float32."""
+    return sum(t.num_embeddings * t.embedding_dim * 4 for t in tables)

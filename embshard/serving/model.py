@@ -64,11 +64,13 @@ def quantize_model(
     return model.eval().requires_grad_(False)
 
 
-def from_checkpoint(path: str | Path, model: nn.Module, precision: Precision | str) -> nn.Module:
-    """``model`` (its tables may be on ``meta``) as a serving model with the weights of
-    the checkpoint at ``path`` (a step, or a root for its latest), saved by any world
-    size under any plan: its dense tensors loaded as they are, its tables quantized.
-    A one-line CheckpointError names what the checkpoint lacks."""
+def checkpoint_weights(
+    path: str | Path, model: nn.Module
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The tables and the dense tensors of ``model`` (by state dict key) as whole
+    tensors from the checkpoint at ``path`` (a step, or a root for its latest), saved
+    by any world size under any plan. A one-line CheckpointError names what the
+    checkpoint lacks."""
     path = checkpoint.resolve(path)
     entries = checkpoint.read_metadata(path).state_dict_metadata
     saved = checkpoint.read_tensors(path, "model." if checkpoint.META in entries else "")
@@ -81,10 +83,18 @@ def from_checkpoint(path: str | Path, model: nn.Module, precision: Precision | s
     if missing:
         names = ", ".join(repr(tables[k].name) for k in missing)
         raise CheckpointError(f"{path}: the checkpoint has no table {names} (no {missing[0]})")
-    dense = {k: v for k, v in model.state_dict().items() if k not in tables}
+    dense = [k for k in model.state_dict() if k not in tables]
     lacking = [k for k in dense if k not in saved]
     if lacking:
         raise CheckpointError(f"{path}: the checkpoint has no dense tensor {lacking[0]!r}")
-    model = quantize_model(model, precision, {k: saved[k] for k in tables})
-    model.load_state_dict({k: saved[k] for k in dense}, strict=False)
+    return {k: saved[k] for k in tables}, {k: saved[k] for k in dense}
+
+
+def from_checkpoint(path: str | Path, model: nn.Module, precision: Precision | str) -> nn.Module:
+    """``model`` (its tables may be on ``meta``) as a serving model with the weights of
+    the checkpoint at ``path`` (see ``checkpoint_weights``): its dense tensors loaded
+    as they are, its tables quantized."""
+    tables, dense = checkpoint_weights(path, model)
+    model = quantize_model(model, precision, tables)
+    model.load_state_dict(dense, strict=False)
     return model

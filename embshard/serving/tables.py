@@ -11,6 +11,7 @@ export cannot trace) and every table is looked up in one kernel.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from fbgemm_gpu.split_embedding_configs import SparseType
@@ -44,10 +45,87 @@ _LAYOUT_INTS = (
 )
 
 
+@dataclass(frozen=True)
+class PackedRows:
+    """One table's rows as FBGEMM's inference TBE stores them: packed values (uint8)
+    and, for integer precisions, each row's scale and bias (uint8 view of two fp16)."""
+
+    name: str
+    dim: int
+    values: torch.Tensor
+    scale_bias: torch.Tensor | None
+
+    @classmethod
+    def of(cls, name: str, weight: torch.Tensor, precision: Precision) -> PackedRows:
+        """``weight`` ([rows, dim], float) quantized to ``precision``."""
+        precision.check_dim(name, weight.shape[1])
+        return cls(name, weight.shape[1], *precision.quantize(weight))
+
+
+class QuantizedRows(nn.Module):
+    """Tables of ``precision`` rows in FBGEMM's inference layout on ``device``, pooled
+    by ``pooling`` (SUM, or NONE: one row per id); feature ``f`` looks up table
+    ``feature_table_map[f]``. The lookup takes ids and offsets as FBGEMM's TBE does and
+    checks nothing. Forward only."""
+
+    def __init__(
+        self,
+        tables: Sequence[PackedRows],
+        feature_table_map: Sequence[int],
+        precision: Precision,
+        device: torch.device,
+        pooling: PoolingMode,
+    ) -> None:
+        super().__init__()
+        precision.check_device(device)
+        self.pooling = pooling
+        tbe = _build_tbe(tables, feature_table_map, precision, device, pooling)
+        self.register_buffer("weights", tbe.weights_host if tbe.host_size else tbe.weights_dev)
+        for name in ("weights_offsets", "weights_placements", "weights_tys", "D_offsets"):
+            self.register_buffer(name, getattr(tbe, name))
+        self.layout = {name: int(getattr(tbe, name)) for name in _LAYOUT_INTS}
+        self.requires_grad_(False)
+
+    def table_bytes(self) -> int:
+        """Bytes the quantized tables take: packed rows, scales and biases, FBGEMM's
+        alignment padding."""
+        return self.weights.numel() * self.weights.element_size()
+
+    def forward(
+        self,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """FBGEMM's inference lookup of ids known to be in range, in float32: what a
+        sharded collection's lookup module does (``storage.lookup.LookupModule``)."""
+        if self.weights.device.type != "cpu":  # the CUDA kernel takes int32 only
+            indices, offsets = indices.int(), offsets.int()
+        else:
+            offsets = offsets.to(indices.dtype)
+        device = self.weights.device
+        return torch.ops.fbgemm.int_nbit_split_embedding_codegen_lookup_function(
+            dev_weights=self.weights,
+            uvm_weights=torch.empty(0, dtype=torch.uint8, device=device),
+            weights_placements=self.weights_placements,
+            weights_offsets=self.weights_offsets,
+            weights_tys=self.weights_tys,
+            D_offsets=self.D_offsets,
+            indices=indices,
+            offsets=offsets,
+            pooling_mode=int(self.pooling),
+            indice_weights=None if per_sample_weights is None else per_sample_weights.float(),
+            output_dtype=SparseType.FP32.as_int(),
+            lxu_cache_weights=torch.empty(0, 0, dtype=torch.uint8, device=device),
+            lxu_cache_locations=torch.empty(0, dtype=torch.int32, device=device),
+            **self.layout,
+        )
+
+
 class QuantizedTables(nn.Module):
-    """``tables`` quantized to ``precision`` in FBGEMM's inference layout on ``device``,
-    one lookup per feature, in table order, pooled by ``pooling`` (SUM, or NONE: one
-    row per id). Forward only."""
+    """Whole ``tables`` (TorchRec configs, ``weights`` by table name) quantized, one
+    lookup per feature, in table order: the one-host collections' lookup, which takes a
+    batch's lengths and checks its ids."""
 
     def __init__(
         self,
@@ -58,24 +136,18 @@ class QuantizedTables(nn.Module):
         pooling: PoolingMode,
     ) -> None:
         super().__init__()
-        precision.check_device(device)
-        _check_tables(tables, weights, precision)
-        self.pooling = pooling
+        _check_tables(tables, weights)
+        self.quantized = QuantizedRows(
+            [PackedRows.of(t.name, weights[t.name], precision) for t in tables],
+            [i for i, t in enumerate(tables) for _ in t.feature_names],
+            precision,
+            device,
+            pooling,
+        )
         self.features = [f for t in tables for f in t.feature_names]
         self._table_of = {f: t for t in tables for f in t.feature_names}
-        tbe = _build_tbe(tables, weights, precision, device, pooling)
-        self.register_buffer("weights", tbe.weights_host if tbe.host_size else tbe.weights_dev)
-        for name in ("weights_offsets", "weights_placements", "weights_tys", "D_offsets"):
-            self.register_buffer(name, getattr(tbe, name))
-        self.layout = {name: int(getattr(tbe, name)) for name in _LAYOUT_INTS}
         rows = [self._table_of[f].num_embeddings for f in self.features]
         self.register_buffer("rows", torch.tensor(rows, device=device), persistent=False)
-        self.requires_grad_(False)
-
-    def table_bytes(self) -> int:
-        """Bytes the quantized tables take: packed rows, scales and biases, FBGEMM's
-        alignment padding."""
-        return self.weights.numel() * self.weights.element_size()
 
     def forward(
         self,
@@ -92,27 +164,10 @@ class QuantizedTables(nn.Module):
             self._bounds_check(ids, offsets)
         else:
             self.check(ids, lengths)
-        if self.weights.device.type != "cpu":  # the CUDA kernel takes int32 only
-            ids, offsets = ids.int(), offsets.int()
-        else:
-            offsets = offsets.to(ids.dtype)
-        device = self.weights.device
-        return torch.ops.fbgemm.int_nbit_split_embedding_codegen_lookup_function(
-            dev_weights=self.weights,
-            uvm_weights=torch.empty(0, dtype=torch.uint8, device=device),
-            weights_placements=self.weights_placements,
-            weights_offsets=self.weights_offsets,
-            weights_tys=self.weights_tys,
-            D_offsets=self.D_offsets,
-            indices=ids,
-            offsets=offsets,
-            pooling_mode=int(self.pooling),
-            indice_weights=None if per_sample_weights is None else per_sample_weights.float(),
-            output_dtype=SparseType.FP32.as_int(),
-            lxu_cache_weights=torch.empty(0, 0, dtype=torch.uint8, device=device),
-            lxu_cache_locations=torch.empty(0, dtype=torch.int32, device=device),
-            **self.layout,
-        )
+        return self.quantized(ids, offsets, per_sample_weights)
+
+    def table_bytes(self) -> int:
+        return self.quantized.table_bytes()
 
     def check(self, ids: torch.Tensor, lengths: torch.Tensor) -> None:
         """A one-line InputError naming the first id outside its table's rows, or
@@ -159,12 +214,9 @@ def in_order(features: KeyedJaggedTensor, order: list[str]) -> KeyedJaggedTensor
 
 
 def _check_tables(
-    tables: Sequence[BaseEmbeddingConfig],
-    weights: Mapping[str, torch.Tensor],
-    precision: Precision,
+    tables: Sequence[BaseEmbeddingConfig], weights: Mapping[str, torch.Tensor]
 ) -> None:
-    """One-line errors for a table without weights, weights of the wrong shape, or a dim
-    the precision cannot pack."""
+    """One-line errors for a table without weights or weights of the wrong shape."""
     for t in tables:
         if t.name not in weights:
             raise CheckpointError(f"no weights for table {t.name!r}")
@@ -174,27 +226,27 @@ def _check_tables(
                 f"table {t.name!r}: weights of shape {shape}, the model's table is "
                 f"{(t.num_embeddings, t.embedding_dim)}"
             )
-        precision.check_dim(t.name, t.embedding_dim)
 
 
 def _build_tbe(
-    tables: Sequence[BaseEmbeddingConfig],
-    weights: Mapping[str, torch.Tensor],
+    tables: Sequence[PackedRows],
+    feature_table_map: Sequence[int],
     precision: Precision,
     device: torch.device,
     pooling: PoolingMode,
 ) -> IntNBitTableBatchedEmbeddingBagsCodegen:
-    """FBGEMM's inference TBE holding every table quantized, one feature per lookup."""
+    """FBGEMM's inference TBE holding the tables' rows."""
     location = EmbeddingLocation.HOST if device.type == "cpu" else EmbeddingLocation.DEVICE
-    specs = [
-        (t.name, t.num_embeddings, t.embedding_dim, precision.sparse_type, location) for t in tables
-    ]
+    specs = [(t.name, t.values.shape[0], t.dim, precision.sparse_type, location) for t in tables]
     return IntNBitTableBatchedEmbeddingBagsCodegen(
         specs,
-        feature_table_map=[i for i, t in enumerate(tables) for _ in t.feature_names],
+        feature_table_map=list(feature_table_map),
         pooling_mode=pooling,
         device=device,
         bounds_check_mode=BoundsCheckMode.NONE,
         output_dtype=SparseType.FP32,
-        weight_lists=[precision.quantize(weights[t.name].to(device)) for t in tables],
+        weight_lists=[
+            (t.values.to(device), None if t.scale_bias is None else t.scale_bias.to(device))
+            for t in tables
+        ],
     )
