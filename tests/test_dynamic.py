@@ -28,6 +28,7 @@ from embshard import (
     ShardingPlan,
     column_wise,
     row_wise,
+    serving,
     table_wise,
 )
 from embshard.storage.shards import gather_table
@@ -366,7 +367,7 @@ def test_drawn_id_streams_equal_the_reference(
 def _raises(fn) -> str:
     try:
         fn()
-    except (InputError, PlanError) as e:
+    except (InputError, PlanError, ValueError) as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
 
@@ -485,13 +486,27 @@ def _other_refusals() -> list[str]:
                 sequence, ShardingPlan({"d": table_wise(0)}), dynamic={"d": IdMapSpec(4, 3)}
             )
         ),
+        _raises(
+            lambda: serving.quantize_sharded(
+                embshard.shard(
+                    EmbeddingBagCollection(tables=configs(12), device=torch.device("meta")),
+                    ShardingPlan({"d": row_wise(), "s": table_wise(0)}),
+                    dynamic={"d": IdMapSpec(4, 3)},
+                ),
+                "int8",
+            )
+        ),
     ]
 
 
-def test_shared_features_and_sequence_collections_are_refused(world) -> None:
-    for shared, sequence in world(2).run(_other_refusals):
+def test_shared_features_sequence_collections_and_serving_are_refused(world) -> None:
+    for shared, sequence, served in world(2).run(_other_refusals):
         assert shared.startswith("PlanError: dynamic table 'd': its feature 'f_d2' feeds another")
         assert sequence.startswith("PlanError: dynamic tables ['d']: a ShardedEmbeddingCollection")
+        assert served == (
+            "ValueError: dynamic tables ['d'] cannot be served yet: their id maps "
+            "would admit ids into the quantized rows"
+        )
 
 
 class _Model(torch.nn.Module):

@@ -416,6 +416,21 @@ def test_a_checkpoint_without_a_table_of_the_config_is_named(trained):
     assert not out.exists()
 
 
+def test_a_config_with_dynamic_tables_is_not_exported(trained):
+    data = yaml.safe_load(trained["config"].read_text())
+    data["tables"][2]["dynamic"] = {"buckets": 1}
+    data.pop("plan")
+    data.pop("checkpoint")
+    dynamic = trained["tmp"] / "dynamic.yaml"
+    dynamic.write_text(yaml.safe_dump(data))
+    out = trained["tmp"] / "never_dynamic"
+    result = _export(trained, out, "int8", dynamic)
+    assert result.exit_code == 1
+    name = data["tables"][2]["name"]
+    assert result.output == f"Error: dynamic tables cannot be exported yet: ['{name}'] are\n"
+    assert not out.exists()
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process
 def test_predict_scores_the_synthetic_held_out_batches_of_a_plain_dcp_checkpoint(tmp_path):
     """A DCP checkpoint of a plain state dict (no embshard description) of the demo's

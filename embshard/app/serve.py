@@ -34,7 +34,7 @@ from embshard.app.data import Batch, CriteoData, SyntheticData, empty_batch
 from embshard.app.planning import plan_config
 from embshard.app.train import build_model
 from embshard.checkpoint.store import saved_config
-from embshard.errors import CheckpointError, EmbshardError
+from embshard.errors import CheckpointError, ConfigError, EmbshardError
 from embshard.plan.specs import ShardingPlan
 from embshard.serving.artifact import SHARDS, load_sharded, write_sharded
 from embshard.serving.export import MANIFEST, PROGRAM, Manifest, export_model
@@ -84,6 +84,8 @@ def export_checkpoint(
         bad = ", ".join(str(c) for c in found.bad)
         raise CheckpointError(f"{path}: corrupt checkpoint, not matching its checksums: {bad}")
     config, text = job_config(path, config_path)
+    if dynamic := sorted(config.id_maps()):
+        raise ConfigError(f"dynamic tables cannot be exported yet: {dynamic} are")
     model = build_model(config)
     extra = {"checkpoint": str(path), "step": checkpoint.describe(path)["step"]}
     dense_in = config.dense_in_features
