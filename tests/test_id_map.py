@@ -396,3 +396,16 @@ def test_cuda_gives_the_cpu_map() -> None:
                 assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), name
         for name, tensor in cpu.state_dict().items():
             assert torch.equal(cuda.state_dict()[name].cpu(), tensor), name
+
+
+def test_lookup_reads_rows_and_changes_nothing():
+    spec = IdMapSpec(buckets=4, rows_per_bucket=2, policy="lru")
+    idmap = IdMap(spec, 0, 4)
+    keys = torch.tensor(keys_of([3, 5, 7, 11]))
+    assert idmap.lookup(keys).tolist() == [-1] * 4  # a fresh map: no step yet
+    rows = idmap.remap(keys, 0).rows
+    before = {k: v.clone() for k, v in idmap.state_dict().items()}
+    new = torch.tensor(keys_of([13]))
+    assert idmap.lookup(torch.cat([keys, new])).tolist() == [*rows.tolist(), -1]
+    after = idmap.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)

@@ -236,7 +236,7 @@ class IdMap:
         """Each key's local row, -1 for a key without one, changing nothing (no
         sighting, admission or eviction): what a forward that must not learn reads
         (evaluation, as TorchRec's managed-collision modules outside training)."""
-        self._check(keys, self.step)
+        self._check(keys, self.step or 0)
         if len(keys) == 0:
             return keys.new_empty(0)
         uniq, inverse = torch.unique(keys, return_inverse=True)
