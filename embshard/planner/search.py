@@ -1152,8 +1152,9 @@ def _rows_to_room(
     table: _Table, packing: _Packing, model: CostModel, target: float
 ) -> tuple[str, list[_Piece]] | None:
     """Row blocks (of whole buckets) as big as the roomiest ranks have room for, under
-    ``target`` and in memory: uneven blocks fill what even ones cannot, and a table that fits in the
-    free memory of the ranks it may use, in all, always fits so with no target."""
+    ``target`` and in memory: uneven blocks fill what even ones cannot, and a table
+    that fits in the free memory of the ranks it may use, in all, always fits so with
+    no target."""
     spec, capacity = table.spec, model.topology.usable_memory
     a, b = table.linear[Kind.ROW_WISE]
     room = (capacity - packing.memory) // model.memory(spec, 1, spec.embedding_dim)
