@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import shlex
+from pathlib import Path
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 from torchrec import EmbeddingBagConfig
 
 from embshard import ShardingPlan
+from embshard.app.cli import main as cli
 from embshard.app.config import load_config
 from embshard.app.data import build_data
 from embshard.app.planning import count_traffic, lookup_balanced_plan, plan_config
@@ -236,3 +240,18 @@ def test_bytes_per_row_is_the_real_maps(admit_after):
     spec = IdMapSpec(6, 5, policy="ttl", ttl_steps=3, admit_after=admit_after)
     state = IdMap(spec, 1, 4).state_dict()
     assert spec.bytes_per_row() * 3 * 5 == sum(t.nbytes for t in state.values())
+
+
+def test_planning_md_shows_the_commands_output():
+    """docs/planning.md's dynamic plan: its lines appear in the command's output, in
+    order (the page leaves some out)."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "planning.md").read_text()
+    command = "embshard plan configs/dynamic.yaml -w 7 --memory-per-rank 6MiB"
+    shown = page.split(f"`{command}`", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    result = CliRunner().invoke(cli, shlex.split(command)[1:])
+    assert result.exit_code == 0, result.output
+    output = iter(result.output.splitlines())
+    lines = [line for line in shown.splitlines() if line != "..."]
+    assert len(lines) > 10
+    for line in lines:
+        assert any(line == out for out in output), f"not in the output, in order: {line!r}"
