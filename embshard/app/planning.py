@@ -7,8 +7,9 @@ from collections.abc import Iterable
 from dataclasses import fields
 
 import numpy as np
+import torch
 
-from embshard.app.config import DYNAMIC_KINDS, GroupSize, TrainConfig
+from embshard.app.config import GroupSize, TrainConfig
 from embshard.app.data import Batch, build_data
 from embshard.errors import ConfigError, PlanningError
 from embshard.plan.specs import ShardingPlan
@@ -26,6 +27,8 @@ from embshard.planner.search import (
     planned_tables,
 )
 from embshard.planner.traffic import TableTraffic, TrafficStats, balanced_plan
+from embshard.runtime.keys import bucket_of, hash_ids
+from embshard.storage.id_map import IdMapSpec
 
 
 def topology_for(
@@ -107,14 +110,18 @@ def _plan_on(
         return given, _report(given, config, topology, "the config's own plan says so")
     constraints = {
         t.name: TableConstraint(
-            tuple(t.shardings or (DYNAMIC_KINDS if t.dynamic else ())) or None,
-            tuple(t.ranks) if t.ranks else None,
-            t.column_blocks,
+            tuple(t.shardings or ()) or None, tuple(t.ranks) if t.ranks else None, t.column_blocks
         )
         for t in config.tables
     }
     return plan_tables(
-        config.tables, topology, config.batch_size, constraints, optimizer, stats=stats
+        config.tables,
+        topology,
+        config.batch_size,
+        constraints,
+        optimizer,
+        stats=stats,
+        dynamic=config.id_maps(),
     )
 
 
@@ -130,8 +137,10 @@ def lookup_balanced_plan(
     PlanningError naming the first rank whose shards exceed its usable memory."""
     topology = topology_for(config, world_size, memory_per_rank, ranks_per_host)
     model = CostModel(topology, config.batch_size, config.sparse_optimizer.type)
-    row_bytes = {t.name: model.memory(t, 1, t.embedding_dim) for t in planned_tables(config.tables)}
-    plan = balanced_plan(stats, world_size, row_bytes)
+    specs = planned_tables(config.tables, dynamic=config.id_maps())
+    row_bytes = {t.name: model.memory(t, 1, t.embedding_dim) for t in specs}
+    buckets = {t.name: t.rows_per_bucket for t in specs if t.dynamic}
+    plan = balanced_plan(stats, world_size, row_bytes, buckets)
     report = _report(
         plan, config, topology, "--balance-lookups balances every rank's lookups", stats
     )
@@ -159,12 +168,16 @@ def _report(
         config.sparse_optimizer.type,
         reason,
         stats,
+        config.id_maps(),
     )
 
 
 def count_traffic(config: TrainConfig, batches: Iterable[Batch]) -> TrafficStats:
     """The lookups per row, bags and samples of each of ``config``'s tables over
-    ``batches`` (a table's lookups are those of all features it serves)."""
+    ``batches`` (a table's lookups are those of all features it serves). A dynamic
+    table's raw ids are counted on the first row of the bucket their key falls in:
+    which of its rows an id gets is the map's to decide, its bucket is fixed."""
+    maps = config.id_maps()
     ids: dict[str, list[np.ndarray]] = {t.name: [] for t in config.tables}
     bags = dict.fromkeys(ids, 0)
     samples = 0
@@ -174,7 +187,7 @@ def count_traffic(config: TrainConfig, batches: Iterable[Batch]) -> TrafficStats
         for table in config.tables:
             for feature in table.features:
                 jagged = features[feature]
-                ids[table.name].append(jagged.values().numpy())
+                ids[table.name].append(_rows(jagged.values(), maps.get(table.name)))
                 bags[table.name] += int((jagged.lengths() > 0).sum())
     tables = {}
     for table in config.tables:
@@ -184,6 +197,13 @@ def count_traffic(config: TrainConfig, batches: Iterable[Batch]) -> TrafficStats
             table.num_embeddings, rows, counts, samples, bags[table.name]
         )
     return TrafficStats(tables)
+
+
+def _rows(values: torch.Tensor, spec: IdMapSpec | None) -> np.ndarray:
+    """A feature's ids as the rows counted for them (``count_traffic``)."""
+    if spec is None:
+        return values.numpy()
+    return (bucket_of(hash_ids(values), spec.buckets) * spec.rows_per_bucket).numpy()
 
 
 def measure_traffic(

@@ -61,6 +61,7 @@ from embshard.planner.traffic import (
     balanced_sizes,
     hot_rows,
 )
+from embshard.storage.id_map import IdMapSpec
 from embshard.storage.optimizers import FUSED_OPTIMIZERS, state_values
 
 GiB = 2**30
@@ -81,6 +82,8 @@ _SHARDINGS = (*_KINDS, Kind.DATA_PARALLEL)
 _UNCUT = (Kind.TABLE_WISE, Kind.DATA_PARALLEL)  # what _unsplit leaves alone
 _COPY_ONLY = (Kind.DATA_PARALLEL,)
 _ROW_SPLIT = (Kind.ROW_WISE, Kind.GRID)  # kinds whose pieces get the ids of their rows only
+# A dynamic table's layouts: each rank a contiguous range of its buckets, with their map.
+_DYNAMIC_KINDS = (Kind.TABLE_WISE, Kind.ROW_WISE)
 
 
 def parse_bytes(text: str | int | float) -> int:
@@ -236,7 +239,9 @@ class PlannedTable:
     """What the cost model needs of a table: its shape, and per sample its bags (one
     per feature) and ids (the features' mean pooling, summed); ``sequence`` for an
     EmbeddingCollection's table, which returns a row per id, not per bag; the bytes of
-    a weight (2 for FP16 tables)."""
+    a weight (2 for FP16 tables). A dynamic table (``dynamic``) has ``rows_per_bucket``
+    rows a bucket, kept whole by its row cuts, and its id map's ``map_bytes`` a row on
+    the rank holding it; it is table-wise or row-wise only, with no hot rows."""
 
     name: str
     num_embeddings: int
@@ -245,6 +250,20 @@ class PlannedTable:
     ids_per_sample: float
     sequence: bool = False
     weight_bytes: int = 4
+    dynamic: bool = False
+    rows_per_bucket: int = 1
+    map_bytes: int = 0
+
+    @property
+    def buckets(self) -> int:
+        """The units its row blocks are whole multiples of: a static table's rows."""
+        return self.num_embeddings // self.rows_per_bucket
+
+    def row_blocks(self, blocks: int) -> list[int]:
+        """``blocks`` row block sizes as even as whole buckets allow (differing by a
+        bucket at most), the larger first."""
+        base, extra = divmod(self.buckets, blocks)
+        return [(base + (i < extra)) * self.rows_per_bucket for i in range(blocks)]
 
 
 @runtime_checkable
@@ -268,12 +287,15 @@ def planned_tables(
     tables: Sequence[AnyTable],
     mean_pooling: Mapping[str, float] | None = None,
     stats: TrafficStats | None = None,
+    dynamic: Mapping[str, IdMapSpec] | None = None,
 ) -> list[PlannedTable]:
     """The tables as the cost model sees them. ``mean_pooling`` gives the mean ids per
     bag by feature or by table name (a feature's own entry wins); 1.0 where it says
     nothing, or a ``TableConfig``'s own ``mean_pooling``. Measured ``stats`` win over
-    both: a table's ids per sample are then those counted."""
+    both: a table's ids per sample are then those counted. ``dynamic``: the dynamic
+    tables' id maps by table, as ``shard`` takes them."""
     pooling = dict(mean_pooling or {})
+    maps = dict(dynamic or {})
     configs = [
         (as_config(t), t.mean_pooling if isinstance(t, DescribedTable) else 1.0) for t in tables
     ]
@@ -285,6 +307,7 @@ def planned_tables(
     if bad:
         raise PlanningError(f"mean_pooling must be non-negative numbers, got {bad}")
     measured = _traffic(stats, [c for c, _ in configs])
+    _check_maps(maps, [c for c, _ in configs])
     planned = []
     for config, default in configs:
         own = pooling.get(config.name, default)
@@ -301,9 +324,37 @@ def planned_tables(
                 float(ids),
                 isinstance(config, EmbeddingConfig),
                 2 if config.data_type == DataType.FP16 else 4,
+                *_dynamic_fields(maps.get(config.name)),
             )
         )
     return planned
+
+
+def _dynamic_fields(spec: IdMapSpec | None) -> tuple[bool, int, int]:
+    """``PlannedTable``'s ``dynamic``, ``rows_per_bucket`` and ``map_bytes``."""
+    if spec is None:
+        return False, 1, 0
+    return True, spec.rows_per_bucket, spec.bytes_per_row()
+
+
+def _check_maps(
+    maps: Mapping[str, IdMapSpec], configs: Sequence[EmbeddingBagConfig | EmbeddingConfig]
+) -> None:
+    """Every id map names a table whose rows are its buckets'."""
+    rows = {c.name: c.num_embeddings for c in configs}
+    unknown = sorted(set(maps) - set(rows))
+    if unknown:
+        raise PlanningError(f"dynamic names no table of the model: {unknown}")
+    wrong = {
+        n: (rows[n], s.buckets, s.rows_per_bucket)
+        for n, s in maps.items()
+        if rows[n] != s.buckets * s.rows_per_bucket
+    }
+    if wrong:
+        raise PlanningError(
+            "dynamic tables whose num_embeddings is not buckets x rows_per_bucket "
+            f"(num_embeddings, buckets, rows_per_bucket): {wrong}"
+        )
 
 
 def _traffic(
@@ -352,10 +403,11 @@ class CostModel:
         return self.ids(table) if table.sequence else self.bags(table)
 
     def memory(self, table: PlannedTable, rows: int, cols: int) -> int:
-        """Bytes of a (rows x cols) shard of ``table``: its weights, and the optimizer's
-        state, fp32 whatever the weights' type."""
+        """Bytes of a (rows x cols) shard of ``table``: its weights, the optimizer's
+        state, fp32 whatever the weights' type, and a dynamic table's id map (whose
+        shards are whole rows)."""
         state = state_values(self.optimizer, rows, cols)
-        return table.weight_bytes * rows * cols + 4 * state
+        return table.weight_bytes * rows * cols + 4 * state + table.map_bytes * rows
 
     def shard_cost(self, table: PlannedTable, kind: str, rows: float, cols: float) -> float:
         """Seconds per step the owner of a (rows x cols) shard of ``table`` spends.
@@ -495,24 +547,25 @@ class PlanReport:
 def _shapes(
     table: PlannedTable, kind: str, blocks: int, traffic: TableTraffic | None = None
 ) -> list[tuple[int, int]]:
-    """Even pieces (row blocks differ by a row at most), in rank order; with measured
-    ``traffic``, row blocks that each get an even share of the lookups."""
+    """Even pieces (row blocks differ by a bucket at most: a row, for a static table),
+    in rank order; with measured ``traffic``, row blocks that each get an even share of
+    the lookups."""
     if kind == Kind.COLUMN_WISE:
         return [(table.num_embeddings, table.embedding_dim // blocks)] * blocks
     if kind == Kind.DATA_PARALLEL:
         return [(table.num_embeddings, table.embedding_dim)] * blocks
     if kind == Kind.ROW_WISE and traffic is not None:
-        return [(rows, table.embedding_dim) for rows in balanced_sizes(traffic, blocks)]
+        sizes = balanced_sizes(traffic, blocks, multiple=table.rows_per_bucket)
+        return [(rows, table.embedding_dim) for rows in sizes]
     if kind == Kind.ROW_WISE:
-        base, extra = divmod(table.num_embeddings, blocks)
-        return [(base + (i < extra), table.embedding_dim) for i in range(blocks)]
+        return [(rows, table.embedding_dim) for rows in table.row_blocks(blocks)]
     return [(table.num_embeddings, table.embedding_dim)]
 
 
 def _biggest(table: PlannedTable, kind: str, blocks: int) -> tuple[int, int]:
     """The shape of the biggest of ``_shapes``."""
     if kind == Kind.ROW_WISE:
-        return -(-table.num_embeddings // blocks), table.embedding_dim
+        return table.row_blocks(blocks)[0], table.embedding_dim
     if kind == Kind.DATA_PARALLEL:
         return table.num_embeddings, table.embedding_dim
     return table.num_embeddings, table.embedding_dim // blocks
@@ -649,7 +702,7 @@ def _split_counts(table: PlannedTable, kind: str, limit: int, constraint: TableC
     if kind == Kind.COLUMN_WISE:
         fit = [k for k in counts | {1} if k <= limit and table.embedding_dim % (4 * k) == 0]
     else:
-        fit = [k for k in counts | {1} if k <= min(limit, table.num_embeddings)]
+        fit = [k for k in counts | {1} if k <= min(limit, table.buckets)]
     return sorted(k for k in fit if k >= least)
 
 
@@ -726,7 +779,7 @@ def _griddable(
     constraint: TableConstraint,
     traffic: TableTraffic | None,
 ) -> bool:
-    """Whether the search tries host grids for ``table``: a pooled table free of
+    """Whether the search tries host grids for ``table``: a pooled static table free of
     constraints, in a world of two whole hosts or more, with measured lookups to cut
     its rows by (an even cut of skewed ids would load each host's first rank)."""
     hosts = model.topology.world_size // model.topology.ranks_per_host
@@ -734,6 +787,7 @@ def _griddable(
         hosts >= 2
         and traffic is not None
         and not table.sequence
+        and not table.dynamic
         and constraint == TableConstraint()
         and table.num_embeddings >= model.topology.ranks_per_host
     )
@@ -821,6 +875,7 @@ def _check_constraints(
 ) -> None:
     """Every problem with the constraints, at once, each naming its table."""
     known = {t.name: t for t in tables}
+    dynamic = {t.name for t in tables if t.dynamic}
     unknown = set(constraints) - set(known)
     if unknown:
         raise PlanningError(f"constraints name tables the model does not have: {sorted(unknown)}")
@@ -850,6 +905,8 @@ def _check_constraints(
             )
         if blocks is not None and c.types and Kind.COLUMN_WISE not in c.types:
             problems.append(f"{where}: column_blocks needs column_wise among its shardings")
+        if name in dynamic and (blocks or set(c.types or ()) - set(_DYNAMIC_KINDS)):
+            problems.append(f"{where}: a dynamic table is table_wise or row_wise only")
     if problems:
         raise PlanningError("; ".join(problems))
 
@@ -857,8 +914,13 @@ def _check_constraints(
 def _kept(
     tables: Sequence[PlannedTable], constraints: Mapping[str, TableConstraint]
 ) -> dict[str, TableConstraint]:
-    """Every table's constraint, none where none is given."""
-    return {t.name: constraints.get(t.name, TableConstraint()) for t in tables}
+    """Every table's constraint, none where none is given; a dynamic table's shardings
+    are table_wise or row_wise."""
+    kept = {t.name: constraints.get(t.name, TableConstraint()) for t in tables}
+    for t in tables:
+        if t.dynamic and not kept[t.name].types:
+            kept[t.name] = dataclasses.replace(kept[t.name], types=_DYNAMIC_KINDS)
+    return kept
 
 
 def _check_memory(tables: Sequence[PlannedTable], model: CostModel) -> None:
@@ -886,7 +948,8 @@ def _ways(
     ``most``, its pieces cost at least ``a + b m`` in all and the busiest of those
     ranks at least a 1/m of that. For k pieces cost ``a + b k`` in all (``_linear``,
     ``b >= 0``), and the busiest of the m <= k ranks they are on carries at least
-    ``(a + b k) / m >= (a + b m) / m``. Row blocks: one per rank, at most one a row;
+    ``(a + b k) / m >= (a + b m) / m``. Row blocks: one per rank, at most one a bucket
+    (a row, for a static table);
     column blocks: at least 4 columns wide, ranks may repeat; a fixed number of
     column blocks costs what it costs on any number of ranks up to it. With ``grids``,
     host grids too (``_grid_ways``)."""
@@ -897,7 +960,7 @@ def _ways(
         return [(a + b * blocks, 0.0, min(blocks, limit))]
     most = {
         Kind.TABLE_WISE: 1,
-        Kind.ROW_WISE: min(limit, table.num_embeddings),
+        Kind.ROW_WISE: min(limit, table.buckets),
         Kind.COLUMN_WISE: min(limit, max(1, table.embedding_dim // 4)),
     }
     ways = [(*_linear(table, model, k), most[k]) for k in _kinds(constraint) if k in most]
@@ -1088,9 +1151,10 @@ def _grid_pieces(
 def _rows_to_room(
     table: _Table, packing: _Packing, model: CostModel, target: float
 ) -> tuple[str, list[_Piece]] | None:
-    """Row blocks as big as the roomiest ranks have room for, under ``target`` and in
-    memory: uneven blocks fill what even ones cannot, and a table that fits in the
-    free memory of the ranks it may use, in all, always fits so with no target."""
+    """Row blocks (of whole buckets) as big as the roomiest ranks have room for, under
+    ``target`` and in memory: uneven blocks fill what even ones cannot, and a table
+    that fits in the free memory of the ranks it may use, in all, always fits so with
+    no target."""
     spec, capacity = table.spec, model.topology.usable_memory
     a, b = table.linear[Kind.ROW_WISE]
     room = (capacity - packing.memory) // model.memory(spec, 1, spec.embedding_dim)
@@ -1101,6 +1165,7 @@ def _rows_to_room(
         room = np.minimum(room, by_cost.astype(np.int64))
     else:
         room = np.where(spare >= 0, room, 0)
+    room -= room % spec.rows_per_bucket  # whole buckets
     if table.allowed is not None:
         room = np.where(table.allowed, room, 0)
     order = np.argsort(-room, kind="stable")
@@ -1359,6 +1424,7 @@ def plan_tables(
     *,
     mean_pooling: Mapping[str, float] | None = None,
     stats: TrafficStats | None = None,
+    dynamic: Mapping[str, IdMapSpec] | None = None,
 ) -> tuple[ShardingPlan, PlanReport]:
     """A plan that fits every rank's usable memory and keeps the slowest rank's
     estimated step cost low, with a report of per-rank memory and cost.
@@ -1375,9 +1441,11 @@ def plan_tables(
     row-wise table whose hottest rows no cut can balance gets them copied on every rank
     (``_copy_hot_rows``) where that lowers the slowest rank; and where the world spans
     two whole hosts or more, the search also tries host grids (``_grid_options``),
-    kept where they lower the slowest rank.
+    kept where they lower the slowest rank. The ``dynamic`` tables (their id maps by
+    table, as ``shard`` takes them) are table-wise or row-wise in whole buckets, each
+    rank holding its buckets' map, and never get hot rows.
     """
-    specs = planned_tables(tables, mean_pooling, stats)
+    specs = planned_tables(tables, mean_pooling, stats, dynamic)
     measured = stats.tables if stats is not None else {}
     world = topology.world_size
     _check_constraints(constraints or {}, specs, world)
@@ -1433,9 +1501,10 @@ def plan_tables(
         return plan, report
     loads = functools.partial(
         plan_loads, tables=tables, topology=topology, batch_size=batch_size,
-        optimizer=optimizer, mean_pooling=mean_pooling, stats=stats,
+        optimizer=optimizer, mean_pooling=mean_pooling, stats=stats, dynamic=dynamic,
     )  # fmt: skip
-    return _copy_hot_rows(plan, report, measured, loads)
+    static = {n: t for n, t in measured.items() if n not in (dynamic or {})}
+    return _copy_hot_rows(plan, report, static, loads)
 
 
 def _copy_hot_rows(
@@ -1493,17 +1562,19 @@ def plan_loads(
     *,
     mean_pooling: Mapping[str, float] | None = None,
     stats: TrafficStats | None = None,
+    dynamic: Mapping[str, IdMapSpec] | None = None,
 ) -> list[RankLoad]:
     """Per-rank memory and estimated cost of any plan, by the same cost model (row
     blocks priced by their measured lookups, with ``stats``; copies, data-parallel
-    tables and hot rows, with their all-reduce's latency)."""
+    tables and hot rows, with their all-reduce's latency; the ``dynamic`` tables'
+    id maps)."""
     model = CostModel(topology, batch_size, optimizer)
     resolved: dict[str, ShardedTable] = plan.resolve(
         [as_config(t) for t in tables], topology.world_size
     )
     loads = [RankLoad(r) for r in range(topology.world_size)]
     measured = stats.tables if stats is not None else {}
-    specs = planned_tables(tables, mean_pooling, stats)
+    specs = planned_tables(tables, mean_pooling, stats, dynamic)
     for table in specs:
         sharded, traffic = resolved[table.name], measured.get(table.name)
         for shard in sharded.shards:
@@ -1540,14 +1611,15 @@ def plan_report(
     optimizer: str,
     reason: str,
     stats: TrafficStats | None = None,
+    dynamic: Mapping[str, IdMapSpec] | None = None,
 ) -> PlanReport:
     """The report of a plan the planner did not make (a config's own, a lookup-balanced
-    one): its loads (priced by ``stats`` where given), each table's sharding for
-    ``reason``, and the bound of any plan."""
+    one): its loads (priced by ``stats`` where given, with the ``dynamic`` tables' id
+    maps), each table's sharding for ``reason``, and the bound of any plan."""
     model = CostModel(topology, batch_size, optimizer)
     resolved = plan.resolve([as_config(t) for t in tables], topology.world_size)
-    specs = planned_tables(tables, stats=stats)
-    loads = plan_loads(plan, tables, topology, batch_size, optimizer, stats=stats)
+    specs = planned_tables(tables, stats=stats, dynamic=dynamic)
+    loads = plan_loads(plan, tables, topology, batch_size, optimizer, stats=stats, dynamic=dynamic)
     measured = stats.tables if stats is not None else {}
     return PlanReport(
         ranks=loads,

@@ -49,11 +49,26 @@ class TrafficStats:
     tables: dict[str, TableTraffic]
 
 
-def balanced_sizes(traffic: TableTraffic, pieces: int, first_row: int = 0) -> list[int]:
+def balanced_sizes(
+    traffic: TableTraffic, pieces: int, first_row: int = 0, multiple: int = 1
+) -> list[int]:
     """Row block sizes for rows ``[first_row, rows)`` (summing to their count, each at
     least 0) that give every block about ``1 / pieces`` of their lookups: each cut
     falls between the rows where the cumulative lookups cross ``k / pieces`` of them,
-    on the side nearer it. Rows with no lookups measured are split evenly."""
+    on the side nearer it. Rows with no lookups measured are split evenly. With a
+    ``multiple`` (a dynamic table's rows a bucket, dividing the rows and ``first_row``)
+    the same is done over groups of that many rows: every cut falls on a multiple."""
+    if multiple > 1:
+        groups, at = np.unique(traffic.ids // multiple, return_index=True)
+        grouped = TableTraffic(
+            traffic.num_embeddings // multiple,
+            groups,
+            np.add.reduceat(traffic.counts, at) if len(at) else traffic.counts,
+            traffic.samples,
+            traffic.bags,
+        )
+        sizes = balanced_sizes(grouped, pieces, first_row // multiple)
+        return [size * multiple for size in sizes]
     n = traffic.num_embeddings
     start = int(np.searchsorted(traffic.ids, first_row))
     ids, counts = traffic.ids[start:], traffic.counts[start:]
@@ -89,27 +104,31 @@ def hot_rows(traffic: TableTraffic, pieces: int, tolerance: float = 0.1) -> int:
 
 
 def balanced_plan(
-    stats: TrafficStats, world_size: int, row_bytes: Mapping[str, float] | None = None
+    stats: TrafficStats,
+    world_size: int,
+    row_bytes: Mapping[str, float] | None = None,
+    rows_per_bucket: Mapping[str, int] | None = None,
 ) -> ShardingPlan:
     """Every table row-wise over all ranks, its lookups balanced: its ``hot_rows``
     copied on every rank and the rest cut by ``balanced_sizes``; a table no cut can
     balance (a few rows over many ranks) copied whole. Each rank then receives about
     as many lookups as any other, whatever that costs in ids and pooled rows moved
     (the planner weighs those). ``shard`` refuses hot rows on a table whose features
-    feed another table too.
+    feed another table too. A dynamic table (``rows_per_bucket``: its rows a bucket, by
+    table) is cut in whole buckets, with no hot rows and never copied.
 
     A table's blocks get about equal lookups whichever ranks hold them, so they go
     where they even out memory (``spread_blocks``; ``row_bytes``: the bytes of a row
     of each table, 1 where not given): in rank order, every table's coldest and
     largest block would land on the last rank."""
-    weight = row_bytes or {}
+    weight, buckets = row_bytes or {}, rows_per_bucket or {}
     specs, cuts = {}, {}
     for name, traffic in stats.tables.items():
-        hot = hot_rows(traffic, world_size)
+        hot = 0 if name in buckets else hot_rows(traffic, world_size)
         if hot == traffic.num_embeddings:
             specs[name] = data_parallel()
         else:
-            cuts[name] = hot, balanced_sizes(traffic, world_size, hot)
+            cuts[name] = hot, balanced_sizes(traffic, world_size, hot, buckets.get(name, 1))
     held = [0.0] * world_size
     largest_first = sorted(cuts, key=lambda n: -weight.get(n, 1) * sum(cuts[n][1]))
     for name in largest_first:

@@ -47,6 +47,12 @@ class IdMapSpec:
         if problem:
             raise PlanError(f"IdMapSpec: {problem}")
 
+    def bytes_per_row(self) -> int:
+        """The map's bytes for each row of the table on the rank holding it (a slot a
+        row, and a probation slot too with ``admit_after`` > 1): what a planner adds to
+        a row's weights and optimizer state."""
+        return _Slots.slot_bytes() * (2 if self.admit_after > 1 else 1)
+
     def evictable(self, seen_now: torch.Tensor, last_seen: torch.Tensor, step: int) -> torch.Tensor:
         """Which live slots may give their row to a new id at ``step``, by the policy;
         ``seen_now``: the slots whose id is in this call (never evicted)."""
@@ -100,14 +106,25 @@ class _Slots:
     """A table of ``(buckets, rows_per_bucket)`` slots: key, occupied, last step seen and
     sightings. Used for the map and for the probation of keys not admitted yet."""
 
-    names = ("keys", "occupied", "last_seen", "hits")
+    dtypes = (
+        ("keys", torch.int64),
+        ("occupied", torch.bool),
+        ("last_seen", torch.int64),
+        ("hits", torch.int64),
+    )
+    names = tuple(name for name, _ in dtypes)
+    keys: torch.Tensor
+    occupied: torch.Tensor
+    last_seen: torch.Tensor
+    hits: torch.Tensor
 
     def __init__(self, buckets: int, rows: int, device: torch.device) -> None:
-        shape = (buckets, rows)
-        self.keys = torch.zeros(shape, dtype=torch.int64, device=device)
-        self.occupied = torch.zeros(shape, dtype=torch.bool, device=device)
-        self.last_seen = torch.zeros(shape, dtype=torch.int64, device=device)
-        self.hits = torch.zeros(shape, dtype=torch.int64, device=device)
+        for name, dtype in self.dtypes:
+            setattr(self, name, torch.zeros((buckets, rows), dtype=dtype, device=device))
+
+    @classmethod
+    def slot_bytes(cls) -> int:
+        return sum(dtype.itemsize for _, dtype in cls.dtypes)
 
     def find(self, touched: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The flat slot (``bucket * rows + slot``) of each unique key ``ids``, -1 where

@@ -1,0 +1,257 @@
+"""The planner's dynamic tables: row cuts on bucket boundaries at any world size (with
+and without measured traffic, and for ``--balance-lookups``), table-wise or row-wise
+only, and each rank's memory with the id maps it holds, counted from real maps."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import shlex
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from torchrec import EmbeddingBagConfig
+
+from embshard import ShardingPlan
+from embshard.app.cli import main as cli
+from embshard.app.config import load_config
+from embshard.app.data import build_data
+from embshard.app.planning import count_traffic, lookup_balanced_plan, plan_config
+from embshard.errors import PlanningError
+from embshard.plan.specs import Kind, row_wise, table_wise
+from embshard.planner.search import TableConstraint, Topology, plan_loads, plan_tables
+from embshard.planner.traffic import TableTraffic, TrafficStats, balanced_plan
+from embshard.storage.id_map import IdMap, IdMapSpec
+
+DIM = 16
+WORLDS = (2, 3, 5, 7)
+BUCKET_COUNTS = (10, 64, 1000)
+
+
+def _config(buckets: int, rows_per_bucket: int, name: str = "items") -> EmbeddingBagConfig:
+    return EmbeddingBagConfig(
+        name=name,
+        embedding_dim=DIM,
+        num_embeddings=buckets * rows_per_bucket,
+        feature_names=[f"{name}_id"],
+    )
+
+
+def _map_bytes(spec: IdMapSpec, rows: int, offset: int = 0) -> int:
+    """The bytes of the real map of a shard's buckets (rows ``[offset, +rows)``)."""
+    first = offset // spec.rows_per_bucket
+    last = first + rows // spec.rows_per_bucket
+    return sum(t.nbytes for t in IdMap(spec, first, last).state_dict().values())
+
+
+def _bytes(spec: IdMapSpec, rows: int, offset: int = 0) -> int:
+    """A row-wise Adagrad shard of ``rows`` rows: fp32 weights, one fp32 of state a
+    row, and its buckets' map."""
+    return rows * DIM * 4 + rows * 4 + _map_bytes(spec, rows, offset)
+
+
+def _sizes(plan: ShardingPlan, name: str, rows: int) -> list[int]:
+    """A row-wise table's row blocks; a table-wise one's ``rows``, one block."""
+    spec = plan.tables[name]
+    if spec.row_block_sizes is None:
+        assert spec.KIND == Kind.TABLE_WISE, spec
+        return [rows]
+    assert spec.KIND == Kind.ROW_WISE, spec
+    return list(spec.row_block_sizes)
+
+
+def _assert_whole_buckets(sizes: list[int], rows: int, rows_per_bucket: int) -> None:
+    assert sum(sizes) == rows
+    assert all(s % rows_per_bucket == 0 for s in sizes), sizes
+
+
+def _traffic(rows: int, seed: int) -> TableTraffic:
+    """Power-law lookups over a table's rows, the low rows hottest."""
+    rng = np.random.default_rng(seed)
+    ids = np.minimum(rng.zipf(1.3, 20_000) - 1, rows - 1)
+    uniq, counts = np.unique(ids, return_counts=True)
+    return TableTraffic(rows, uniq, counts, 1000, 1000)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("buckets", BUCKET_COUNTS)
+def test_even_cuts_are_whole_buckets(world, buckets):
+    """Memory for an even cut of whole buckets over every rank, no more: the plan cuts
+    it so, every rank's share within a bucket of the others', each in its memory."""
+    spec = IdMapSpec(buckets, 7, admit_after=2)
+    config = _config(buckets, 7)
+    largest = -(-buckets // world) * 7
+    topology = Topology.cpu(world, memory_per_rank=_bytes(spec, largest), reserved_memory=0)
+    plan, report = plan_tables([config], topology, 512, dynamic={"items": spec})
+    sizes = _sizes(plan, "items", config.num_embeddings)
+    _assert_whole_buckets(sizes, config.num_embeddings, 7)
+    held = [s for s in sizes if s]
+    assert max(held) - min(held) <= 7
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    real = [_bytes(spec, s, int(o)) if s else 0 for s, o in zip(sizes, offsets)]
+    assert [load.memory for load in report.ranks] == real
+    assert max(real) <= topology.usable_memory
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("buckets", BUCKET_COUNTS)
+def test_cuts_by_measured_lookups_are_whole_buckets(world, buckets):
+    """With measured (skewed) traffic the blocks balance lookups by whole buckets: each
+    holder within a bucket's lookups of its even share; no hot rows copied."""
+    rows_per_bucket = 5
+    config = _config(buckets, rows_per_bucket)
+    traffic = _traffic(config.num_embeddings, world)
+    stats = TrafficStats({"items": traffic})
+    spec = IdMapSpec(buckets, rows_per_bucket)
+    plan, _ = plan_tables(
+        [config],
+        Topology.cpu(world),
+        512,
+        {"items": TableConstraint(types=("row_wise",))},
+        stats=stats,
+        dynamic={"items": spec},
+    )
+    assert plan.tables["items"].hot_rows == 0
+    sizes = _sizes(plan, "items", config.num_embeddings)
+    _assert_whole_buckets(sizes, config.num_embeddings, rows_per_bucket)
+    dense = np.zeros(config.num_embeddings, dtype=np.int64)
+    dense[traffic.ids] = traffic.counts
+    per_bucket = dense.reshape(buckets, rows_per_bucket).sum(1)
+    edges = np.concatenate([[0], np.cumsum([s for s in sizes if s])])
+    got = [dense[lo:hi].sum() for lo, hi in itertools.pairwise(edges)]
+    mean = dense.sum() / len(got)
+    assert all(abs(g - mean) <= per_bucket.max() for g in got), (got, mean)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_hot_row_cuts_a_dynamic_table_in_whole_buckets_with_no_copies(world):
+    """Traffic with a hot row: ``balanced_plan`` (``--balance-lookups``) copies the
+    static twin's hot rows; the dynamic table is cut in whole buckets with none, by
+    ``balanced_plan`` and by the planner."""
+    buckets, rows_per_bucket = 60, 10
+    config = _config(buckets, rows_per_bucket)
+    rows = config.num_embeddings
+    ids = np.arange(rows)
+    counts = np.ones(rows, dtype=np.int64)
+    counts[3] = 20 * rows  # far beyond a block's share
+    stats = TrafficStats({"items": TableTraffic(rows, ids, counts, 100, 100)})
+    spec = IdMapSpec(buckets, rows_per_bucket)
+    free = {"items": TableConstraint(types=("row_wise",))}
+    assert balanced_plan(stats, world).tables["items"].hot_rows > 0
+    dynamic, _ = plan_tables(
+        [config], Topology.cpu(world), 4096, free, stats=stats, dynamic={"items": spec}
+    )
+    balanced = balanced_plan(stats, world, rows_per_bucket={"items": rows_per_bucket})
+    for plan in (dynamic, balanced):
+        assert plan.tables["items"].hot_rows == 0
+        _assert_whole_buckets(_sizes(plan, "items", rows), rows, rows_per_bucket)
+
+
+@pytest.mark.parametrize("admit_after", [1, 3])
+def test_a_plans_memory_is_weights_state_and_maps(admit_after):
+    """Each rank's memory in the report: its shards' weights, their Adagrad state and
+    the maps of their buckets, the maps counted from real ``IdMap`` tensors."""
+    world, buckets, rows_per_bucket = 3, 100, 8
+    spec = IdMapSpec(buckets, rows_per_bucket, policy="lfu", admit_after=admit_after)
+    tables = [_config(buckets, rows_per_bucket), _config(4, 50, "static")]
+    constraints = {"items": TableConstraint(types=("row_wise",), ranks=(0, 1, 2))}
+    topology = Topology.cpu(world, memory_per_rank=_bytes(spec, 34 * 8) + 14_000, reserved_memory=0)
+    plan, report = plan_tables(tables, topology, 256, constraints, dynamic={"items": spec})
+    resolved = plan.resolve(tables, world)
+    expected = [0] * world
+    for shard in resolved["items"].shards:
+        if shard.rows:
+            expected[shard.rank] += _bytes(spec, shard.rows, shard.row_offset)
+    for shard in resolved["static"].shards:
+        expected[shard.rank] += shard.rows * shard.cols * 4 + shard.rows * 4
+    assert [load.memory for load in report.ranks] == expected
+    _assert_whole_buckets(
+        _sizes(plan, "items", buckets * rows_per_bucket), buckets * rows_per_bucket, 8
+    )
+
+
+def test_static_tables_are_priced_as_before():
+    """The same plan priced with and without the dynamic table's map: every rank's cost
+    is the same, and its memory differs by the maps it holds, and by nothing else."""
+    buckets, rows_per_bucket = 90, 4
+    tables = [_config(buckets, rows_per_bucket), _config(30, 10, "static")]
+    spec = IdMapSpec(buckets, rows_per_bucket)
+    plan = ShardingPlan({"items": row_wise([120, 0, 240]), "static": table_wise(1)})
+    topology = Topology.cpu(3)
+    plain = plan_loads(plan, tables, topology, 64)
+    mapped = plan_loads(plan, tables, topology, 64, dynamic={"items": spec})
+    maps = [_map_bytes(spec, 120, 0), 0, _map_bytes(spec, 240, 120)]
+    assert [m.memory - p.memory for m, p in zip(mapped, plain)] == maps
+    assert [m.cost for m in mapped] == [p.cost for p in plain]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_demo_plans_as_its_static_twin_where_memory_is_ample(world):
+    """Where every table fits whole anyway, the maps change no choice: the demo's plan
+    (its dynamic tables and its static ones) is its static twin's."""
+    config = load_config("configs/dynamic.yaml", use="plan")
+    twin = dataclasses.replace(
+        config, tables=[dataclasses.replace(t, dynamic=None) for t in config.tables]
+    )
+    assert plan_config(config, world)[0] == plan_config(twin, world)[0]
+
+
+@pytest.mark.parametrize(("world", "memory"), [(3, "6MiB"), (7, "3MiB")])
+def test_the_demos_cuts_by_its_traffic_are_whole_buckets(world, memory):
+    """The demo's measured traffic (raw ids counted on their buckets): the planner's
+    plan and the lookup-balanced one cut its dynamic tables on bucket boundaries."""
+    config = load_config("configs/dynamic.yaml", use="plan")
+    config = dataclasses.replace(config, batch_size=256)
+    stats = count_traffic(config, itertools.islice(build_data(config, 0, world).epoch_batches(), 2))
+    maps = config.id_maps()
+    planned, _ = plan_config(config, world, memory_per_rank=memory, stats=stats)
+    balanced, _ = lookup_balanced_plan(config, world, stats, memory_per_rank=memory)
+    for plan in (planned, balanced):
+        for name, spec in maps.items():
+            rows = spec.buckets * spec.rows_per_bucket
+            _assert_whole_buckets(_sizes(plan, name, rows), rows, spec.rows_per_bucket)
+            assert plan.tables[name].hot_rows == 0
+
+
+def test_bad_dynamic_input_is_refused_in_one_line():
+    config = _config(10, 4)
+    topology = Topology.cpu(2)
+    cases = {
+        "dynamic names no table of the model: ['other']": {"other": IdMapSpec(10, 4)},
+        "num_embeddings is not buckets x rows_per_bucket": {"items": IdMapSpec(10, 5)},
+    }
+    for message, dynamic in cases.items():
+        with pytest.raises(PlanningError, match=message.replace("[", r"\[")):
+            plan_tables([config], topology, 64, dynamic=dynamic)
+    with pytest.raises(PlanningError, match="a dynamic table is table_wise or row_wise only"):
+        plan_tables(
+            [config],
+            topology,
+            64,
+            {"items": TableConstraint(types=("column_wise",))},
+            dynamic={"items": IdMapSpec(10, 4)},
+        )
+
+
+@pytest.mark.parametrize("admit_after", [1, 2])
+def test_bytes_per_row_is_the_real_maps(admit_after):
+    spec = IdMapSpec(6, 5, policy="ttl", ttl_steps=3, admit_after=admit_after)
+    state = IdMap(spec, 1, 4).state_dict()
+    assert spec.bytes_per_row() * 3 * 5 == sum(t.nbytes for t in state.values())
+
+
+def test_planning_md_shows_the_commands_output():
+    """docs/planning.md's dynamic plan: its lines appear in the command's output, in
+    order (the page leaves some out)."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "planning.md").read_text()
+    command = "embshard plan configs/dynamic.yaml -w 7 --memory-per-rank 6MiB"
+    shown = page.split(f"`{command}`", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    result = CliRunner().invoke(cli, shlex.split(command)[1:])
+    assert result.exit_code == 0, result.output
+    output = iter(result.output.splitlines())
+    lines = [line for line in shown.splitlines() if line != "..."]
+    assert len(lines) > 10
+    for line in lines:
+        assert any(line == out for out in output), f"not in the output, in order: {line!r}"
