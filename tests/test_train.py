@@ -107,7 +107,7 @@ def test_cli_trains_and_reports(tmp_path):
     run = run_cli("train", "tiny.yaml", "--nproc", "2", cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "embshard: dlrm on 2 ranks, cpu (gloo), plan:" in run.stdout  # auto: no GPU each
-    assert "per rank (table weights + rowwise_adagrad state):" in run.stdout
+    assert "per rank (table weights + rowwise_adagrad state + id maps):" in run.stdout
     assert "step 0: eval AUC" in run.stdout and "step 30: eval AUC" in run.stdout
     assert '"steps": 30' in run.stdout
     summary = json.loads(run.stdout.rsplit("embshard: done ", 1)[1].splitlines()[0])

@@ -764,7 +764,14 @@ def show(
     optimizer = model.sparse_optimizer.type
     try:
         tables = sharding.resolve(model.torchrec_configs(), world)
-        loads = plan_loads(sharding, model.tables, topology, model.batch_size, optimizer)
+        loads = plan_loads(
+            sharding,
+            model.tables,
+            topology,
+            model.batch_size,
+            optimizer,
+            dynamic=model.id_maps(),
+        )
     except (PlanError, PlanningError) as e:
         raise click.ClickException(f"{plan_file}: {e}") from None
     click.echo(draw_plan(tables, width, {t.name for t in model.tables if t.sequence}))

@@ -27,6 +27,7 @@ from torchrec.modules.embedding_configs import (
 
 from embshard.errors import ConfigError, PlanError
 from embshard.plan.specs import Kind, ShardingPlan, plural, yaml_problem
+from embshard.planner.search import DYNAMIC_KINDS
 from embshard.storage.id_map import IdMapSpec
 from embshard.storage.optimizers import FUSED_OPTIMIZERS, device_problem
 
@@ -436,10 +437,6 @@ def _check_plan(config: TrainConfig, where: str, world_size: int | None = None) 
         config.sharding_plan(world_size)
     except PlanError as e:
         raise ConfigError(f"{where}.plan: {e}") from None
-
-
-# The layouts a dynamic table takes: each rank a contiguous range of its buckets.
-DYNAMIC_KINDS = (Kind.TABLE_WISE.value, Kind.ROW_WISE.value)
 
 
 def _check_dynamic(config: TrainConfig, where: str, use: Use) -> None:

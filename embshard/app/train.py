@@ -96,10 +96,10 @@ def dense_optimizer(config: OptimizerConfig, params) -> torch.optim.Optimizer:
 def describe_plan(plan: ShardingPlan, config: TrainConfig, world: int) -> str:
     """The plan, and what each rank holds, in the memory ``embshard plan`` reports."""
     optimizer = config.sparse_optimizer.type
-    loads = plan_loads(
-        plan, config.tables, topology_for(config, world), config.batch_size, optimizer
-    )
-    lines = [plan.to_yaml().rstrip(), f"per rank (table weights + {optimizer} state):"]
+    topology, dynamic = topology_for(config, world), config.id_maps()
+    loads = plan_loads(plan, config.tables, topology, config.batch_size, optimizer, dynamic=dynamic)
+    state = f"table weights + {optimizer} state" + (" + id maps" if dynamic else "")
+    lines = [plan.to_yaml().rstrip(), f"per rank ({state}):"]
     for load in loads:
         held = ", ".join(load.shards) or "-"
         lines.append(f"  rank {load.rank}: {format_bytes(load.memory)}  {held}")

@@ -83,7 +83,7 @@ _UNCUT = (Kind.TABLE_WISE, Kind.DATA_PARALLEL)  # what _unsplit leaves alone
 _COPY_ONLY = (Kind.DATA_PARALLEL,)
 _ROW_SPLIT = (Kind.ROW_WISE, Kind.GRID)  # kinds whose pieces get the ids of their rows only
 # A dynamic table's layouts: each rank a contiguous range of its buckets, with their map.
-_DYNAMIC_KINDS = (Kind.TABLE_WISE, Kind.ROW_WISE)
+DYNAMIC_KINDS = (Kind.TABLE_WISE, Kind.ROW_WISE)
 
 
 def parse_bytes(text: str | int | float) -> int:
@@ -905,7 +905,7 @@ def _check_constraints(
             )
         if blocks is not None and c.types and Kind.COLUMN_WISE not in c.types:
             problems.append(f"{where}: column_blocks needs column_wise among its shardings")
-        if name in dynamic and (blocks or set(c.types or ()) - set(_DYNAMIC_KINDS)):
+        if name in dynamic and (blocks or set(c.types or ()) - set(DYNAMIC_KINDS)):
             problems.append(f"{where}: a dynamic table is table_wise or row_wise only")
     if problems:
         raise PlanningError("; ".join(problems))
@@ -919,7 +919,7 @@ def _kept(
     kept = {t.name: constraints.get(t.name, TableConstraint()) for t in tables}
     for t in tables:
         if t.dynamic and not kept[t.name].types:
-            kept[t.name] = dataclasses.replace(kept[t.name], types=_DYNAMIC_KINDS)
+            kept[t.name] = dataclasses.replace(kept[t.name], types=DYNAMIC_KINDS)
     return kept
 
 
