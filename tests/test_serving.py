@@ -399,36 +399,38 @@ def test_predict_refuses_data_of_another_kind_than_the_training_job_read(trained
     )
 
 
-def test_a_checkpoint_without_a_table_of_the_config_is_named(trained):
+def _refused_export(trained, name: str, change) -> str:
+    """What exporting the trained checkpoint with its config changed by ``change``
+    prints; it must fail and write nothing."""
     data = yaml.safe_load(trained["config"].read_text())
-    data["tables"][2]["name"] = "t9"
     data.pop("plan")
-    renamed = trained["tmp"] / "renamed.yaml"
-    renamed.write_text(yaml.safe_dump(data))
-    out = trained["tmp"] / "never"
-    result = _export(trained, out, "int8", renamed)
+    change(data)
+    config = trained["tmp"] / f"{name}.yaml"
+    config.write_text(yaml.safe_dump(data))
+    out = trained["tmp"] / f"never_{name}"
+    result = _export(trained, out, "int8", config)
     assert result.exit_code == 1
+    assert not out.exists()
+    return result.output
+
+
+def test_a_checkpoint_without_a_table_of_the_config_is_named(trained):
+    output = _refused_export(trained, "renamed", lambda d: d["tables"][2].update(name="t9"))
     step = ckpt.latest(trained["ckpt"])
-    assert result.output == (
+    assert output == (
         f"Error: {step}: the checkpoint has no table 't9' "
         "(no sparse_arch.embedding_bag_collection.embedding_bags.t9.weight)\n"
     )
-    assert not out.exists()
 
 
 def test_a_config_with_dynamic_tables_is_not_exported(trained):
-    data = yaml.safe_load(trained["config"].read_text())
-    data["tables"][2]["dynamic"] = {"buckets": 1}
-    data.pop("plan")
-    data.pop("checkpoint")
-    dynamic = trained["tmp"] / "dynamic.yaml"
-    dynamic.write_text(yaml.safe_dump(data))
-    out = trained["tmp"] / "never_dynamic"
-    result = _export(trained, out, "int8", dynamic)
-    assert result.exit_code == 1
-    name = data["tables"][2]["name"]
-    assert result.output == f"Error: dynamic tables cannot be exported yet: ['{name}'] are\n"
-    assert not out.exists()
+    def dynamic(data: dict) -> None:
+        data["tables"][2]["dynamic"] = {"buckets": 1}
+        data.pop("checkpoint")
+
+    output = _refused_export(trained, "dynamic", dynamic)
+    name = yaml.safe_load(trained["config"].read_text())["tables"][2]["name"]
+    assert output == f"Error: dynamic tables cannot be exported yet: ['{name}'] are\n"
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process
