@@ -271,13 +271,3 @@ def test_relative_paths_are_read_from_the_configs_folder(tmp_path, monkeypatch):
         f"Error: {folder / 'criteo.yaml'}.data.path: cannot read {folder / 'data' / 'train.tsv'} "
         "(a relative path in a config is read from the config's folder)\n"
     )
-
-
-def test_simulate_refuses_dynamic_tables_for_now(tmp_path):
-    data = small()
-    data["tables"][3]["dynamic"] = {"buckets": 50}
-    with pytest.raises(
-        ConfigError, match=r"`embshard simulate` does not simulate dynamic tables yet"
-    ):
-        load_config(write(tmp_path, data), use="simulate")
-    assert load_config(write(tmp_path, data), use="plan").tables[3].dynamic.buckets == 50

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from embshard.runtime.batch import LocalBatch
 from embshard.runtime.input_dist import COUNT_COLUMNS
 from embshard.runtime.routes import Routes
+from embshard.storage.dynamic import DynamicStats
 
 _COUNTS_BYTES = COUNT_COLUMNS * 8  # the counts all-to-all, per peer (int64)
 _WEIGHT_BYTES = 4  # FP32 tables and pooled rows
@@ -77,6 +78,11 @@ class RankReport:
     sync_bytes: int = 0
     sync_across: bool = False
     sync_seconds: float = 0.0
+    # Its dynamic tables' ids over the batches (live: at the end), and per table it
+    # holds, its rows and their id map's bytes.
+    dynamic: dict[str, DynamicStats] = field(default_factory=dict)
+    dynamic_rows: dict[str, int] = field(default_factory=dict)
+    id_maps: dict[str, int] = field(default_factory=dict)
 
     def add_step(self, step: RankReport) -> None:
         self.samples += step.samples

@@ -99,7 +99,16 @@ def input_need(config: TrainConfig, routes: Routes, mode: str) -> MemoryNeed:
         + _PER_BAG * bags
         + _PER_LENGTH * lengths
     )
-    return MemoryNeed(_PROCESS, round(per_rank), world)
+    return MemoryNeed(_PROCESS + _maps_need(config), round(per_rank), world)
+
+
+def _maps_need(config: TrainConfig) -> int:
+    """The dynamic tables' id maps, every rank's together, and their remap's
+    temporaries (sorts over a rank's slots: as many bytes again at most)."""
+    return sum(
+        2 * spec.buckets * spec.rows_per_bucket * spec.bytes_per_row()
+        for spec in config.id_maps().values()
+    )
 
 
 def check_need(config: TrainConfig, rows: int, batch: int, world_size: int) -> MemoryNeed:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar
 
@@ -51,7 +51,7 @@ from embshard.app.streamed import stream_ranks
 from embshard.app.train import fused_optimizer
 from embshard.errors import EmbshardError
 from embshard.modules.mesh import forget_meshes
-from embshard.plan.specs import ShardingPlan, plural
+from embshard.plan.specs import ShardedTable, ShardingPlan, local_shards, plural
 from embshard.planner.groups import (
     group_topology,
     ring_bytes,
@@ -63,6 +63,8 @@ from embshard.planner.search import LOOKUP_PASSES, Topology, format_bytes, plan_
 from embshard.runtime.input_dist import InputDistribution, start_input_dist
 from embshard.runtime.routes import Routes, build_routes
 from embshard.runtime.scratch import Scratch
+from embshard.storage.dynamic import DynamicTables, check_dynamic
+from embshard.storage.id_map import IdMapSpec
 
 T = TypeVar("T")
 
@@ -245,6 +247,7 @@ class Simulation:
                 "float32), in est ms"
             )
         lines.append(f"slowest: {self.why_slowest()}")
+        lines += self._dynamic_lines(max_ranks)
         if self.check is not None:
             c = self.check
             lines.append(
@@ -256,6 +259,43 @@ class Simulation:
                 f"in the weights (tolerance {CHECK_TOLERANCE:.0e})"
             )
         return "\n".join(lines)
+
+    def _dynamic_lines(self, max_ranks: int) -> list[str]:
+        """Per rank and dynamic table it holds: ids live at the end of the batches
+        (of its rows), admitted, evicted and overflowing over them; then each table's
+        totals. None without dynamic tables."""
+        names = sorted({n for r in self.ranks for n in r.dynamic_rows})
+        if not names:
+            return []
+        lines = [
+            f"dynamic tables over the {_batches(self.batches)}: ids live at the end "
+            "(of the rows held), admitted, evicted, overflowing (found their bucket full)",
+            f"{'rank':>5} {'table':<16} {'live':>21} {'admitted':>9} {'evicted':>9} "
+            f"{'overflow':>9} {'id maps':>10}",
+        ]
+        for r in self.ranks[:max_ranks]:
+            for name, rows in sorted(r.dynamic_rows.items()):
+                d = r.dynamic[name]
+                lines.append(
+                    f"{r.rank:>5} {name:<16} {f'{d.live} of {rows}':>21} {d.admitted:>9} "
+                    f"{d.evicted:>9} {d.overflow:>9} {format_bytes(r.id_maps[name]):>10}"
+                )
+        for name in names:
+            held = [r for r in self.ranks if name in r.dynamic_rows]
+            total = [sum(getattr(r.dynamic[name], k) for r in held) for k in _DYNAMIC_COUNTS]
+            rows = sum(r.dynamic_rows[name] for r in held)
+            lines.append(
+                f"table {name}: {total[3]} ids live of {rows} rows, {total[0]} admitted, "
+                f"{total[1]} evicted, {total[2]} overflowing"
+            )
+        return lines
+
+
+_DYNAMIC_COUNTS = ("admitted", "evicted", "overflow", "live")
+
+
+def _batches(count: int) -> str:
+    return "batch" if count == 1 else f"{count} batches"
 
 
 def _times_mean(
@@ -275,12 +315,20 @@ def _simulate_rank(
     batches: int,
     ranks_per_host: int,
     progress: Callable[[int], None],
+    tables: Mapping[str, ShardedTable],
+    dynamic: Mapping[str, IdMapSpec],
 ) -> RankReport:
     """One rank's input stage over ``batches`` of its own data (a thread's work),
     counted from the counts exchange, the TBE offsets its ids unpacked into and its own
-    batch (the lookups in copies). Rank 0 reports every rank's step done."""
+    batch (the lookups in copies); its ``dynamic`` tables' keys are remapped by their id
+    maps as in training, without rows to write. Rank 0 reports every rank's step done."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    input_dist = InputDistribution(routes, rank, Scratch(), torch.device("cpu"))
+    cpu = torch.device("cpu")
+    input_dist = InputDistribution(routes, rank, Scratch(), cpu)
+    shards = local_shards(tables, rank)
+    maps = DynamicTables(
+        dynamic, config.embedding_bag_configs(), shards, routes.slots[rank], None, cpu
+    )
     feed = Feed(build_data(config, rank, world))
     feed.next_epoch()
     widths = pooled_widths(routes)
@@ -289,9 +337,10 @@ def _simulate_rank(
         in_flight = start_input_dist(feed.take().sparse, input_dist, None)
         if in_flight.error is not None:
             raise in_flight.error
-        _, offsets, _ = input_dist.arrived(in_flight)
+        indices, offsets, _ = input_dist.arrived(in_flight)
         counts = in_flight.counts
         batch = sum(counts.batch_sizes)
+        maps.remap(indices, offsets, None, batch)
         # Slot s holds bags s * batch ... (s + 1) * batch - 1 of the TBE's input.
         slot_ids = offsets[::batch].diff().tolist() if batch else [0] * len(routes.slots[rank])
         sizes = (counts.send_sizes, counts.recv_sizes)
@@ -309,6 +358,8 @@ def _simulate_rank(
         report.add_step(step)
         if rank == 0:
             progress(world)
+    report.dynamic = maps.local_stats()
+    report.dynamic_rows = {n: s.rows for n, s in shards if n in dynamic}
     return report
 
 
@@ -339,14 +390,20 @@ def _plan(
 
 
 def _fill_memory(
-    ranks: list[RankReport], plan: ShardingPlan, config: TrainConfig, topology: Topology
+    ranks: list[RankReport],
+    plan: ShardingPlan,
+    config: TrainConfig,
+    topology: Topology,
+    dynamic: Mapping[str, IdMapSpec],
 ) -> None:
-    """Weights and optimizer state by the planner's memory model (SGD keeps no state)."""
-    optimizer = config.sparse_optimizer.type
-    weights = plan_loads(plan, config.tables, topology, config.batch_size, "sgd")
-    total = plan_loads(plan, config.tables, topology, config.batch_size, optimizer)
+    """Weights, optimizer state and id maps by the planner's memory model (SGD keeps
+    no state; a map holds ``IdMapSpec.bytes_per_row`` a row)."""
+    optimizer, tables, batch = config.sparse_optimizer.type, config.tables, config.batch_size
+    weights = plan_loads(plan, tables, topology, batch, "sgd")
+    total = plan_loads(plan, tables, topology, batch, optimizer)
     for r, w, t in zip(ranks, weights, total):
         r.weights, r.optimizer_state, r.shards = w.memory, t.memory - w.memory, t.shards
+        r.id_maps = {n: rows * dynamic[n].bytes_per_row() for n, rows in r.dynamic_rows.items()}
 
 
 def _price_sync(
@@ -405,9 +462,17 @@ def simulate(
     job = topology_for(config, world_size, ranks_per_host=ranks_per_host)
     plan, source, group = _plan(config, world_size, plan_path, job.ranks_per_host, group_size)
     topology = group_topology(job, group)
-    configs = config.embedding_bag_configs()
-    routes = build_routes(configs, plan.resolve(configs, group), group, weighted=False)
+    configs, dynamic = config.embedding_bag_configs(), config.id_maps()
+    tables = plan.resolve(configs, group)
+    check_dynamic(dynamic, configs, tables)
+    buckets = {n: (s.buckets, s.rows_per_bucket) for n, s in dynamic.items()}
+    routes = build_routes(configs, tables, group, weighted=False, dynamic=buckets)
     mode = mode or default_mode(group)
+    if dynamic and (mode != "full" or check):
+        raise SimulationError(
+            f"dynamic tables ({', '.join(sorted(dynamic))}) are simulated in full mode "
+            "without --check: their id maps remap each step's keys on their owners"
+        )
     _refuse_what_cannot_fit(config, routes, mode, check, memory_limit)
     start = time.perf_counter()
     with _single_threaded_ops():
@@ -421,10 +486,14 @@ def simulate(
             _scaled(told, world_size // group),
         )
         full = mode == "full"
-        ranks = run_ranks(group, _simulate_rank, *args) if full else stream_ranks(*args)
+        ranks = (
+            run_ranks(group, _simulate_rank, *args, tables, dynamic)
+            if full
+            else stream_ranks(*args)
+        )
         taken = time.perf_counter() - start
         checked = _check(config, plan, group, batches) if check else None
-    _fill_memory(ranks, plan, config, topology)
+    _fill_memory(ranks, plan, config, topology, dynamic)
     for r in ranks:
         _estimate(r, topology, batches)
     if group < world_size:

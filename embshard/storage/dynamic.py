@@ -106,7 +106,7 @@ class _Shard:
     name: str
     spec: IdMapSpec
     idmap: IdMap
-    weights: torch.Tensor
+    weights: torch.Tensor | None  # None: no rows to write (a simulation counts ids only)
     states: tuple[torch.Tensor, ...]
     bounds: tuple[float, float]
 
@@ -114,7 +114,7 @@ class _Shard:
         """Write the admitted ids' initial rows and reset their rows' optimizer state
         (FBGEMM's starts at zero): an evicted id's row starts afresh for its new id."""
         rows = result.admitted
-        if not len(rows):
+        if not len(rows) or self.weights is None:
             return
         start = initial_rows(
             result.admitted_keys, self.weights.shape[1], self.spec.seed, self.name, self.bounds
@@ -130,7 +130,8 @@ class DynamicTables:
     no shards where it holds none), as the forward count is every rank's step.
 
     ``specs``: every dynamic table's id map spec; ``shards``: the rank's lookup tables,
-    ``slots``: its lookup features (``Routes.slots[rank]``)."""
+    ``slots``: its lookup features (``Routes.slots[rank]``); ``lookup``: their TBE, None
+    where there is none (a rank without shards, or ``embshard simulate``'s maps alone)."""
 
     def __init__(
         self,
@@ -145,7 +146,7 @@ class DynamicTables:
         self.step = 0
         self._device = device
         bounds = {c.name: init_bounds(c) for c in configs}
-        weights = lookup.split_embedding_weights() if lookup is not None else []
+        weights = lookup.split_embedding_weights() if lookup is not None else [None] * len(shards)
         states = lookup.split_optimizer_states() if lookup is not None else []
         self._shards: list[_Shard] = []
         tags = [0] * len(shards)
@@ -230,10 +231,20 @@ class DynamicTables:
     def stats(self, group: dist.ProcessGroup | None) -> dict[str, DynamicStats]:
         """Every dynamic table's counts, summed over the ranks of ``group``
         (collective where it has several ranks)."""
+        table = self._table()
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(table, group=group)
+        return self._by_name(table)
+
+    def local_stats(self) -> dict[str, DynamicStats]:
+        """Every dynamic table's counts on this rank alone (no collective)."""
+        return self._by_name(self._table())
+
+    def _table(self) -> torch.Tensor:
         live = torch.zeros(len(self.names), 1, dtype=torch.int64, device=self._device)
         for shard in self._shards:
             live[shard.stat] += shard.idmap.slots.occupied.sum()
-        table = torch.cat([self._counts, live], 1)
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(table, group=group)
+        return torch.cat([self._counts, live], 1)
+
+    def _by_name(self, table: torch.Tensor) -> dict[str, DynamicStats]:
         return {name: DynamicStats(*row) for name, row in zip(self.names, table.tolist())}
