@@ -302,3 +302,16 @@ def test_a_dynamic_tables_features_keep_their_raw_ids(tmp_path):
     found = batch.sparse.to_dict()
     assert found["cat_0"].values().tolist() == raw[0]
     assert found["cat_1"].values().tolist() == [i % 1000 for i in raw[1]]
+
+
+def test_drifting_features_of_one_table_share_its_ids():
+    from embshard.app.config import DriftConfig
+
+    tables = [
+        TableConfig("item", 1000, 8, ["item_id", "last_item"]),
+        TableConfig("user", 1000, 8, ["user_id"]),
+    ]
+    data = SyntheticData(tables, 5, 512, 0, 0, DriftConfig(0.5, 10))
+    raw = {f: set(ids.tolist()) for f, _, ids in data._draw(3, "train")[2]}
+    assert len(raw["item_id"] & raw["last_item"]) > 0.5 * len(raw["item_id"])
+    assert not raw["user_id"] & raw["item_id"]

@@ -141,6 +141,9 @@ class SyntheticData:
         hidden = torch.Generator().manual_seed(_stable_seed(seed, "hidden"))
         self.dense_weight = torch.randn(dense_in, generator=hidden) / math.sqrt(dense_in)
         self.feature_salt = {f: _stable_seed(seed, f) % (1 << 16) for f in self.rows}
+        # The features of one table draw from one id space (item_id and last_item: the
+        # same items), salted by the table (a feature's first).
+        table_of = {f: t.name for t in reversed(tables) for f in t.features}
         self.drift = (
             {}
             if drift is None
@@ -148,7 +151,7 @@ class SyntheticData:
                 f: Drift(
                     live := max(1, round(drift.live_per_row * rows)),
                     live / drift.turnover_steps,
-                    _stable_seed(seed, "drift", f) & _MASK63,
+                    _stable_seed(seed, "drift", table_of[f]) & _MASK63,
                 )
                 for f, rows in self.rows.items()
             }
