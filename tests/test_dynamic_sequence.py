@@ -5,9 +5,23 @@ autograd's gradients of the global batch's loss over the world size."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
-from test_dynamic import DIM, DYN_FEATURES, STATIC_ROWS, TOL, Case, RefModel, _raises, stream
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_dynamic import (
+    DIM,
+    DYN_FEATURES,
+    EXTREMES,
+    STATIC_ROWS,
+    TOL,
+    Case,
+    RefModel,
+    _raises,
+    stream,
+)
 from test_id_map import ref_key
 from torchrec import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 
@@ -162,6 +176,47 @@ def test_sharded_dynamic_sequence_table_equals_the_reference(world, name: str) -
         assert r["stats"] == r["ref"], r
     assert results[0]["ref"][1] > 0, "the stream must evict"
     assert sum(r["unfound"] for r in results) > 0, "some ids must find no row"
+
+
+@settings(
+    max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    seed=st.integers(0, 2**31),
+    world_size=st.sampled_from([2, 3]),
+    policy=st.sampled_from(["lru", "lfu", "ttl"]),
+    admit_after=st.integers(1, 3),
+    pool=st.integers(len(EXTREMES), 60),
+    buckets=st.sampled_from([1, 3, 6]),
+    static=st.sampled_from(["table_wise", "row_wise", "column_wise"]),
+)
+def test_drawn_id_streams_equal_the_reference(
+    world,
+    seed: int,
+    world_size: int,
+    policy: str,
+    admit_after: int,
+    pool: int,
+    buckets: int,
+    static: str,
+) -> None:
+    """Any stream, any row-wise cut on bucket boundaries, the static table in any layout."""
+    spec = IdMapSpec(
+        buckets, 2, policy, ttl_steps=2 if policy == "ttl" else None, admit_after=admit_after
+    )
+    cuts = sorted(random.Random(seed).choices(range(buckets + 1), k=world_size - 1))
+    sizes = [2 * (b - a) for a, b in zip([0, *cuts], [*cuts, buckets])]
+    layouts = {
+        "table_wise": table_wise(world_size - 1),
+        "row_wise": row_wise(),
+        "column_wise": column_wise([world_size - 1, 0]),
+    }
+    plan = {"d": row_wise(sizes), "s": layouts[static]}
+    case = Case(world_size, plan, spec, SGD(lr=0.1), seed=seed, pool=pool)
+    for result in world(world_size).run(_run_case, case):
+        assert result["out_gap"] < TOL and result["row_gap"] < TOL, result
+        assert result["static_gap"] < TOL, result
+        assert result["stats"] == result["ref"], result
 
 
 def _repeats() -> tuple[int, int]:
