@@ -101,9 +101,9 @@ class SequenceInputDistribution:
         # Above every id a lengths-table row holds (rebased into its block or not; a
         # dynamic table's keys are 63 bits).
         self.id_bound = max(routes.id_limits, default=0) + 1
-        # Per feature, whether its ids all travel, repeats included (a dynamic table's);
-        # None where none does. A lengths-table row's feature is its index modulo the
-        # features (every bucketizing pass's buckets repeat them).
+        # Per feature, whether its ids all travel, repeats included (a dynamic table's),
+        # or None where no feature's do. A lengths-table row's feature is its index
+        # modulo the features (every bucketizing pass's buckets repeat them).
         repeats = [b is not None for b in routes.buckets_or_none]
         self.repeats = torch.tensor(repeats, device=device) if any(repeats) else None
         per_dest = torch.zeros(world, dtype=torch.long, device=device)
@@ -143,10 +143,10 @@ class SequenceInputDistribution:
         self, lengths: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, SequenceIds]:
         """Each lengths-table row's distinct ids (a dynamic table's: all its ids, each
-        its own), in its first bag (values past the
-        last row's are left over: the payload reads rows by their lengths), and the
-        SequenceIds that bring every id's row back. Sorting keys of (row, id) finds
-        them without reading anything back to the host."""
+        its own), in its first bag (values past the last row's are left over: the
+        payload reads rows by their lengths), and the SequenceIds that bring every id's
+        row back. Sorting keys of (row, id) finds them without reading anything back to
+        the host."""
         rows, count = lengths.shape[0], values.numel()
         row_of = torch.repeat_interleave(
             torch.arange(rows, device=self.bags.device), lengths.sum(1), output_size=count
