@@ -459,31 +459,18 @@ def test_bad_dynamic_plans_are_one_line_plan_errors_on_every_rank(world, name: s
 
 
 def _other_refusals() -> list[str]:
-    """A feature feeding the dynamic table and a static one; an EmbeddingCollection."""
-    from torchrec import EmbeddingCollection, EmbeddingConfig
-
+    """A feature feeding the dynamic table and a static one; a quantized copy."""
     shared = [
         *configs(12),
         EmbeddingBagConfig(name="t", embedding_dim=DIM, num_embeddings=5, feature_names=["f_d2"]),
     ]
     plan = ShardingPlan({"d": table_wise(0), "s": table_wise(0), "t": table_wise(1)})
-    sequence = EmbeddingCollection(
-        tables=[
-            EmbeddingConfig(name="d", embedding_dim=DIM, num_embeddings=12, feature_names=["x"])
-        ],
-        device=torch.device("meta"),
-    )
     return [
         _raises(
             lambda: embshard.shard(
                 EmbeddingBagCollection(tables=shared, device=torch.device("meta")),
                 plan,
                 dynamic={"d": IdMapSpec(4, 3)},
-            )
-        ),
-        _raises(
-            lambda: embshard.shard(
-                sequence, ShardingPlan({"d": table_wise(0)}), dynamic={"d": IdMapSpec(4, 3)}
             )
         ),
         _raises(
@@ -499,10 +486,9 @@ def _other_refusals() -> list[str]:
     ]
 
 
-def test_shared_features_sequence_collections_and_serving_are_refused(world) -> None:
-    for shared, sequence, served in world(2).run(_other_refusals):
+def test_shared_features_and_serving_are_refused(world) -> None:
+    for shared, served in world(2).run(_other_refusals):
         assert shared.startswith("PlanError: dynamic table 'd': its feature 'f_d2' feeds another")
-        assert sequence.startswith("PlanError: dynamic tables ['d']: a ShardedEmbeddingCollection")
         assert served == (
             "ValueError: dynamic tables ['d'] cannot be served yet: their id maps "
             "would admit ids into the quantized rows"

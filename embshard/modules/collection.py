@@ -31,7 +31,6 @@ from torchrec.modules.embedding_configs import (
 )
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from embshard.errors import PlanError
 from embshard.modules.mesh import ShardingMesh
 from embshard.plan.specs import ShardedTable, ShardingPlan
 from embshard.runtime.columns import ColumnPlacement
@@ -127,8 +126,6 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
 
     # The unsharded module's attribute holding the tables: state dict keys start so.
     _PREFIX: str
-    # Whether its lookup remaps dynamic tables' keys (storage.dynamic).
-    _DYNAMIC: bool = False
 
     def __init__(
         self,
@@ -150,11 +147,6 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
         self._optimizer = optimizer
         self._tables = plan.resolve(self._configs, self._mesh.size)
         dynamic = dict(dynamic or {})
-        if dynamic and not self._DYNAMIC:
-            raise PlanError(
-                f"dynamic tables {sorted(dynamic)}: a {type(self).__name__} cannot hold "
-                "dynamic tables yet (a ShardedEmbeddingBagCollection can)"
-            )
         check_dynamic(dynamic, self._configs, self._tables, self._mesh.replicas)
         self._plan = plan
         self._group = self._mesh.sharding_group
@@ -493,7 +485,6 @@ class ShardedEmbeddingBagCollection(ShardedCollection[None, Pooled, KeyedTensor]
     """The sharded form of a TorchRec ``EmbeddingBagCollection``; build it with ``shard()``."""
 
     _PREFIX = "embedding_bags"
-    _DYNAMIC = True
 
     @functools.cached_property
     def _mean_feature(self) -> torch.Tensor | None:

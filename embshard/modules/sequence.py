@@ -180,7 +180,8 @@ class ShardedEmbeddingCollection(
     """The sharded form of a TorchRec ``EmbeddingCollection``; build it with ``shard()``.
 
     Table-wise, row-wise, column-wise, grid and data-parallel plans of FP32 or FP16
-    tables. ``state_dict()`` has the unsharded module's keys
+    tables, and dynamic tables (table-wise or row-wise: docs/dynamic.md), whose ids
+    without a row get zeros. ``state_dict()`` has the unsharded module's keys
     (``embeddings.<table>.weight``).
     """
 
@@ -242,13 +243,21 @@ class ShardedEmbeddingCollection(
         ids, arrived = self._input_dist.arrived(in_flight)
         layout, device = self._output_layout, self._device
         if self._storage.tbe is None:
+            if self._dynamic is not None:  # no slots, no bags: the step counts on every rank
+                self._dynamic.remap(ids, ids.new_zeros(1), None, 0, learn=self.training)
             empty = torch.zeros(0, dtype=torch.long, device=device)
             return Rows(torch.zeros(0, layout.block, device=device), empty, local)
         mine = layout.slot_cols[self._rank]
         slot_ids = in_flight.kept.counts.slot_ids
         per_slot = [sum(ids[s] for ids in slot_ids) for s in range(len(mine))]
         offsets, slot, bag = _one_id_a_bag(per_slot, len(ids), device)
-        pooled = self._storage.tbe(ids, offsets)  # [fullest slot's ids, slots' widths]
+        lookup_ids, lookup_offsets = ids, offsets
+        if self._dynamic is not None:  # an id without a row leaves its bag empty: zeros
+            lookup_ids, lookup_offsets, _ = self._dynamic.remap(
+                ids, offsets, None, max(per_slot, default=0), learn=self.training
+            )
+        # [fullest slot's ids, slots' widths]
+        pooled = self._storage.tbe(lookup_ids, lookup_offsets)
         # Each id's row: blocks of bag ``bag`` (a row of ``pooled``) at its slot's columns.
         span = None if layout.one_block else layout.slot_blocks[slot]
         total = sum(n * c for n, c in zip(per_slot, mine)) // layout.block

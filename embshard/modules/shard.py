@@ -47,11 +47,11 @@ def shard(
     ``lookup`` builds each rank's lookup over its shards: FBGEMM's training TBE in
     the device's own memory by default, ``TrainingTBE(location="managed")`` for UVM.
 
-    ``dynamic`` names the dynamic tables of an EmbeddingBagCollection, each with its
-    ``IdMapSpec``: their features take raw ids in ``[0, 2**63)``, each remapped to a row
-    it owns alone until evicted (docs/dynamic.md). Such a table has ``num_embeddings ==
-    buckets * rows_per_bucket`` and a table-wise or row-wise plan cutting rows on
-    bucket boundaries.
+    ``dynamic`` names the dynamic tables of the module, each with its ``IdMapSpec``:
+    their features take raw ids in ``[0, 2**63)``, each remapped to a row it owns alone
+    until evicted (docs/dynamic.md). Such a table has ``num_embeddings == buckets *
+    rows_per_bucket`` and a table-wise or row-wise plan cutting rows on bucket
+    boundaries.
     """
     if not isinstance(module, EmbeddingBagCollection | EmbeddingCollection):
         raise TypeError(

@@ -170,8 +170,7 @@ class InputDistribution:
         bucketizing, the batch's own lengths are only summed before the counts have
         said the batch is good, so they need no stand-in; a TBE that takes the
         batch's own bags gets them as they are. Dynamic tables' raw ids go as keys."""
-        if self.dynamic is not None:
-            batch = self.dynamic.keyed(batch)
+        batch = self.keyed(batch)
         if self.takes_batch:
             return Routed(
                 batch.lengths, batch.values, batch.weights, None, batch.batch_size, batch.offsets
@@ -181,6 +180,11 @@ class InputDistribution:
             return Routed(batch.lengths, batch.values, batch.weights, per_slot, batch.batch_size)
         lengths, values, weights, _ = self.bucketize(batch)
         return Routed(lengths, values, weights, self.ids_per_slot(lengths), batch.batch_size)
+
+    def keyed(self, batch: LocalBatch) -> LocalBatch:
+        """``batch`` with its dynamic tables' raw ids as their keys (``DynamicIds.keyed``),
+        what they travel as; the batch itself without dynamic tables."""
+        return batch if self.dynamic is None else self.dynamic.keyed(batch)
 
     def bucketize(
         self, batch: LocalBatch, positions: torch.Tensor | None = None
