@@ -442,7 +442,7 @@ def _check_plan(config: TrainConfig, where: str, world_size: int | None = None) 
 def _check_dynamic(config: TrainConfig, where: str, use: Use) -> None:
     """Each dynamic table's map fits its rows, its features feed it alone (their ids
     are raw, no other table's rows), and it is sharded a way it can be; a job with one
-    neither simulates nor saves checkpoints (neither holds id maps yet)."""
+    does not simulate (the simulator holds no id maps yet)."""
     for i, t in enumerate(config.tables):
         if t.dynamic is None:
             continue
@@ -451,11 +451,6 @@ def _check_dynamic(config: TrainConfig, where: str, use: Use) -> None:
             raise ConfigError(
                 f"{at}: `embshard simulate` does not simulate dynamic tables yet "
                 f"({t.name!r} is one)"
-            )
-        if use == "train" and config.checkpoint.dir is not None:
-            raise ConfigError(
-                f"{at}: checkpoints do not hold dynamic tables' id maps yet, so a job with "
-                f"one ({t.name!r}) cannot save them: remove checkpoint.dir"
             )
         others = sorted(set(t.shardings or ()) - set(DYNAMIC_KINDS))
         if others:

@@ -354,6 +354,12 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
             return {}
         return self._dynamic.stats(self._group)
 
+    @property
+    def dynamic_tables(self) -> DynamicTables | None:
+        """This rank's dynamic shards, their id maps and counts (None without dynamic
+        tables): what checkpoints save and restore."""
+        return self._dynamic
+
     def replace_lookup(
         self, build: Callable[[list[tuple[str, torch.Tensor]], list[int]], nn.Module]
     ) -> None:
