@@ -272,11 +272,12 @@ def test_static_checkpoints_hold_no_dynamic_keys_and_inspect_shows_occupancy(wor
 
 
 def dynamic_job(tmp: Path, name: str, steps: int, ckpt_dir: Path) -> str:
-    """configs/small.yaml on drifting ids, its user table dynamic, saving every 10 steps."""
+    """configs/small.yaml on drifting ids, its user table dynamic and small (ids keep
+    being evicted), saving every 10 steps."""
     data = yaml.safe_load((ROOT / "configs" / "small.yaml").read_text())
     data.update(steps=steps, batch_size=32)
-    data["data"] = {"type": "synthetic", "drift": {"turnover_steps": 5}}
-    data["tables"][0]["dynamic"] = {"buckets": 1000}
+    data["data"] = {"type": "synthetic", "drift": {"live_per_row": 4.0, "turnover_steps": 5}}
+    data["tables"][0].update(num_embeddings=64, dynamic={"buckets": 8})
     data["eval"] = {"every": 0}
     data["logging"] = {"progress": False}
     data["checkpoint"] = {"dir": str(ckpt_dir), "every": 10, "keep": 2}
@@ -300,3 +301,8 @@ def test_a_training_job_with_a_dynamic_table_stops_and_resumes(world, tmp_path):
     assert "dynamic.sparse_arch.embedding_bag_collection.embedding_bags.user.keys" in expected
     for key, value in expected.items():
         assert torch.equal(value, resumed[key]), key
+    # And on another world size, under the planner's plan for 3 ranks.
+    on_three = world(3).run(train_resuming, dynamic_job(tmp_path, "d.yaml", 30, interrupted), True)
+    assert on_three[0]["steps"] == 30 and ckpt.latest(interrupted).name == "step_00000030"
+    user_after = on_three[0]["dynamic"]["user"]
+    assert user_after["admitted"] > user["admitted"] and user_after["evicted"] > user["evicted"]
