@@ -9,9 +9,12 @@ Inside, DCP's files hold one state dict:
                                 ``...momentum2``) and its step count (``...step``:
                                 Adam's and LAMB's, an int64 scalar)
     dense_optimizer.*           the dense optimizer (FQN-keyed, DCP's state_dict API)
+    dynamic.*                   dynamic tables' id maps, counts and forward count
+                                (``checkpoint.dynamic``; absent without dynamic tables)
     embshard                    JSON: step, world size, sharding group size and replicas
-                                (2-D meshes), each table's shards and optimizer, and
-                                the training config where the saver gave it
+                                (2-D meshes), each table's shards and optimizer (and a
+                                dynamic table's IdMapSpec), and the training config
+                                where the saver gave it
 
 and beside them ``embshard_checksums.json``: the crc32 of every saved chunk's bytes
 (file, offset, length) and of DCP's ``.metadata``, written after DCP's save and before
