@@ -200,7 +200,7 @@ REFUSALS = {
     "static_into_dynamic": (
         False,
         CASE.spec,
-        "dynamic in the model, but the checkpoint holds no id map for it (saved static)",
+        "dynamic in the model, but the checkpoint holds no id map for it",
     ),
     "plain_state_dict_into_dynamic": (
         None,

@@ -159,7 +159,7 @@ def check_specs(
 
 def _mismatch(saved: dict[str, Any] | None, live: IdMapSpec | None) -> str:
     if saved is None:
-        return "dynamic in the model, but the checkpoint holds no id map for it (saved static)"
+        return "dynamic in the model, but the checkpoint holds no id map for it"
     if live is None:
         shown = ", ".join(f"{f}={v!r}" for f, v in saved.items())
         return f"static in the model, but the checkpoint holds its id map (IdMapSpec({shown}))"
