@@ -24,11 +24,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from embshard.errors import CheckpointError
 from embshard.modules.collection import ShardedCollection
-from embshard.storage.dynamic import STATS, DynamicTables
+from embshard.storage.dynamic import STATS
 from embshard.storage.id_map import IdMap, IdMapSpec
 from embshard.storage.shards import LocalShardsWrapper, table_dtensor
 
@@ -51,92 +50,87 @@ def save_state(collections: Mapping[str, ShardedCollection]) -> dict[str, Any]:
         tables = module.dynamic_tables
         if tables is None:
             continue
-        mine = tables.maps()
         stats = module.dynamic_stats()
-        for name in tables.names:
-            first, maps = mine.get(name, (0, None))
-            key = prefix + module.table_key(name)
-            for state_name, wrapper in _wrappers(module, name, first, maps).items():
-                state[f"{key}.{state_name}"] = wrapper
-            counts = [getattr(stats[name], stat) for stat in STATS]
-            state[f"{key}.{COUNTS}"] = torch.tensor(counts, dtype=torch.int64)
-        state[f"{prefix}{STEP}"] = torch.tensor(tables.step, dtype=torch.int64)
+        counts = {
+            name: torch.tensor([getattr(stats[name], s) for s in STATS], dtype=torch.int64)
+            for name in tables.names
+        }
+        step = torch.tensor(tables.step, dtype=torch.int64)
+        state |= _entries(prefix, module, tables.maps(), counts, step)
     return state
 
 
 def load_targets(
     collections: Mapping[str, ShardedCollection],
 ) -> tuple[dict[str, Any], Callable[[Any], None]]:
-    """What DCP fills for the collections' dynamic tables (fresh tensors of the
-    layout ``save_state`` gives), and how it then goes live: every map, forward count
-    and the counts (the first rank takes the totals)."""
+    """What DCP fills for the collections' dynamic tables (fresh tensors in the layout
+    ``save_state`` gives), and how it then goes live: every map and forward count, and
+    the counts (the sharding group's first rank takes the totals, the others zero)."""
     targets: dict[str, Any] = {}
+    restores = []
     for prefix, module in collections.items():
         tables = module.dynamic_tables
         if tables is None:
             continue
-        mine = tables.maps()
-        for name in tables.names:
-            key = prefix + module.table_key(name)
-            first, maps = mine.get(name, (0, None))
-            fresh = None if maps is None else {n: torch.zeros_like(t) for n, t in maps.items()}
-            for state_name, wrapper in _wrappers(module, name, first, fresh).items():
-                targets[f"{key}.{state_name}"] = wrapper
-            targets[f"{key}.{COUNTS}"] = torch.zeros(len(STATS), dtype=torch.int64)
-        targets[f"{prefix}{STEP}"] = torch.zeros((), dtype=torch.int64)
+        maps = {
+            name: (first, {n: torch.zeros_like(t) for n, t in state.items()})
+            for name, (first, state) in tables.maps().items()
+        }
+        counts = {name: torch.zeros(len(STATS), dtype=torch.int64) for name in tables.names}
+        step = torch.zeros((), dtype=torch.int64)
+        targets |= _entries(prefix, module, maps, counts, step)
+        restores.append((module, tables, maps, counts, step))
 
     def restore(_: Any) -> None:
-        for prefix, module in collections.items():
-            if module.dynamic_tables is not None:
-                _restore(prefix, module, module.dynamic_tables, targets)
+        for module, tables, maps, counts, step in restores:
+            totals = {
+                name: c.tolist() if module.rank == 0 else [0] * len(STATS)
+                for name, c in counts.items()
+            }
+            tables.restore({name: state for name, (_, state) in maps.items()}, int(step), totals)
 
     return targets, restore
 
 
-def _restore(
-    prefix: str, module: ShardedCollection, tables: DynamicTables, read: Mapping[str, Any]
-) -> None:
-    maps, counts = {}, {}
+def _entries(
+    prefix: str,
+    module: ShardedCollection,
+    maps: Mapping[str, tuple[int, Mapping[str, torch.Tensor]]],
+    counts: Mapping[str, torch.Tensor],
+    step: torch.Tensor,
+) -> dict[str, Any]:
+    """A module's checkpoint entries: each dynamic table's map tensors as DTensors of
+    ``(buckets, rows_per_bucket)`` over this rank's ``maps`` (by table: its first
+    bucket and tensors; tables it holds none of are absent), its counts, and the
+    module's step."""
+    tables = module.dynamic_tables
+    assert tables is not None
+    mesh, entries = module.sharding_mesh, {}
     for name in tables.names:
-        key = prefix + module.table_key(name)
-        local = {}
-        for state_name in _layout(tables.specs[name]):
-            wrapper = read[f"{key}.{state_name}"].to_local()
-            if isinstance(wrapper, LocalShardsWrapper) and wrapper.local_shards():
-                local[state_name] = wrapper.local_shards()[0]
-        if local:
-            maps[name] = local
-        first = module.rank == 0  # the totals once, where dynamic_stats() sums the ranks
-        counts[name] = read[f"{key}.{COUNTS}"].tolist() if first else [0] * len(STATS)
-    tables.restore(maps, int(read[f"{prefix}{STEP}"]), counts)
+        spec, key = tables.specs[name], prefix + module.table_key(name)
+        first, state = maps.get(name, (0, None))
+        for state_name, dtype in _layout(spec).items():
+            local = (
+                LocalShardsWrapper([state[state_name]], [(first, 0)])
+                if state is not None
+                else LocalShardsWrapper([], [], dtype=dtype, device=mesh.device)
+            )
+            entries[f"{key}.{state_name}"] = table_dtensor(
+                module.tables[name],
+                local,
+                mesh.mesh,
+                mesh.submesh,
+                (spec.buckets, spec.rows_per_bucket),
+            )
+        entries[f"{key}.{COUNTS}"] = counts[name]
+    entries[f"{prefix}{STEP}"] = step
+    return entries
 
 
 def _layout(spec: IdMapSpec) -> dict[str, torch.dtype]:
-    """The map's tensors and their dtypes, from a one-bucket map of the spec."""
+    """The map's tensors and their dtypes, from a one-bucket map of the spec: what a
+    rank holding none of the table's buckets saves and loads nothing of."""
     return {n: t.dtype for n, t in IdMap(spec, 0, 1).state_dict().items()}
-
-
-def _wrappers(
-    module: ShardedCollection,
-    name: str,
-    first: int,
-    maps: Mapping[str, torch.Tensor] | None,
-) -> dict[str, DTensor]:
-    """Table ``name``'s map tensors as DTensors of (buckets, rows_per_bucket), this
-    rank's range ``maps`` (None: it holds none) at bucket ``first``."""
-    spec, mesh = module.dynamic_tables.specs[name], module.sharding_mesh
-    table = module.tables[name]
-    wrappers = {}
-    for state_name, dtype in _layout(spec).items():
-        local = (
-            LocalShardsWrapper([maps[state_name]], [(first, 0)])
-            if maps is not None
-            else LocalShardsWrapper([], [], dtype=dtype, device=mesh.device)
-        )
-        wrappers[state_name] = table_dtensor(
-            table, local, mesh.mesh, mesh.submesh, (spec.buckets, spec.rows_per_bucket)
-        )
-    return wrappers
 
 
 def check_specs(
