@@ -347,9 +347,9 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
                 tensor.copy_(part.view_as(tensor))
 
     def dynamic_stats(self) -> dict[str, DynamicStats]:
-        """Each dynamic table's admitted, evicted and overflowing ids since sharding,
-        and its live ids now, over every rank (collective: every rank calls it); empty
-        without dynamic tables."""
+        """Each dynamic table's admitted, evicted and overflowing ids since sharding
+        (continuing a loaded checkpoint's), and its live ids now, over every rank
+        (collective: every rank calls it); empty without dynamic tables."""
         if self._dynamic is None:
             return {}
         return self._dynamic.stats(self._group)
