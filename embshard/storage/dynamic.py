@@ -33,9 +33,9 @@ STATS = ("admitted", "evicted", "overflow")
 @dataclass(frozen=True)
 class DynamicStats:
     """A dynamic table's counts over every rank since sharding (continuing a loaded
-    checkpoint's): ids given a row
-    (``admitted``), live ids that lost theirs (``evicted``), ids due a row that found
-    none in their bucket (``overflow``), and ids holding a row now (``live``)."""
+    checkpoint's): ids given a row (``admitted``), live ids that lost theirs
+    (``evicted``), ids due a row that found none in their bucket (``overflow``), and
+    ids holding a row now (``live``)."""
 
     admitted: int
     evicted: int
