@@ -121,13 +121,6 @@ def broken(change) -> dict:
             r"\[.column_wise.\]",
         ),
         (
-            lambda d: (
-                d.update(checkpoint={"dir": "ckpt"})
-                or d["tables"][3].update(dynamic={"buckets": 50})
-            ),
-            r"tables\[3\].dynamic: checkpoints do not hold dynamic tables' id maps yet",
-        ),
-        (
             lambda d: d.update(data={"drift": {"turnover_steps": 0}}),
             "config.yaml.data.drift.turnover_steps: must be at least 1",
         ),

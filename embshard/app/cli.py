@@ -319,6 +319,8 @@ def inspect(directory: str, as_json: bool) -> None:
             f"{name}: {tuple(table['shape'])} {table['dtype']}, {table['optimizer']}"
             + (f" state {', '.join(state)}" if state else "")
         )
+        if table["dynamic"] is not None:
+            click.echo(f"    id map: {_occupancy(table['dynamic'])}")
         if table["layout"] == Kind.DATA_PARALLEL:
             ranks = plural(len(table["shards"]), "rank")
             click.echo(f"    a copy on each of {ranks}: rows 0:{table['shape'][0]}, all columns")
@@ -329,6 +331,20 @@ def inspect(directory: str, as_json: bool) -> None:
                     f"    rank {s['rank']}: rows {s['row_offset']}:{s['row_offset'] + s['rows']}, "
                     f"cols {s['col_offset']}:{s['col_offset'] + s['cols']}"
                 )
+
+
+def _occupancy(m: dict) -> str:
+    """A saved id map in one line: occupancy, shape and rules, the counts over every rank."""
+    rules = [m["policy"]]
+    if m["ttl_steps"] is not None:
+        rules.append(f"ttl_steps {m['ttl_steps']}")
+    if m["admit_after"] > 1:
+        rules.append(f"admit_after {m['admit_after']}")
+    return (
+        f"{m['live']} of {m['rows']} rows live ({m['live'] / m['rows']:.0%}), "
+        f"{m['buckets']} buckets of {m['rows_per_bucket']} rows, {', '.join(rules)}; "
+        f"admitted {m['admitted']}, evicted {m['evicted']}, overflow {m['overflow']}"
+    )
 
 
 @ckpt.command()

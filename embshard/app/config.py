@@ -441,17 +441,11 @@ def _check_plan(config: TrainConfig, where: str, world_size: int | None = None) 
 
 def _check_dynamic(config: TrainConfig, where: str, use: Use) -> None:
     """Each dynamic table's map fits its rows, its features feed it alone (their ids
-    are raw, no other table's rows), and it is sharded a way it can be; a job with one
-    saves no checkpoints (they hold no id maps yet)."""
+    are raw, no other table's rows), and it is sharded a way it can be."""
     for i, t in enumerate(config.tables):
         if t.dynamic is None:
             continue
         at = f"{where}.tables[{i}].dynamic"
-        if use == "train" and config.checkpoint.dir is not None:
-            raise ConfigError(
-                f"{at}: checkpoints do not hold dynamic tables' id maps yet, so a job with "
-                f"one ({t.name!r}) cannot save them: remove checkpoint.dir"
-            )
         others = sorted(set(t.shardings or ()) - set(DYNAMIC_KINDS))
         if others:
             raise ConfigError(

@@ -9,9 +9,12 @@ Inside, DCP's files hold one state dict:
                                 ``...momentum2``) and its step count (``...step``:
                                 Adam's and LAMB's, an int64 scalar)
     dense_optimizer.*           the dense optimizer (FQN-keyed, DCP's state_dict API)
+    dynamic.*                   dynamic tables' id maps, counts and forward count
+                                (``checkpoint.dynamic``; absent without dynamic tables)
     embshard                    JSON: step, world size, sharding group size and replicas
-                                (2-D meshes), each table's shards and optimizer, and
-                                the training config where the saver gave it
+                                (2-D meshes), each table's shards and optimizer (and a
+                                dynamic table's IdMapSpec), and the training config
+                                where the saver gave it
 
 and beside them ``embshard_checksums.json``: the crc32 of every saved chunk's bytes
 (file, offset, length) and of DCP's ``.metadata``, written after DCP's save and before
@@ -60,6 +63,15 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
+from embshard.checkpoint.dynamic import (
+    DYNAMIC,
+    check_specs,
+    describe_map,
+    load_targets,
+    refuse_without_maps,
+    save_state,
+    spec_record,
+)
 from embshard.checkpoint.untrusted import SafeLoadPlanner, SafeReader, load_bytes
 from embshard.errors import CheckpointError
 from embshard.modules.collection import ShardedCollection
@@ -102,8 +114,10 @@ def _describe(
 ) -> dict[str, Any]:
     tables = {}
     for prefix, module in _sharded(model).items():
+        specs = module.dynamic_tables.specs if module.dynamic_tables is not None else {}
         for name, table in module.tables.items():
-            tables[prefix + module.table_key(name)] = {
+            key = prefix + module.table_key(name)
+            tables[key] = {
                 "rows": table.num_embeddings,
                 "dim": table.embedding_dim,
                 "layout": table.kind,
@@ -113,6 +127,8 @@ def _describe(
                 "optimizer": _optimizer_kind(module),
                 "blocks": [list(b) for b in column_blocks(table)],
             }
+            if name in specs:  # static tables' descriptions stay as they were
+                tables[key][DYNAMIC] = spec_record(specs[name])
     world = dist.get_world_size()
     meshes = [module.sharding_mesh for module in _sharded(model).values()]
     group = meshes[0].size if meshes else world  # shard_model gives every collection one mesh
@@ -167,6 +183,9 @@ def save(
         shutil.rmtree(aside, ignore_errors=True)
     dist.barrier()
     state = _state(model, optimizer)
+    dynamic = save_state(_sharded(model))
+    if dynamic:
+        state[DYNAMIC] = dynamic
     state[META] = json.dumps(_describe(model, step, job, config))
     dcp.save(state, checkpoint_id=aside)
     _record_checksums(aside)
@@ -473,7 +492,12 @@ def load(
     if META not in metadata.state_dict_metadata:
         return _load_model_state(path, metadata, recorded, model, strict)
     saved = read_description(path)
+    check_specs(path, saved["tables"], _sharded(model))
     targets, commits = _targets(_state(model, optimizer), saved, model)
+    dynamic, restore = load_targets(_sharded(model))
+    if dynamic:
+        targets[DYNAMIC] = dynamic
+        commits.append(restore)
     _check(path, metadata, targets, "model." if strict else None)
     _verify_reads(path, metadata, recorded, targets)
     _read(path, targets)
@@ -530,6 +554,7 @@ def _load_model_state(
 ) -> int:
     """A DCP checkpoint of a plain state dict (an unsharded TorchRec model's, say):
     its keys are the model's own. Returns step 0."""
+    refuse_without_maps(path, _sharded(model))
     live = _unwrap(model).state_dict()
     _check(path, metadata, live, "" if strict else None)
     _verify_reads(path, metadata, recorded, live)
@@ -804,14 +829,22 @@ def _saved_steps(path: Path, entries: dict[str, Any]) -> dict[str, int]:
 
 def describe(path: str | Path) -> dict[str, Any]:
     """What ``embshard ckpt inspect`` shows: step, size on disk, and per table its
-    shape, dtype, saved layout, optimizer state (each tensor's shape) and the optimizer's
-    step count (Adam, LAMB; else None). Needs no process group."""
+    shape, dtype, saved layout, optimizer state (each tensor's shape), the optimizer's
+    step count (Adam, LAMB; else None) and, for a dynamic table, its id map's spec,
+    live ids and counts (else None). Needs no process group."""
     path = resolve(path)
     metadata = read_metadata(path)
     entries = metadata.state_dict_metadata
     info = read_description(path) if META in entries else {"step": None, "tables": {}}
     tables = {}
     steps = _saved_steps(path, entries)
+
+    def read(tensors: dict[str, torch.Tensor]) -> None:
+        try:
+            _load_alone(tensors, path)
+        except CheckpointException as e:
+            raise _read_failed(path, e) from None
+
     for fqn, table in info["tables"].items():
         weight = entries[f"model.{fqn}.weight"]
         table_state = f"sparse_optimizer.{fqn}."
@@ -831,6 +864,7 @@ def describe(path: str | Path) -> dict[str, Any]:
             "optimizer": table["optimizer"] or "sgd",
             "optimizer_state": {n: shape for n, shape in states.items() if n != STEP},
             "optimizer_step": steps.get(fqn),
+            "dynamic": describe_map(fqn, table[DYNAMIC], read) if DYNAMIC in table else None,
         }
     dense = [
         k.removeprefix("model.")

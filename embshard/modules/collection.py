@@ -339,12 +339,18 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
                 tensor.copy_(part.view_as(tensor))
 
     def dynamic_stats(self) -> dict[str, DynamicStats]:
-        """Each dynamic table's admitted, evicted and overflowing ids since sharding,
-        and its live ids now, over every rank (collective: every rank calls it); empty
-        without dynamic tables."""
+        """Each dynamic table's admitted, evicted and overflowing ids since sharding
+        (continuing a loaded checkpoint's), and its live ids now, over every rank
+        (collective: every rank calls it); empty without dynamic tables."""
         if self._dynamic is None:
             return {}
         return self._dynamic.stats(self._group)
+
+    @property
+    def dynamic_tables(self) -> DynamicTables | None:
+        """This rank's dynamic shards, their id maps and counts (None without dynamic
+        tables): what checkpoints save and restore."""
+        return self._dynamic
 
     def replace_lookup(
         self, build: Callable[[list[tuple[str, torch.Tensor]], list[int]], nn.Module]

@@ -32,9 +32,10 @@ STATS = ("admitted", "evicted", "overflow")
 
 @dataclass(frozen=True)
 class DynamicStats:
-    """A dynamic table's counts over every rank since sharding: ids given a row
-    (``admitted``), live ids that lost theirs (``evicted``), ids due a row that found
-    none in their bucket (``overflow``), and ids holding a row now (``live``)."""
+    """A dynamic table's counts over every rank since sharding (continuing a loaded
+    checkpoint's): ids given a row (``admitted``), live ids that lost theirs
+    (``evicted``), ids due a row that found none in their bucket (``overflow``), and
+    ids holding a row now (``live``)."""
 
     admitted: int
     evicted: int
@@ -143,6 +144,7 @@ class DynamicTables:
         device: torch.device,
     ) -> None:
         self.names = sorted(specs)
+        self.specs = dict(specs)
         self.step = 0
         self._device = device
         bounds = {c.name: init_bounds(c) for c in configs}
@@ -248,3 +250,25 @@ class DynamicTables:
 
     def _by_name(self, table: torch.Tensor) -> dict[str, DynamicStats]:
         return {name: DynamicStats(*row) for name, row in zip(self.names, table.tolist())}
+
+    def maps(self) -> dict[str, tuple[int, dict[str, torch.Tensor]]]:
+        """This rank's id maps by table: the first bucket of the map's range and its
+        tensors (``IdMap.state_dict()``), what a checkpoint saves beside the rows."""
+        return {s.name: (s.idmap.first, s.idmap.state_dict()) for s in self._shards}
+
+    def restore(
+        self,
+        maps: Mapping[str, Mapping[str, torch.Tensor]],
+        step: int,
+        counts: Mapping[str, Sequence[int]],
+    ) -> None:
+        """Continue from a checkpoint: each shard's map from ``maps`` (by table, as
+        ``maps()`` gives them), the forward count ``step`` (every map last remapped at
+        the step before), and this rank's share of each table's counts (``STATS``)."""
+        for shard in self._shards:
+            shard.idmap.load_state_dict(dict(maps[shard.name]))
+            shard.idmap.step = step - 1 if step else None
+        self.step = step
+        for name, values in counts.items():
+            self._counts[self.names.index(name)] = torch.tensor(list(values))
+        self._refused.zero_()
