@@ -14,6 +14,7 @@ before the step's lookup, as TorchRec's sharded module resets them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -25,7 +26,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 from embshard.errors import PlanError
 from embshard.plan.specs import ShardedTable, TableShard
 from embshard.runtime.routes import Slot
-from embshard.storage.init import ROW_BLOCK, init_shard
+from embshard.storage.init import ROW_BLOCK, init_bounds, init_shard
 from embshard.storage.lookup import LookupModule
 
 
@@ -175,16 +176,18 @@ class _Shard:
         return remapped - self.shard.row_offset
 
     def reset(self, rows: torch.Tensor) -> None:
-        """Rows (local) back to their initial value: the config's ``init_fn`` applied,
-        as TorchRec's sharded module does, else the seeded initialization of those
-        rows; their optimizer state to zero (FBGEMM's initial state)."""
+        """Rows (local) back to their initial value: the seeded initialization of those
+        rows where the config's ``init_fn`` is TorchRec's default (the same uniform
+        bounds, but the same values whatever the plan), else its ``init_fn`` applied, as
+        TorchRec's sharded module does; their optimizer state to zero (FBGEMM's
+        initial state)."""
         if not len(rows):
             return
         with torch.no_grad():
-            if self.config.init_fn is not None:
-                self.weights[rows] = self.config.init_fn(self.weights[rows]).to(self.weights.dtype)
-            else:
+            if _default_init(self.config):
                 self.weights[rows] = self._seeded(rows + self.shard.row_offset)
+            else:
+                self.weights[rows] = self.config.init_fn(self.weights[rows]).to(self.weights.dtype)
             for state in self.states:
                 state[rows] = 0
 
@@ -201,6 +204,19 @@ class _Shard:
             mine = cpu_rows // ROW_BLOCK == block
             out[mine] = values[cpu_rows[mine] - start]
         return out.to(self.weights.device)
+
+
+def _default_init(config: BaseEmbeddingConfig) -> bool:
+    """Whether ``init_fn`` is the one TorchRec's config gives when none is set: uniform
+    within ``init_bounds``, which the seeded initialization draws from too."""
+    init = config.init_fn
+    low, high = init_bounds(config)
+    return (
+        isinstance(init, functools.partial)
+        and init.func is torch.nn.init.uniform_
+        and not init.args
+        and init.keywords == {"a": low, "b": high}
+    )
 
 
 class ManagedTables:
