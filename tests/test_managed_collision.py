@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 from torchrec import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
@@ -448,3 +449,23 @@ def test_shard_model_trains_a_model_with_an_mc_ebc(world) -> None:
     assert kind == kind1 == "ShardedManagedCollisionEmbeddingBagCollection"
     assert tables0 == ["t", "u"] and tables1 == ["t"]
     assert math.isfinite(loss0) and math.isfinite(loss1)
+
+
+def _collectives() -> list[int]:
+    """Backend collectives (gloo's profiler events) of each forward plus backward."""
+    case = Case(2, {"t": row_wise(), "u": table_wise(1)}, "lfu", SGD(lr=0.1), hashed=True)
+    torch.manual_seed(0)
+    sharded = embshard.shard(mc_ebc(case), ShardingPlan(case.plan))
+    rank, counts = torch.distributed.get_rank(), []
+    for ranks in stream(case)[:6]:  # evicting every second step
+        bags, upstream = ranks[rank]
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            _output(sharded, bags, upstream)[1].backward()
+        counts.append(sum(e.name.startswith("gloo:") for e in prof.events()))
+    return counts
+
+
+def test_a_step_keeps_the_collections_collectives(world) -> None:
+    # The counts exchange, the ids and pooled all-to-alls, the pooled gradient's.
+    for counts in world(2).run(_collectives):
+        assert counts == [4] * 6

@@ -87,7 +87,7 @@ class ManagedCollisions:
         per_key = lengths.view(len(keys), -1).sum(1)
         if (lengths < 0).any() or int(per_key.sum()) != values.numel():
             return features
-        feature = torch.repeat_interleave(torch.arange(len(keys)), per_key)
+        feature = torch.repeat_interleave(torch.arange(len(keys), device=values.device), per_key)
         values = values.clone()
         for index, key in enumerate(keys):
             if key in hashed:
