@@ -428,19 +428,23 @@ class _Model(nn.Module):
 
 
 def _through_shard_model() -> tuple[str, list[str], float]:
-    case = Case(2, {"t": row_wise(), "u": table_wise(0)}, "lru", SGD(lr=0.1))
+    case = Case(2, {"t": row_wise(), "u": table_wise(0)}, "lru", SGD(lr=0.1), hashed=True)
     torch.manual_seed(0)
     model = embshard.shard_model(_Model(case), ShardingPlan(case.plan), optimizer=case.optimizer)
     dense = torch.optim.SGD(model.parameters(), lr=0.1)
     rank = torch.distributed.get_rank()
+    sparse = model.module.sparse
     losses = []
-    for ranks in stream(case):
-        loss = model(kjt(ranks[rank][0]))
+    for step, ranks in enumerate(stream(case)):
+        batch = kjt(ranks[rank][0])
+        if step % 2:  # a pipeline's prefetch: the forward takes it up (ids hashed once)
+            embshard.prefetch(model, batch)
+        loss = model(batch)
+        assert not sparse.embedding_bag_collection.is_prefetched(batch)
         loss.backward()
         dense.step()
         dense.zero_grad()
         losses.append(loss.item())
-    sparse = model.module.sparse
     return type(sparse).__name__, sorted(sparse.managed_collision_modules()), max(map(abs, losses))
 
 

@@ -72,8 +72,9 @@ class ManagedCollisions:
     def preprocess(self, features: KeyedJaggedTensor, feature_table: Mapping[str, str]) -> object:
         """``features`` with each module's ``input_hash_func`` applied to its table's
         ids (``feature_table``: each feature's table), on the sender, as TorchRec's
-        sharded collection does. A batch whose lengths do not hold its ids is left as it
-        is, for the batch check to refuse on every rank."""
+        sharded collection does (one host read: the ids' count). A batch whose lengths
+        do not hold its ids is left as it is, for the batch check to refuse on every
+        rank."""
         hashed = {
             f: m
             for f, t in feature_table.items()
@@ -88,14 +89,12 @@ class ManagedCollisions:
         if (lengths < 0).any() or int(per_key.sum()) != values.numel():
             return features
         feature = torch.repeat_interleave(torch.arange(len(keys), device=values.device), per_key)
-        values = values.clone()
+        values = values.to(torch.int64, copy=True)  # hashes may not fit int32 ids
         for index, key in enumerate(keys):
             if key in hashed:
                 mine = feature == index
                 module = hashed[key]
-                values[mine] = module._input_hash_func(values[mine], module.input_size()).to(
-                    values.dtype
-                )
+                values[mine] = module._input_hash_func(values[mine], module.input_size())
         return KeyedJaggedTensor(
             keys=keys,
             values=values,
