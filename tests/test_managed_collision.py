@@ -4,10 +4,10 @@ TorchRec's pieces only: per row block of a table (in row order) an MCH module ma
 block holds the whole table), fed the global batch's ids of its input range, then the
 unsharded EmbeddingBagCollection. That is what TorchRec's sharded managed-collision
 collection computes; at one rank it is TorchRec's unsharded MC-EBC (its managed-collision
-collection, then its EBC). Rows a module evicts are reset before the lookup (the
-config's ``init_fn``, else the row's initial value) with their optimizer state, as
-TorchRec's sharded module resets them. Plain SGD / Adagrad on autograd's gradients of
-the global batch's loss over the world size."""
+collection, then its EBC). Rows a module evicts are reset before the lookup (a
+constant ``init_fn``, or with TorchRec's default one the row's initial value) with their
+optimizer state, as TorchRec's sharded module resets them. Plain SGD, Adagrad and
+row-wise Adagrad on autograd's gradients of the global batch's loss over the world size."""
 
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ from embshard import (
     Adagrad,
     InputError,
     PlanError,
+    RowWiseAdagrad,
     ShardingPlan,
     row_wise,
     table_wise,
@@ -240,7 +241,10 @@ class Reference:
                     weight -= opt.lr * grad
                 else:
                     touched = grad.abs().sum(1, keepdim=True) > 0
-                    self.state[t] += grad**2
+                    if isinstance(opt, RowWiseAdagrad):  # one accumulator a row
+                        self.state[t] += (grad**2).mean(1, keepdim=True).expand_as(grad)
+                    else:
+                        self.state[t] += grad**2
                     update = opt.lr * grad / (self.state[t].sqrt() + opt.eps)
                     weight -= torch.where(touched, update, 0)
                 weight.grad = None
@@ -281,6 +285,9 @@ def _run_case(case: Case) -> dict:
                 expected = ref.forward(following, learn=False)[0][rank]
             sharded.train()
             out_gap = max(out_gap, (out - expected).abs().max().item())
+    # The tables under the unsharded module's keys, not the MCH modules' state.
+    tables = {k for k in module.state_dict() if k.startswith("_embedding_module.")}
+    assert set(sharded.state_dict()) == tables, sorted(sharded.state_dict())
     weights = sharded.embedding_bag_collection.weights
     table_gap = max(
         (gather_table(weights[t]) - ref.ebc.embedding_bags[t].weight).abs().max().item()
@@ -315,8 +322,13 @@ CASES = {
         interval=3,
         init_fn=True,
     ),
-    "w3_row_wise_lfu_sgd_seeded": Case(
-        3, {"t": row_wise(), "u": row_wise()}, "lfu", SGD(lr=0.1), meta=True, input_size=50
+    "w3_row_wise_lfu_rowwise_adagrad_seeded": Case(
+        3,
+        {"t": row_wise(), "u": row_wise()},
+        "lfu",
+        RowWiseAdagrad(lr=0.1),
+        meta=True,
+        input_size=50,
     ),
 }
 
