@@ -29,6 +29,7 @@ from torchrec.modules.embedding_configs import (
     EmbeddingBagConfig,
     PoolingType,
 )
+from torchrec.modules.mc_modules import MCHManagedCollisionModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from embshard.modules.mesh import ShardingMesh
@@ -47,6 +48,7 @@ from embshard.storage.dynamic import DynamicStats, DynamicTables, check_dynamic
 from embshard.storage.id_map import IdMapSpec
 from embshard.storage.init import init_shard
 from embshard.storage.lookup import LookupBackend, LookupModule, TrainingTBE
+from embshard.storage.managed_collision import ManagedCollisions, ManagedTables
 from embshard.storage.optimizers import FusedOptimizer
 from embshard.storage.replicated import build_replicated
 from embshard.storage.shards import allocate_storage, gather_table, table_dtensor
@@ -139,6 +141,7 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
         comm_precision: str | None = None,
         lookup: LookupBackend = TrainingTBE(),
         dynamic: Mapping[str, IdMapSpec] | None = None,
+        managed: ManagedCollisions | None = None,
     ) -> None:
         super().__init__()
         self._mesh = ShardingMesh.of(mesh)
@@ -148,13 +151,17 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
         self._tables = plan.resolve(self._configs, self._mesh.size)
         dynamic = dict(dynamic or {})
         check_dynamic(dynamic, self._configs, self._tables, self._mesh.replicas)
+        if managed is not None:
+            managed.check(self._configs, self._tables, self._mesh.replicas)
+        self._managed_collisions = managed
         self._plan = plan
         self._group = self._mesh.sharding_group
         self._rank = self._mesh.rank
         self._device = self._mesh.device
         buckets = {n: (s.buckets, s.rows_per_bucket) for n, s in dynamic.items()}
+        ranges = managed.ranges(self._tables) if managed is not None else None
         self._routes = build_routes(
-            self._configs, self._tables, self._mesh.size, is_weighted, buckets
+            self._configs, self._tables, self._mesh.size, is_weighted, buckets, ranges
         )
         scratch = Scratch()
         self._input_dist = self._input_stage(scratch)
@@ -195,6 +202,20 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
                 self._device,
             )
             if dynamic
+            else None
+        )
+        self._managed = (
+            ManagedTables(
+                managed,
+                self._configs,
+                self._tables,
+                self._storage.shards,
+                self._routes.slots[self._rank],
+                self._storage.tbe,
+                self._device,
+                seed,
+            )
+            if managed is not None
             else None
         )
         if any(spec.policy == "none" for spec in dynamic.values()):
@@ -265,7 +286,13 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
         return start_input_dist(None, self._input_dist, self._group).ended
 
     def input_dist(self, features: KeyedJaggedTensor) -> InputInFlight[KeptT]:
-        """Stage 1 (collective): see ``start_input_dist``."""
+        """Stage 1 (collective): see ``start_input_dist``. Managed-collision tables'
+        ids are first preprocessed (their modules' ``input_hash_func``)."""
+        if self._managed_collisions is not None:
+            routes = self._routes
+            features = self._managed_collisions.preprocess(
+                features, dict(zip(routes.features, routes.feature_table))
+            )
         return start_input_dist(features, self._input_dist, self._group)
 
     def drop_prefetched(self) -> None:
@@ -352,6 +379,11 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
         tables): what checkpoints save and restore."""
         return self._dynamic
 
+    def managed_collision_modules(self) -> dict[str, MCHManagedCollisionModule]:
+        """This rank's managed-collision modules, by table (``storage.managed_collision``);
+        empty without managed-collision tables or where the rank holds none."""
+        return {} if self._managed is None else self._managed.modules
+
     def replace_lookup(
         self, build: Callable[[list[tuple[str, torch.Tensor]], list[int]], nn.Module]
     ) -> None:
@@ -363,6 +395,11 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
             raise ValueError(
                 f"dynamic tables {self._dynamic.names} cannot be served yet: their id maps "
                 "would admit ids into the quantized rows"
+            )
+        if self._managed_collisions is not None:
+            raise ValueError(
+                f"managed-collision tables {sorted(self._managed_collisions.modules)} cannot "
+                "be served yet"
             )
         storage = self._storage
 
@@ -538,6 +575,8 @@ class ShardedEmbeddingBagCollection(ShardedCollection[None, Pooled, KeyedTensor]
             indices, offsets, weights = self._dynamic.remap(
                 indices, offsets, weights, batch_size, learn=self.training
             )
+        if self._managed is not None:
+            indices = self._managed.remap(indices, offsets, batch_size, learn=self.training)
         if self._storage.tbe is None:
             return Pooled(torch.zeros(batch_size, 0, device=self._device), local)
         return Pooled(self._storage.tbe(indices, offsets, per_sample_weights=weights), local)

@@ -9,18 +9,25 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torchrec import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.modules.mc_embedding_modules import (
+    ManagedCollisionEmbeddingBagCollection,
+    ManagedCollisionEmbeddingCollection,
+)
 
+from embshard.errors import PlanError
 from embshard.modules.collection import ShardedCollection, ShardedEmbeddingBagCollection
+from embshard.modules.managed_collision import ShardedManagedCollisionEmbeddingBagCollection
 from embshard.modules.mesh import world_mesh
 from embshard.modules.sequence import ShardedEmbeddingCollection
 from embshard.plan.specs import ShardingPlan
 from embshard.storage.id_map import IdMapSpec
 from embshard.storage.lookup import LookupBackend, TrainingTBE
+from embshard.storage.managed_collision import ManagedCollisions
 from embshard.storage.optimizers import SGD, FusedOptimizer
 
 
 def shard(
-    module: EmbeddingBagCollection,
+    module: EmbeddingBagCollection | ManagedCollisionEmbeddingBagCollection,
     plan: ShardingPlan,
     *,
     mesh: DeviceMesh | None = None,
@@ -29,7 +36,7 @@ def shard(
     comm_precision: str | None = None,
     lookup: LookupBackend = TrainingTBE(),
     dynamic: Mapping[str, IdMapSpec] | None = None,
-) -> ShardedCollection:
+) -> ShardedCollection | ShardedManagedCollisionEmbeddingBagCollection:
     """Shard ``module`` by ``plan`` over ``mesh`` (default: the whole default process group).
 
     An ``EmbeddingCollection`` gives a ``ShardedEmbeddingCollection`` (embshard.modules.sequence):
@@ -52,11 +59,22 @@ def shard(
     until evicted (docs/dynamic.md). Such a table has ``num_embeddings == buckets *
     rows_per_bucket`` and a table-wise or row-wise plan cutting rows on bucket
     boundaries.
+
+    A ``ManagedCollisionEmbeddingBagCollection`` (TorchRec's, with
+    ``MCHManagedCollisionModule``s) gives a
+    ``ShardedManagedCollisionEmbeddingBagCollection``: its tables table-wise or row-wise
+    (equal row blocks, the last may be smaller), each rank's module rebuilt for its rows
+    remapping the raw ids of its input range (docs/dynamic.md).
     """
-    if not isinstance(module, EmbeddingBagCollection | EmbeddingCollection):
+    if isinstance(module, ManagedCollisionEmbeddingCollection):
+        raise TypeError("shard() does not take a ManagedCollisionEmbeddingCollection yet")
+    if not isinstance(
+        module,
+        EmbeddingBagCollection | EmbeddingCollection | ManagedCollisionEmbeddingBagCollection,
+    ):
         raise TypeError(
-            "shard() takes a TorchRec EmbeddingBagCollection or EmbeddingCollection, "
-            f"got {type(module)}"
+            "shard() takes a TorchRec EmbeddingBagCollection, EmbeddingCollection or "
+            f"ManagedCollisionEmbeddingBagCollection, got {type(module)}"
         )
     if not dist.is_initialized():
         raise RuntimeError("shard() needs torch.distributed initialized (init_process_group)")
@@ -64,6 +82,8 @@ def shard(
         mesh = world_mesh()
     if isinstance(module, EmbeddingCollection):
         return _shard_sequence(module, plan, mesh, optimizer, seed, comm_precision, lookup, dynamic)
+    if isinstance(module, ManagedCollisionEmbeddingBagCollection):
+        return _shard_managed(module, plan, mesh, optimizer, seed, comm_precision, lookup, dynamic)
     return ShardedEmbeddingBagCollection(
         module.embedding_bag_configs(),
         plan,
@@ -76,6 +96,44 @@ def shard(
         lookup=lookup,
         dynamic=dynamic,
     )
+
+
+def _shard_managed(
+    module: ManagedCollisionEmbeddingBagCollection,
+    plan: ShardingPlan,
+    mesh: DeviceMesh,
+    optimizer: FusedOptimizer,
+    seed: int,
+    comm_precision: str | None,
+    lookup: LookupBackend,
+    dynamic: Mapping[str, IdMapSpec] | None,
+) -> ShardedManagedCollisionEmbeddingBagCollection:
+    if dynamic:
+        raise PlanError(
+            f"dynamic tables {sorted(dynamic)}: a ManagedCollisionEmbeddingBagCollection's "
+            "tables are remapped by its own managed-collision modules"
+        )
+    if module._return_remapped_features:
+        raise ValueError(
+            "return_remapped_features=True is not supported: the sharded module returns "
+            "(KeyedTensor, None)"
+        )
+    ebc = module._embedding_module
+    mcc = module._managed_collision_collection
+    managed = ManagedCollisions(dict(mcc._managed_collision_modules), mcc.need_preprocess)
+    collection = ShardedEmbeddingBagCollection(
+        ebc.embedding_bag_configs(),
+        plan,
+        mesh,
+        optimizer,
+        seed,
+        weights=_given_weights(ebc.embedding_bags),
+        is_weighted=ebc.is_weighted(),
+        comm_precision=comm_precision,
+        lookup=lookup,
+        managed=managed,
+    )
+    return ShardedManagedCollisionEmbeddingBagCollection(collection)
 
 
 def _given_weights(tables: nn.ModuleDict) -> dict[str, torch.Tensor] | None:

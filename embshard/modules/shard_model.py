@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
 
 from embshard.errors import PlanError
 from embshard.modules.collection import ShardedCollection
@@ -38,15 +39,23 @@ DDP_DEFAULTS: Mapping[str, Any] = {
 }
 
 
-Collection = EmbeddingBagCollection | EmbeddingCollection
+Collection = EmbeddingBagCollection | EmbeddingCollection | BaseManagedCollisionEmbeddingCollection
 
 
 def embedding_bag_collections(model: nn.Module) -> dict[str, Collection]:
-    """Every EmbeddingBagCollection and EmbeddingCollection in ``model``, by path."""
-    return {path: m for path, m in model.named_modules() if isinstance(m, Collection)}
+    """Every EmbeddingBagCollection and EmbeddingCollection in ``model``, by path; a
+    managed-collision collection whole (not the collection inside it)."""
+    found: dict[str, Collection] = {}
+    for path, m in model.named_modules():
+        inside = any(not p or path.startswith(f"{p}.") for p in found)
+        if isinstance(m, Collection) and not inside:
+            found[path] = m
+    return found
 
 
 def _configs(collection: Collection) -> list:
+    if isinstance(collection, BaseManagedCollisionEmbeddingCollection):
+        return _configs(collection._embedding_module)
     if isinstance(collection, EmbeddingCollection):
         return collection.embedding_configs()
     return collection.embedding_bag_configs()
@@ -98,7 +107,8 @@ def shard_model(
     ``lookup`` builds every sharded collection's per-rank lookup: see ``shard``.
 
     ``dynamic`` names the dynamic tables, of any collection, with their ``IdMapSpec``s:
-    see ``shard``.
+    see ``shard``. A ManagedCollisionEmbeddingBagCollection is sharded whole, its
+    managed-collision modules with its tables (see ``shard``).
 
     A 2-D ``mesh`` (``sharding_mesh(group_size)``) shards the tables by ``plan``, made
     for ``group_size`` ranks, inside every sharding group; DDP still averages the dense
@@ -141,7 +151,7 @@ def shard_model(
     for path, collection in collections.items():
         own = {c.name for c in _configs(collection)}
         sub_plan = ShardingPlan({n: s for n, s in plan.tables.items() if n in own})
-        pooled = isinstance(collection, EmbeddingBagCollection)
+        pooled = not isinstance(collection, EmbeddingCollection)
         sharded = shard(
             collection,
             sub_plan,

@@ -155,7 +155,8 @@ class InputDistribution:
         self.passes = [] if whole else [_bucket_pass(b, device) for b in routes.bucket_passes]
         self.ids_per_element = 2 if routes.weighted else 1
         self._slot_major: tuple[tuple[int, ...], torch.Tensor] | None = None
-        self.dynamic = DynamicIds(routes, device) if routes.feature_buckets else None
+        keyed = routes.feature_buckets or routes.feature_ranges
+        self.dynamic = DynamicIds(routes, device) if keyed else None
         # What the lookup holds against the next step (a dynamic table's overflow).
         self.held: HeldProblem | None = None
 

@@ -88,6 +88,11 @@ class Routes:
     # Per feature: (buckets, rows per bucket) of the dynamic table it feeds (which it
     # alone feeds), or None. Its raw ids travel as keys (``hash_ids``), routed by bucket.
     feature_buckets: tuple[tuple[int, int] | None, ...] = ()
+    # Per feature: (input size, row blocks, rows a block) of the managed-collision table
+    # it feeds (storage.managed_collision), or None. Its raw ids travel as they are,
+    # routed by input range: ids ``[k * ceil(size / blocks), +ceil(size / blocks))`` to
+    # the k-th row block in row order, whose first row is ``k * rows``.
+    feature_ranges: tuple[tuple[int, int, int] | None, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -111,11 +116,12 @@ class Routes:
 
     @cached_property
     def id_limits(self) -> tuple[int, ...]:
-        """Per feature, the bound its ids are checked against: its rows, or 2**63 for
-        the raw ids of a dynamic table."""
+        """Per feature, the bound its ids are checked against: its rows, 2**63 for the
+        raw ids of a dynamic table, the input size for a managed-collision table's."""
+        ranges = self.feature_ranges or (None,) * len(self.features)
         return tuple(
-            KEY_LIMIT if buckets is not None else rows
-            for rows, buckets in zip(self.feature_rows, self.buckets_or_none)
+            KEY_LIMIT if buckets is not None else given[0] if given is not None else rows
+            for rows, buckets, given in zip(self.feature_rows, self.buckets_or_none, ranges)
         )
 
     @property
@@ -257,9 +263,11 @@ def build_routes(
     world_size: int,
     weighted: bool,
     dynamic: Mapping[str, tuple[int, int]] | None = None,
+    ranges: Mapping[str, tuple[int, int, int]] | None = None,
 ) -> Routes:
     """The routes of ``configs`` sharded as ``tables``; ``dynamic``: the dynamic tables'
-    (buckets, rows per bucket), their plans checked (``storage.dynamic.check_dynamic``)."""
+    (buckets, rows per bucket), their plans checked (``storage.dynamic.check_dynamic``);
+    ``ranges``: the managed-collision tables' (``Routes.feature_ranges``)."""
     features: list[str] = []
     for config in configs:
         features += [f for f in config.feature_names if f not in features]
@@ -325,19 +333,21 @@ def build_routes(
         feature_table=tuple(smallest),
         weighted=weighted,
         feature_hot_rows=hot_rows,
-        feature_buckets=_feature_buckets(configs, features, dynamic or {}),
+        feature_buckets=_per_feature(configs, features, dynamic or {}),
+        feature_ranges=_per_feature(configs, features, ranges or {}),
     )
 
 
-def _feature_buckets(
+def _per_feature(
     configs: Sequence[BaseEmbeddingConfig],
     features: Sequence[str],
-    dynamic: Mapping[str, tuple[int, int]],
-) -> tuple[tuple[int, int] | None, ...]:
-    """``Routes.feature_buckets``; empty when no table is dynamic."""
-    if not dynamic:
+    by_table: Mapping[str, tuple[int, ...]],
+) -> tuple:
+    """Per feature, its table's entry in ``by_table`` or None (``Routes.feature_buckets``,
+    ``feature_ranges``); empty when ``by_table`` is."""
+    if not by_table:
         return ()
-    of = {f: dynamic[c.name] for c in configs if c.name in dynamic for f in c.feature_names}
+    of = {f: by_table[c.name] for c in configs if c.name in by_table for f in c.feature_names}
     return tuple(of.get(f) for f in features)
 
 

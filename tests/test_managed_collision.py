@@ -1,0 +1,487 @@
+"""TorchRec's ManagedCollisionEmbeddingBagCollection, sharded, against a reference made of
+TorchRec's pieces only: per row block of a table (in row order) an MCH module made by
+``rebuild_with_output_id_range`` for its rows (the unsharded module itself when one
+block holds the whole table), fed the global batch's ids of its input range, then the
+unsharded EmbeddingBagCollection. That is what TorchRec's sharded managed-collision
+collection computes; at one rank it is TorchRec's unsharded MC-EBC (its managed-collision
+collection, then its EBC). Rows a module evicts are reset before the lookup (a
+constant ``init_fn``, or with TorchRec's default one the row's initial value) with their
+optimizer state, as TorchRec's sharded module resets them. Plain SGD, Adagrad and
+row-wise Adagrad on autograd's gradients of the global batch's loss over the world size."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+from torchrec import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
+    KeyedJaggedTensor,
+    PoolingType,
+)
+from torchrec.modules.mc_embedding_modules import (
+    ManagedCollisionEmbeddingBagCollection,
+    ManagedCollisionEmbeddingCollection,
+)
+from torchrec.modules.mc_modules import (
+    LFU_EvictionPolicy,
+    LRU_EvictionPolicy,
+    ManagedCollisionCollection,
+    MCHManagedCollisionModule,
+)
+from torchrec.sparse.jagged_tensor import JaggedTensor
+
+import embshard
+from embshard import (
+    SGD,
+    Adagrad,
+    InputError,
+    PlanError,
+    RowWiseAdagrad,
+    ShardingPlan,
+    row_wise,
+    table_wise,
+)
+from embshard.storage.shards import gather_table
+
+TOL = 1e-5
+DIM = 4
+FEATURES = {"t": ("f1", "f2"), "u": ("g",)}
+ROWS = {"t": 10, "u": 6}
+
+
+def fold(ids: torch.Tensor, size: int) -> torch.Tensor:
+    """An input_hash_func: raw ids of any size into ``[0, size)``."""
+    return (ids * 7 + 3) % size
+
+
+@dataclass(frozen=True)
+class Case:
+    world: int
+    plan: dict  # table -> spec
+    policy: str  # "lfu" or "lru"
+    optimizer: object
+    steps: int = 14
+    interval: int = 2
+    input_size: int = 48
+    hashed: bool = False  # input_hash_func=fold, raw ids up to 10**6
+    # The configs' init_fn: a constant (else TorchRec's default, uniform: evicted rows
+    # get the seeded initialization's values, the initial ones of a module on meta).
+    init_fn: bool = False
+    meta: bool = False  # shard a module on meta (the seeded initialization)
+    evaluate: bool = False  # after each step, the next step's batch in eval mode
+    seed: int = 0
+
+
+def configs(case: Case) -> list[EmbeddingBagConfig]:
+    init_fn = functools.partial(nn.init.constant_, val=0.25) if case.init_fn else None
+    return [
+        EmbeddingBagConfig(
+            name=t,
+            embedding_dim=DIM,
+            num_embeddings=ROWS[t],
+            feature_names=list(FEATURES[t]),
+            init_fn=init_fn,
+            pooling=PoolingType.MEAN if t == "u" else PoolingType.SUM,
+        )
+        for t in FEATURES
+    ]
+
+
+def mc_ebc(case: Case, device: str = "cpu") -> ManagedCollisionEmbeddingBagCollection:
+    tables = configs(case)
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device(device))
+    policy = LFU_EvictionPolicy if case.policy == "lfu" else LRU_EvictionPolicy
+    modules = {
+        c.name: MCHManagedCollisionModule(
+            zch_size=c.num_embeddings,
+            device=torch.device("cpu"),
+            eviction_policy=policy(),
+            eviction_interval=case.interval,
+            input_hash_size=case.input_size,
+            input_hash_func=fold if case.hashed else None,
+        )
+        for c in tables
+    }
+    return ManagedCollisionEmbeddingBagCollection(ebc, ManagedCollisionCollection(modules, tables))
+
+
+def stream(case: Case) -> list[list[tuple[list[list[list[int]]], torch.Tensor]]]:
+    """Per step, per rank: every feature's bags of raw ids (skewed: low ids hot) and
+    the upstream gradient of its output."""
+    rng = random.Random(case.seed)
+    gen = torch.Generator().manual_seed(case.seed)
+    top = 10**6 if case.hashed else case.input_size
+    steps = []
+    for _ in range(case.steps + 1):
+        ranks = []
+        for _ in range(case.world):
+            batch = rng.randint(1, 3)
+            bags = [
+                [
+                    [int(top * rng.random() ** 2) for _ in range(rng.randint(0, 3))]
+                    for _ in range(batch)
+                ]
+                for _ in ("f1", "f2", "g")
+            ]
+            ranks.append((bags, torch.randn(batch, 2 * DIM, generator=gen)))
+        steps.append(ranks)
+    return steps
+
+
+def kjt(bags: list[list[list[int]]]) -> KeyedJaggedTensor:
+    return KeyedJaggedTensor(
+        keys=["f1", "f2", "g"],
+        values=torch.tensor(
+            [i for feature in bags for bag in feature for i in bag], dtype=torch.long
+        ),
+        lengths=torch.tensor([len(bag) for feature in bags for bag in feature], dtype=torch.int32),
+    )
+
+
+def global_kjt(ranks) -> KeyedJaggedTensor:
+    """The global batch: every rank's bags of each feature, in rank order."""
+    return kjt([[bag for bags, _ in ranks for bag in bags[f]] for f in range(3)])
+
+
+def blocks(case: Case, table: str) -> list[tuple[int, int]]:
+    """The table's row blocks with rows, (first row, rows), in row order."""
+    sharded = ShardingPlan(case.plan).resolve(configs(case), case.world)[table]
+    return sorted((s.row_offset, s.rows) for s in sharded.shards if s.rows)
+
+
+class Reference:
+    """TorchRec's pieces: per table, an MCH module per row block fed the ids of its
+    input range; the unsharded EBC with evicted rows reset; plain optimizer steps."""
+
+    def __init__(self, case: Case, module: ManagedCollisionEmbeddingBagCollection, initial) -> None:
+        self.case = case
+        self.initial = {t: w.clone() for t, w in initial.items()}
+        self.ebc = EmbeddingBagCollection(tables=configs(case))
+        for t, w in initial.items():
+            self.ebc.embedding_bags[t].weight.data.copy_(w)
+        self.state = {t: torch.zeros_like(w) for t, w in initial.items()}
+        own = module._managed_collision_collection._managed_collision_modules
+        self.own = own
+        self.mchs = {}
+        self.evicted = 0
+        for t in FEATURES:
+            cuts = blocks(case, t)
+            segments = [start for start, _ in cuts] + [ROWS[t]]
+            self.mchs[t] = (
+                [own[t]]
+                if len(cuts) == 1
+                else [own[t].rebuild_with_output_id_range((s, s + n), segments) for s, n in cuts]
+            )
+
+    def forward(self, ranks, learn: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Every rank's output of this step's global batch; the loss to differentiate."""
+        features = global_kjt(ranks)
+        values, lengths = features.values().clone(), features.lengths()
+        per_feature = features.length_per_key()
+        starts = [sum(per_feature[:i]) for i in range(4)]
+        for t, names in FEATURES.items():
+            first = ["f1", "f2", "g"].index(names[0])
+            span = slice(starts[first], starts[first + len(names)])
+            whole = {
+                t: JaggedTensor(values=values[span], lengths=torch.tensor([span.stop - span.start]))
+            }
+            ids = self.own[t].preprocess(whole)[t].values()
+            width = math.ceil(self.case.input_size / len(self.mchs[t]))
+            out = ids.clone()
+            for k, mch in enumerate(self.mchs[t]):
+                mine = (ids // width).clamp(max=len(self.mchs[t]) - 1) == k
+                mch.train(learn)
+                jt = {t: JaggedTensor(values=ids[mine], lengths=torch.tensor([int(mine.sum())]))}
+                out[mine] = mch.remap(mch.profile(jt))[t].values()
+                evicted = mch.evict()
+                if evicted is not None:
+                    self.reset(t, evicted.long())
+            values[span] = out
+        remapped = KeyedJaggedTensor(keys=features.keys(), values=values, lengths=lengths)
+        pooled = self.ebc(remapped)
+        whole = torch.cat([pooled["f1"], pooled["f2"], pooled["g"]], 1)
+        outs, loss, at = [], 0, 0
+        for bags, upstream in ranks:
+            out = whole[at : at + len(bags[0])]
+            at += len(bags[0])
+            outs.append(out.detach().clone())
+            loss = loss + (out[:, : 2 * DIM] * upstream).sum() + out[:, 2 * DIM :].sum()
+        return outs, loss
+
+    def reset(self, table: str, rows: torch.Tensor) -> None:
+        self.evicted += len(rows)
+        weight = self.ebc.embedding_bags[table].weight
+        with torch.no_grad():
+            if self.case.init_fn:
+                weight[rows] = 0.25
+            else:
+                weight[rows] = self.initial[table][rows]
+            self.state[table][rows] = 0
+
+    def step(self, ranks) -> list[torch.Tensor]:
+        outs, loss = self.forward(ranks, learn=True)
+        (loss / len(ranks)).backward()
+        opt = self.case.optimizer
+        with torch.no_grad():
+            for t in FEATURES:
+                weight = self.ebc.embedding_bags[t].weight
+                grad = weight.grad
+                if isinstance(opt, SGD):
+                    weight -= opt.lr * grad
+                else:
+                    touched = grad.abs().sum(1, keepdim=True) > 0
+                    if isinstance(opt, RowWiseAdagrad):  # one accumulator a row
+                        self.state[t] += (grad**2).mean(1, keepdim=True).expand_as(grad)
+                    else:
+                        self.state[t] += grad**2
+                    update = opt.lr * grad / (self.state[t].sqrt() + opt.eps)
+                    weight -= torch.where(touched, update, 0)
+                weight.grad = None
+        return outs
+
+
+def _output(sharded, bags, upstream) -> tuple[torch.Tensor, torch.Tensor]:
+    pooled, remapped = sharded(kjt(bags))
+    assert remapped is None
+    out = torch.cat([pooled["f1"], pooled["f2"], pooled["g"]], 1)
+    return out, (out[:, : 2 * DIM] * upstream).sum() + out[:, 2 * DIM :].sum()
+
+
+def _run_case(case: Case) -> dict:
+    """On every rank: the sharded MC-EBC and the reference side by side; the largest gaps
+    of this rank's outputs and of the tables after the last step."""
+    torch.manual_seed(0)
+    module = mc_ebc(case, "meta" if case.meta else "cpu")
+    rank = torch.distributed.get_rank()
+    sharded = embshard.shard(module, ShardingPlan(case.plan), optimizer=case.optimizer)
+    if case.meta:
+        initial = {t: gather_table(w) for t, w in sharded.embedding_bag_collection.weights.items()}
+    else:
+        initial = {t: b.weight.detach() for t, b in module._embedding_module.embedding_bags.items()}
+    ref = Reference(case, module, initial)
+    out_gap = 0.0
+    steps = stream(case)
+    for ranks, following in itertools.pairwise(steps):
+        bags, upstream = ranks[rank]
+        out, loss = _output(sharded, bags, upstream)
+        loss.backward()
+        expected = ref.step(ranks)[rank]
+        out_gap = max(out_gap, (out.detach() - expected).abs().max().item())
+        if case.evaluate:
+            bags, upstream = following[rank]
+            with torch.no_grad():
+                out, _ = _output(sharded.eval(), bags, upstream)
+                expected = ref.forward(following, learn=False)[0][rank]
+            sharded.train()
+            out_gap = max(out_gap, (out - expected).abs().max().item())
+    # The tables under the unsharded module's keys, not the MCH modules' state.
+    tables = {k for k in module.state_dict() if k.startswith("_embedding_module.")}
+    assert set(sharded.state_dict()) == tables, sorted(sharded.state_dict())
+    weights = sharded.embedding_bag_collection.weights
+    table_gap = max(
+        (gather_table(weights[t]) - ref.ebc.embedding_bags[t].weight).abs().max().item()
+        for t in FEATURES
+    )
+    return {"out_gap": out_gap, "table_gap": table_gap, "evicted": ref.evicted}
+
+
+CASES = {
+    "w1_table_wise_lfu_sgd_init_fn": Case(
+        1, {"t": table_wise(0), "u": table_wise(0)}, "lfu", SGD(lr=0.1), init_fn=True
+    ),
+    "w1_table_wise_lru_adagrad_seeded_evaluated": Case(
+        1,
+        {"t": table_wise(0), "u": table_wise(0)},
+        "lru",
+        Adagrad(lr=0.1),
+        meta=True,
+        evaluate=True,
+    ),
+    "w2_row_wise_lfu_sgd_hashed": Case(
+        2, {"t": row_wise(), "u": row_wise()}, "lfu", SGD(lr=0.1), hashed=True, meta=True
+    ),
+    "w2_row_wise_lru_init_fn_evaluated": Case(
+        2, {"t": row_wise(), "u": table_wise(1)}, "lru", SGD(lr=0.1), init_fn=True, evaluate=True
+    ),
+    "w3_row_wise_lru_adagrad_ranks_reordered": Case(
+        3,
+        {"t": row_wise(ranks=[2, 0, 1]), "u": table_wise(1)},
+        "lru",
+        Adagrad(lr=0.1),
+        interval=3,
+        init_fn=True,
+    ),
+    "w3_row_wise_lfu_rowwise_adagrad_seeded": Case(
+        3,
+        {"t": row_wise(), "u": row_wise()},
+        "lfu",
+        RowWiseAdagrad(lr=0.1),
+        meta=True,
+        input_size=50,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_sharded_mc_ebc_equals_torchrec_pieces(world, name: str) -> None:
+    case = CASES[name]
+    results = world(case.world).run(_run_case, case)
+    for r in results:
+        assert r["out_gap"] < TOL, r
+        assert r["table_gap"] < TOL, r
+    assert results[0]["evicted"] > 0, "the stream must evict"
+
+
+def _raises(fn) -> str:
+    try:
+        fn()
+    except (PlanError, ValueError, TypeError, InputError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+class _NotMCH(nn.Module):
+    def output_size(self) -> int:
+        return ROWS["t"]
+
+
+def _refusals() -> dict[str, str]:
+    case = Case(2, {"t": row_wise(), "u": row_wise()}, "lfu", SGD(lr=0.1))
+    plan = ShardingPlan(case.plan)
+
+    def with_module(change) -> str:
+        module = mc_ebc(case)
+        change(module)
+        return _raises(lambda: embshard.shard(module, plan))
+
+    def other_kind(module) -> None:
+        module._managed_collision_collection._managed_collision_modules["t"] = _NotMCH()
+
+    def trained(module) -> None:
+        module._managed_collision_collection._managed_collision_modules[
+            "u"
+        ]._current_iter_tensor += 3
+
+    def remapped(module) -> None:
+        module._return_remapped_features = True
+
+    def bad_plan(specs) -> str:
+        return _raises(lambda: embshard.shard(mc_ebc(case), ShardingPlan(specs)))
+
+    sharded = embshard.shard(mc_ebc(case), plan)
+    outside = kjt([[[5]], [[case.input_size]], [[1]]])
+    ec_tables = [
+        EmbeddingConfig(name="t", embedding_dim=DIM, num_embeddings=10, feature_names=["f1"])
+    ]
+    mc_ec = ManagedCollisionEmbeddingCollection(
+        EmbeddingCollection(tables=ec_tables),
+        ManagedCollisionCollection(
+            {"t": MCHManagedCollisionModule(10, torch.device("cpu"), LFU_EvictionPolicy(), 2)},
+            ec_tables,
+        ),
+    )
+    return {
+        "kind": with_module(other_kind),
+        "trained": with_module(trained),
+        "remapped": with_module(remapped),
+        "hot_rows": bad_plan({"t": row_wise(hot_rows=2), "u": row_wise()}),
+        "uneven": bad_plan({"t": row_wise([3, 7]), "u": row_wise()}),
+        "dynamic": _raises(
+            lambda: embshard.shard(mc_ebc(case), plan, dynamic={"t": embshard.IdMapSpec(2, 5)})
+        ),
+        "outside": _raises(lambda: sharded(outside)),
+        "mc_ec": _raises(lambda: embshard.shard(mc_ec, plan)),
+        "served": _raises(
+            lambda: sharded.embedding_bag_collection.replace_lookup(lambda tables, fmap: None)
+        ),
+    }
+
+
+def test_refusals_are_one_line_on_every_rank(world) -> None:
+    results = world(2).run(_refusals)
+    assert results[0] == results[1]
+    r = results[0]
+    for name, message in r.items():
+        assert message != "no error", r
+        # A bad batch's InputError names every rank's problem, a line each.
+        assert "\n" not in message or name == "outside", r
+    assert "PlanError: managed-collision table 't': its module is a _NotMCH" in r["kind"]
+    assert "table 'u': its module has trained already" in r["trained"]
+    assert "return_remapped_features=True is not supported" in r["remapped"]
+    assert "its row_wise layout is refused" in r["hot_rows"]
+    assert "its row blocks [3, 7] are not equal" in r["uneven"]
+    assert r["dynamic"].startswith("PlanError: dynamic tables ['t']")
+    assert r["outside"].startswith("InputError")
+    assert "rank 1: feature 'f2' (table 't'): id 48 is outside [0, 48)" in r["outside"]
+    assert "ManagedCollisionEmbeddingCollection" in r["mc_ec"]
+    assert "managed-collision tables ['t', 'u'] cannot be served" in r["served"]
+
+
+class _Model(nn.Module):
+    def __init__(self, case: Case) -> None:
+        super().__init__()
+        self.sparse = mc_ebc(case, "meta")
+        self.dense = nn.Linear(3 * DIM, 1)
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        pooled, _ = self.sparse(features)
+        return self.dense(torch.cat([pooled["f1"], pooled["f2"], pooled["g"]], 1)).sum()
+
+
+def _through_shard_model() -> tuple[str, list[str], float]:
+    case = Case(2, {"t": row_wise(), "u": table_wise(0)}, "lru", SGD(lr=0.1), hashed=True)
+    torch.manual_seed(0)
+    model = embshard.shard_model(_Model(case), ShardingPlan(case.plan), optimizer=case.optimizer)
+    dense = torch.optim.SGD(model.parameters(), lr=0.1)
+    rank = torch.distributed.get_rank()
+    sparse = model.module.sparse
+    losses = []
+    for step, ranks in enumerate(stream(case)):
+        batch = kjt(ranks[rank][0])
+        if step % 2:  # a pipeline's prefetch: the forward takes it up (ids hashed once)
+            embshard.prefetch(model, batch)
+        loss = model(batch)
+        assert not sparse.embedding_bag_collection.is_prefetched(batch)
+        loss.backward()
+        dense.step()
+        dense.zero_grad()
+        losses.append(loss.item())
+    return type(sparse).__name__, sorted(sparse.managed_collision_modules()), max(map(abs, losses))
+
+
+def test_shard_model_trains_a_model_with_an_mc_ebc(world) -> None:
+    (kind, tables0, loss0), (kind1, tables1, loss1) = world(2).run(_through_shard_model)
+    assert kind == kind1 == "ShardedManagedCollisionEmbeddingBagCollection"
+    assert tables0 == ["t", "u"] and tables1 == ["t"]
+    assert math.isfinite(loss0) and math.isfinite(loss1)
+
+
+def _collectives() -> list[int]:
+    """Backend collectives (gloo's profiler events) of each forward plus backward."""
+    case = Case(2, {"t": row_wise(), "u": table_wise(1)}, "lfu", SGD(lr=0.1), hashed=True)
+    torch.manual_seed(0)
+    sharded = embshard.shard(mc_ebc(case), ShardingPlan(case.plan))
+    rank, counts = torch.distributed.get_rank(), []
+    for ranks in stream(case)[:6]:  # evicting every second step
+        bags, upstream = ranks[rank]
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            _output(sharded, bags, upstream)[1].backward()
+        counts.append(sum(e.name.startswith("gloo:") for e in prof.events()))
+    return counts
+
+
+def test_a_step_keeps_the_collections_collectives(world) -> None:
+    # The counts exchange, the ids and pooled all-to-alls, the pooled gradient's.
+    for counts in world(2).run(_collectives):
+        assert counts == [4] * 6
