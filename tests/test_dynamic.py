@@ -318,6 +318,12 @@ CASES = {
         SGD(lr=0.1),
         mean=True,
     ),
+    "w4_uneven_row_wise_lru_adagrad": Case(
+        4,
+        {"d": row_wise([3, 0, 6, 3]), "s": table_wise(2)},
+        IdMapSpec(4, 3, "lru"),
+        Adagrad(lr=0.1),
+    ),
 }
 
 

@@ -1,11 +1,13 @@
 """Dynamic tables through checkpoints: trained at one world size and plan, saved, loaded
 at others, trained on; against test_dynamic's plain reference model run uninterrupted
-(its map is test_id_map's Python reference, not embshard's). And what a load refuses:
+(its map is test_id_map's Python reference, not embshard's), in an EmbeddingBagCollection
+and (test_dynamic_sequence's reference) an EmbeddingCollection. And what a load refuses:
 a damaged map, another map spec, a table static on one side and dynamic on the other."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -16,8 +18,11 @@ import yaml
 from click.testing import CliRunner
 from test_checkpoint import flip_a_byte
 from test_dynamic import Case, RefModel, configs, kjt, stream
+from test_dynamic_sequence import SequenceRef, sequence_stream, values
+from test_dynamic_sequence import configs as sequence_configs
+from test_dynamic_sequence import kjt as sequence_kjt
 from test_train import ROOT, train_resuming
-from torchrec import EmbeddingBagCollection
+from torchrec import EmbeddingBagCollection, EmbeddingCollection
 
 import embshard
 from embshard import (
@@ -25,6 +30,7 @@ from embshard import (
     IdMapSpec,
     RowWiseAdagrad,
     ShardingPlan,
+    column_wise,
     row_wise,
     table_wise,
 )
@@ -35,9 +41,40 @@ from embshard.storage.shards import gather_table
 TOL = 1e-5
 SAVED_AT = 6  # steps before the checkpoint, of Case.steps (12)
 
+
+def _pooled(out) -> torch.Tensor:
+    return out.values()
+
+
+@dataclass(frozen=True)
+class Collection:
+    """One kind of collection with its test module's configs, stream, input, output and
+    reference model."""
+
+    make: Callable  # (tables=...) -> the unsharded collection
+    tables: str  # its ModuleDict of tables
+    configs: Callable
+    stream: Callable
+    kjt: Callable
+    output: Callable  # the sharded module's output -> one tensor
+    ref: type[RefModel]
+
+
+BAGS = Collection(EmbeddingBagCollection, "embedding_bags", configs, stream, kjt, _pooled, RefModel)
+SEQUENCES = Collection(
+    EmbeddingCollection,
+    "embeddings",
+    sequence_configs,
+    sequence_stream,
+    sequence_kjt,
+    values,
+    SequenceRef,
+)
+
 # Saved at world size 2 under "saved", loaded at 3 and at 1 under those plans.
 CASES = {
     "lru_adagrad_row_wise_to_others": (
+        BAGS,
         Case(2, {"d": row_wise(), "s": row_wise()}, IdMapSpec(4, 3, "lru"), Adagrad(lr=0.1)),
         {
             3: {"d": row_wise([3, 6, 3]), "s": table_wise(2)},
@@ -45,6 +82,7 @@ CASES = {
         },
     ),
     "lfu_admit2_rowwise_adagrad_table_wise_to_others": (
+        BAGS,
         Case(
             2,
             {"d": table_wise(1), "s": row_wise()},
@@ -57,30 +95,45 @@ CASES = {
             1: {"d": row_wise([8]), "s": table_wise(0)},
         },
     ),
+    # An EmbeddingCollection: each id's row; loaded with a rank holding no bucket.
+    "sequence_lru_admit2_adagrad_row_wise_to_others": (
+        SEQUENCES,
+        Case(
+            2,
+            {"d": row_wise(), "s": table_wise(1)},
+            IdMapSpec(4, 3, "lru", admit_after=2, seed=5),
+            Adagrad(lr=0.1),
+            seed=4,
+        ),
+        {
+            3: {"d": row_wise([6, 0, 6]), "s": column_wise([0, 2])},
+            1: {"d": table_wise(0), "s": table_wise(0)},
+        },
+    ),
 }
 
 
-def steps_for(case: Case, world: int) -> list:
+def steps_for(case: Case, world: int, kind: Collection = BAGS) -> list:
     """The global batches: the saving world's until the checkpoint, then ``world``'s."""
-    return stream(case)[:SAVED_AT] + stream(replace(case, world=world))[SAVED_AT:]
+    return kind.stream(case)[:SAVED_AT] + kind.stream(replace(case, world=world))[SAVED_AT:]
 
 
-def build(case: Case, plan: dict, spec: IdMapSpec | None = None):
+def build(case: Case, plan: dict, spec: IdMapSpec | None = None, kind: Collection = BAGS):
     """The sharded model and the static table's initial rows (the same on every world)."""
     torch.manual_seed(0)
-    ebc = EmbeddingBagCollection(tables=configs(case.rows))
-    static = ebc.embedding_bags["s"].weight.detach().clone()
+    module = kind.make(tables=kind.configs(case.rows))
+    static = getattr(module, kind.tables)["s"].weight.detach().clone()
     dynamic = {"d": spec or case.spec} if spec is not False else {}
-    sharded = embshard.shard(ebc, ShardingPlan(plan), optimizer=case.optimizer, dynamic=dynamic)
+    sharded = embshard.shard(module, ShardingPlan(plan), optimizer=case.optimizer, dynamic=dynamic)
     return sharded, static
 
 
-def train(sharded, ref: RefModel, steps: list) -> float:
+def train(sharded, ref: RefModel, steps: list, kind: Collection = BAGS) -> float:
     """Both models through ``steps``; the largest gap of this rank's outputs."""
     rank, gap = dist.get_rank(), 0.0
     for ranks in steps:
         dyn, stat, upstream = ranks[rank]
-        out = sharded(kjt(dyn, stat)).values()
+        out = kind.output(sharded(kind.kjt(dyn, stat)))
         (out * upstream).sum().backward()
         expected = ref.forward_backward(ranks)[rank]
         gap = max(gap, (out.detach() - expected).abs().max().item() if out.numel() else 0)
@@ -91,7 +144,7 @@ def compared(sharded, ref: RefModel) -> dict:
     """Every live row's weights and optimizer state, the static table, and the counts,
     against the reference (collective)."""
     table = gather_table(sharded.weights["d"])
-    state = gather_table(sharded.optimizer_state()["embedding_bags.d.momentum1"])
+    state = gather_table(sharded.optimizer_state()[f"{sharded.table_key('d')}.momentum1"])
     stats = sharded.dynamic_stats()["d"]
     return {
         "row_gap": max((table[r] - v).abs().max().item() for r, v in ref.rows.items()),
@@ -104,26 +157,26 @@ def compared(sharded, ref: RefModel) -> dict:
     }
 
 
-def train_and_save(case: Case, root: str) -> dict:
-    sharded, static = build(case, case.plan)
-    ref = RefModel(case, static)
-    gap = train(sharded, ref, stream(case)[:SAVED_AT])
+def train_and_save(case: Case, root: str, kind: Collection = BAGS) -> dict:
+    sharded, static = build(case, case.plan, kind=kind)
+    ref = kind.ref(case, static)
+    gap = train(sharded, ref, kind.stream(case)[:SAVED_AT], kind)
     ckpt.save(root, sharded, step=SAVED_AT)
     return {"out_gap": gap, **compared(sharded, ref)}
 
 
-def load_and_continue(case: Case, plan: dict, root: str) -> dict:
+def load_and_continue(case: Case, plan: dict, root: str, kind: Collection = BAGS) -> dict:
     """The saved model loaded here under ``plan``, then trained to the end; the
     reference runs every step without a break."""
     world = dist.get_world_size()
-    sharded, static = build(replace(case, world=world), plan)
-    ref = RefModel(case, static)
-    steps = steps_for(case, world)
+    sharded, static = build(replace(case, world=world), plan, kind=kind)
+    ref = kind.ref(case, static)
+    steps = steps_for(case, world, kind)
     for ranks in steps[:SAVED_AT]:
         ref.forward_backward(ranks)
     step = ckpt.load(root, sharded)
     loaded = compared(sharded, ref)
-    gap = train(sharded, ref, steps[SAVED_AT:])
+    gap = train(sharded, ref, steps[SAVED_AT:], kind)
     return {"step": step, "loaded": loaded, "out_gap": gap, **compared(sharded, ref)}
 
 
@@ -135,14 +188,14 @@ def assert_matches(result: dict) -> None:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_dynamic_tables_reshard_across_world_sizes_and_plans(world, tmp_path, name):
-    case, plans = CASES[name]
-    saved = world(2).run(train_and_save, case, str(tmp_path))
+    kind, case, plans = CASES[name]
+    saved = world(2).run(train_and_save, case, str(tmp_path), kind)
     for result in saved:
         assert result["out_gap"] < TOL, result
         assert_matches(result)
     assert saved[0]["ref"][1] > 0, "ids must be evicted before the checkpoint"
     for size, plan in plans.items():
-        for result in world(size).run(load_and_continue, case, plan, str(tmp_path)):
+        for result in world(size).run(load_and_continue, case, plan, str(tmp_path), kind):
             assert result["step"] == SAVED_AT
             assert_matches(result["loaded"])
             assert result["loaded"]["stats"][1] == saved[0]["stats"][1]  # totals continue
@@ -151,7 +204,7 @@ def test_dynamic_tables_reshard_across_world_sizes_and_plans(world, tmp_path, na
             assert result["ref"][1] > result["loaded"]["ref"][1], "and evicted after the load"
 
 
-CASE, PLANS = CASES["lru_adagrad_row_wise_to_others"]
+_, CASE, PLANS = CASES["lru_adagrad_row_wise_to_others"]
 
 
 def load_refused(root: str, spec, plan: dict | None = None) -> tuple[str, bool]:

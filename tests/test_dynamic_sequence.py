@@ -162,6 +162,12 @@ CASES = {
         IdMapSpec(4, 3, "ttl", ttl_steps=2, admit_after=2),
         SGD(lr=0.1),
     ),
+    "w4_uneven_row_wise_lfu_admit2_adagrad_static_row_wise": Case(
+        4,
+        {"d": row_wise([6, 3, 0, 3]), "s": row_wise()},
+        IdMapSpec(4, 3, "lfu", admit_after=2, seed=3),
+        Adagrad(lr=0.1),
+    ),
 }
 
 
