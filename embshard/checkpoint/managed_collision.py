@@ -33,6 +33,7 @@ from torchrec.modules.mc_modules import MCHManagedCollisionModule
 
 from embshard.errors import CheckpointError
 from embshard.modules.collection import ShardedCollection
+from embshard.plan.specs import plural
 
 MANAGED = "managed_collision"  # the checkpoint's top-level key of what this module saves
 RECORD = "managed_collision"  # a table's description field: input size, row blocks
@@ -101,8 +102,8 @@ def _mismatch(saved: dict[str, int] | None, live: dict[str, int] | None) -> str:
 
 def _shown(layout: Mapping[str, int]) -> str:
     return (
-        f"{layout['row_blocks']} row block(s) of {layout['rows_per_block']} rows over "
-        f"input size {layout['input_size']}"
+        f"{plural(layout['row_blocks'], 'row block')} of {layout['rows_per_block']} rows "
+        f"over input size {layout['input_size']}"
     )
 
 
@@ -114,8 +115,8 @@ def refuse_plain(path: object, collections: Mapping[str, ShardedCollection]) -> 
             name = sorted(module.managed_collisions.modules)[0]
             raise CheckpointError(
                 f"{path}: table {name!r} ({prefix}{module.table_key(name)}) has a "
-                "managed-collision module, and a plain state dict holds no sharded "
-                "module state for it"
+                "managed-collision module, and a plain state dict holds none saved by "
+                "row block"
             )
 
 
