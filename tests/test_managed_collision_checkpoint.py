@@ -155,6 +155,7 @@ def _refusals(root: str, plain_root: str, dcp_root: str) -> dict[str, str]:
     before = gather_table(resharded.embedding_bag_collection.weights["t"])
     found = {
         "reshard": refused(lambda: ckpt.load(root, resharded)),
+        "policy": refused(lambda: ckpt.load(root, _sharded(replace(CASE, policy="lru"))[1])),
         "into_plain": refused(lambda: ckpt.load(root, _plain(CASE))),
         "from_plain": refused(lambda: ckpt.load(plain_root, _sharded(CASE)[1])),
     }
@@ -187,6 +188,10 @@ def test_loads_that_would_lose_the_modules_are_refused_on_every_rank(world, tmp_
         in (r["reshard"])
     )
     assert "resharding a managed-collision table" in r["reshard"], r
+    assert (
+        "modules were saved with LFU_EvictionPolicy, the model's use LRU_EvictionPolicy"
+        in (r["policy"])
+    )
     assert (
         "the checkpoint holds its managed-collision modules, the model has none"
         in (r["into_plain"])

@@ -17,9 +17,10 @@ so that a loaded module profiles, evicts and remaps exactly as the saved one wou
 have. Per-block entries, not DTensors over the table's rows: a block's module is one
 whole (its sorted ids and mapping are not rows of the table), and its history is not
 per row at all. A block owns the input range that routing gives it, so a checkpoint's
-modules load only into the same row blocks (and input size): anything else is refused
-on every rank before the load changes anything. The table's description records them
-(``RECORD``); a model without managed-collision tables saves none of this.
+modules load only into the same row blocks and input size, with the same eviction
+policy: anything else is refused on every rank before the load changes anything. The
+table's description records them (``RECORD``); a model without managed-collision
+tables saves none of this.
 """
 
 from __future__ import annotations
@@ -42,14 +43,20 @@ _HISTORY = "history"
 _ACCUMULATOR = "accumulator"
 
 
-def record(module: ShardedCollection, name: str) -> dict[str, int] | None:
+def record(module: ShardedCollection, name: str) -> dict[str, Any] | None:
     """What the description records of table ``name``'s managed collisions (None for a
-    table without): its input size and row blocks, which fix each block's input range."""
+    table without): its eviction policy, which fixes the modules' buffers, and its
+    input size and row blocks, which fix each block's input range."""
     managed = module.managed_collisions
     if managed is None or name not in managed.modules:
         return None
     input_size, blocks, rows = managed.ranges(module.tables)[name]
-    return {"input_size": input_size, "row_blocks": blocks, "rows_per_block": rows}
+    return {
+        "policy": type(managed.modules[name]._eviction_policy).__name__,
+        "input_size": input_size,
+        "row_blocks": blocks,
+        "rows_per_block": rows,
+    }
 
 
 def save_state(collections: Mapping[str, ShardedCollection]) -> dict[str, Any]:
@@ -85,7 +92,7 @@ def check(
                 raise CheckpointError(f"{path}: table {name!r} ({key}): {_mismatch(saved, live)}")
 
 
-def _mismatch(saved: dict[str, int] | None, live: dict[str, int] | None) -> str:
+def _mismatch(saved: dict[str, Any] | None, live: dict[str, Any] | None) -> str:
     if saved is None:
         return (
             "the model has a managed-collision module for it, the checkpoint holds no "
@@ -93,6 +100,11 @@ def _mismatch(saved: dict[str, int] | None, live: dict[str, int] | None) -> str:
         )
     if live is None:
         return "the checkpoint holds its managed-collision modules, the model has none for it"
+    if saved["policy"] != live["policy"]:
+        return (
+            f"its managed-collision modules were saved with {saved['policy']}, the model's "
+            f"use {live['policy']}"
+        )
     return (
         f"its managed-collision modules were saved for {_shown(saved)}, the model has "
         f"{_shown(live)}: resharding a managed-collision table (or changing its input "
@@ -100,7 +112,7 @@ def _mismatch(saved: dict[str, int] | None, live: dict[str, int] | None) -> str:
     )
 
 
-def _shown(layout: Mapping[str, int]) -> str:
+def _shown(layout: Mapping[str, Any]) -> str:
     return (
         f"{plural(layout['row_blocks'], 'row block')} of {layout['rows_per_block']} rows "
         f"over input size {layout['input_size']}"
