@@ -52,6 +52,18 @@ CASES = {
         ),
         4,
     ),
+    # Ranks 0 and 1 hold no module.
+    "w3_table_wise_on_one_rank_lru_adagrad": (
+        Case(
+            3,
+            {"t": table_wise(2), "u": table_wise(2)},
+            "lru",
+            Adagrad(lr=0.1),
+            interval=3,
+            init_fn=True,
+        ),
+        4,
+    ),
     "w2_row_wise_lfu_rowwise_adagrad_seeded": (
         Case(2, {"t": row_wise(), "u": row_wise()}, "lfu", RowWiseAdagrad(lr=0.1), meta=True),
         3,
