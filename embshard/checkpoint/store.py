@@ -11,6 +11,9 @@ Inside, DCP's files hold one state dict:
     dense_optimizer.*           the dense optimizer (FQN-keyed, DCP's state_dict API)
     dynamic.*                   dynamic tables' id maps, counts and forward count
                                 (``checkpoint.dynamic``; absent without dynamic tables)
+    managed_collision.*         each row block's TorchRec MCH module, whole
+                                (``checkpoint.managed_collision``; absent without
+                                managed-collision tables)
     embshard                    JSON: step, world size, sharding group size and replicas
                                 (2-D meshes), each table's shards and optimizer (and a
                                 dynamic table's IdMapSpec), and the training config
@@ -63,6 +66,7 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
+from embshard.checkpoint import managed_collision as mc
 from embshard.checkpoint.dynamic import (
     DYNAMIC,
     check_specs,
@@ -129,6 +133,8 @@ def _describe(
             }
             if name in specs:  # static tables' descriptions stay as they were
                 tables[key][DYNAMIC] = spec_record(specs[name])
+            if (managed := mc.record(module, name)) is not None:
+                tables[key][mc.RECORD] = managed
     world = dist.get_world_size()
     meshes = [module.sharding_mesh for module in _sharded(model).values()]
     group = meshes[0].size if meshes else world  # shard_model gives every collection one mesh
@@ -186,6 +192,8 @@ def save(
     dynamic = save_state(_sharded(model))
     if dynamic:
         state[DYNAMIC] = dynamic
+    if managed := mc.save_state(_sharded(model)):
+        state[mc.MANAGED] = managed
     state[META] = json.dumps(_describe(model, step, job, config))
     dcp.save(state, checkpoint_id=aside)
     _record_checksums(aside)
@@ -493,11 +501,16 @@ def load(
         return _load_model_state(path, metadata, recorded, model, strict)
     saved = read_description(path)
     check_specs(path, saved["tables"], _sharded(model))
+    mc.check(path, saved["tables"], _sharded(model))
     targets, commits = _targets(_state(model, optimizer), saved, model)
     dynamic, restore = load_targets(_sharded(model))
     if dynamic:
         targets[DYNAMIC] = dynamic
         commits.append(restore)
+    managed, restore_managed = mc.load_targets(metadata, _sharded(model))
+    if managed:
+        targets[mc.MANAGED] = managed
+        commits.append(restore_managed)
     _check(path, metadata, targets, "model." if strict else None)
     _verify_reads(path, metadata, recorded, targets)
     _read(path, targets)
@@ -555,6 +568,7 @@ def _load_model_state(
     """A DCP checkpoint of a plain state dict (an unsharded TorchRec model's, say):
     its keys are the model's own. Returns step 0."""
     refuse_without_maps(path, _sharded(model))
+    mc.refuse_plain(path, _sharded(model))
     live = _unwrap(model).state_dict()
     _check(path, metadata, live, "" if strict else None)
     _verify_reads(path, metadata, recorded, live)

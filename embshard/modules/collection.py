@@ -379,6 +379,12 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
         tables): what checkpoints save and restore."""
         return self._dynamic
 
+    @property
+    def managed_collisions(self) -> ManagedCollisions | None:
+        """The managed-collision modules the collection was given, by table (None
+        without): the same on every rank, what checkpoints record and check."""
+        return self._managed_collisions
+
     def managed_collision_modules(self) -> dict[str, MCHManagedCollisionModule]:
         """This rank's managed-collision modules, by table (``storage.managed_collision``);
         empty without managed-collision tables or where the rank holds none."""

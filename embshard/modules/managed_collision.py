@@ -20,7 +20,7 @@ class ShardedManagedCollisionEmbeddingBagCollection(nn.Module):
     """The sharded form of a TorchRec ``ManagedCollisionEmbeddingBagCollection``: the
     same call and output, ``(KeyedTensor, None)``. Its state dict holds the tables under
     the unsharded module's keys (``_embedding_module.embedding_bags.<table>.weight``),
-    not the MCH modules' state."""
+    not the MCH modules' state (checkpoints save those: ``checkpoint.managed_collision``)."""
 
     def __init__(self, collection: ShardedEmbeddingBagCollection) -> None:
         super().__init__()
