@@ -12,6 +12,7 @@ any split of the buckets over ranks gives the same map.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -104,7 +105,12 @@ class RemapResult:
 
 class _Slots:
     """A table of ``(buckets, rows_per_bucket)`` slots: key, occupied, last step seen and
-    sightings. Used for the map and for the probation of keys not admitted yet."""
+    sightings. Used for the map and for the probation of keys not admitted yet.
+
+    Beside them, derived from them: an index of the live keys, sorted (``index_keys``),
+    with each one's flat slot (``index_slots``), so a key is found by a binary search.
+    ``write`` and ``clear`` keep it up to date by a merge, without a sort;
+    ``reindex`` rebuilds it (after the slots are loaded)."""
 
     dtypes = (
         ("keys", torch.int64),
@@ -117,27 +123,31 @@ class _Slots:
     occupied: torch.Tensor
     last_seen: torch.Tensor
     hits: torch.Tensor
+    index_keys: torch.Tensor
+    index_slots: torch.Tensor
 
     def __init__(self, buckets: int, rows: int, device: torch.device) -> None:
         for name, dtype in self.dtypes:
             setattr(self, name, torch.zeros((buckets, rows), dtype=dtype, device=device))
+        self.reindex()
 
     @classmethod
     def slot_bytes(cls) -> int:
         return sum(dtype.itemsize for _, dtype in cls.dtypes)
 
-    def find(self, touched: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The flat slot (``bucket * rows + slot``) of each unique key ``ids``, -1 where
-        absent; ``touched``: their buckets. A sort-join over the touched buckets' slots only."""
-        rows = self.keys.shape[1]
-        # Empty slots hold -1, which no key equals: live keys are distinct, so one
-        # unstable sort orders them.
-        keys = torch.where(_of(self.occupied, touched), _of(self.keys, touched), -1).flatten()
-        sorted_keys, order = torch.sort(keys)
-        pos = torch.searchsorted(sorted_keys, ids).clamp_(max=len(sorted_keys) - 1)
-        slot = order[pos]
-        flat = touched[torch.div(slot, rows, rounding_mode="floor")] * rows + slot % rows
-        return torch.where(sorted_keys[pos] == ids, flat, -1)
+    def reindex(self) -> None:
+        """Rebuild the index of live keys from the slots."""
+        flat = self.occupied.view(-1).nonzero()[:, 0]
+        self.index_keys, order = torch.sort(self.keys.view(-1)[flat])
+        self.index_slots = flat[order]
+
+    def find(self, ids: torch.Tensor) -> torch.Tensor:
+        """The flat slot (``bucket * rows + slot``) of each key ``ids``, -1 where absent:
+        a binary search of the index."""
+        if not len(self.index_keys):
+            return torch.full_like(ids, -1)
+        pos = torch.searchsorted(self.index_keys, ids).clamp_(max=len(self.index_keys) - 1)
+        return torch.where(self.index_keys[pos] == ids, self.index_slots[pos], -1)
 
     def victims(
         self, touched: torch.Tensor, evictable: torch.Tensor, by_hits: bool
@@ -147,14 +157,13 @@ class _Slots:
         last step seen, ties by slot; ``evictable`` is ``(len(touched), rows)``. Slots
         are the same wherever a bucket is held, so the order is too."""
         occupied = _of(self.occupied, touched)
-        live = occupied.long()
-        kind = torch.where(occupied, 1 + (~evictable).long(), 0)  # empty, evictable, kept
+        kind = occupied.long() + (occupied & ~evictable).long()  # empty, evictable, kept
         # Stable sorts, least significant key first; the last carries the kind in its
         # top bits (steps stay below _STEP_LIMIT, and so do sightings in any real stream).
-        keys = [_of(self.last_seen, touched) * live]
+        keys = [torch.where(occupied, _of(self.last_seen, touched), 0)]
         if by_hits:
-            keys.append(_of(self.hits, touched) * live)
-        keys[-1] = keys[-1] | (kind << 61)
+            keys.append(torch.where(occupied, _of(self.hits, touched), 0))
+        keys[-1] |= kind << 61
         order = torch.sort(keys[0], dim=1, stable=True)[1]
         for key in keys[1:]:
             order = order.gather(1, torch.sort(key.gather(1, order), dim=1, stable=True)[1])
@@ -166,26 +175,63 @@ class _Slots:
         evictable: torch.Tensor,
         by_hits: bool,
         group: torch.Tensor,
-        wants: torch.Tensor,
+        rank: torch.Tensor,
     ) -> torch.Tensor:
-        """The flat slot each wanting id takes (-1: none left, or not wanting).
-
-        Keys come in order, ``group``: their index into ``touched``; the
-        r-th wanting id of a bucket takes that bucket's r-th victim."""
+        """The flat slot each new key takes (-1: none left): the ``rank``-th new key of
+        bucket ``touched[group]`` takes that bucket's ``rank``-th victim."""
         order, free = self.victims(touched, evictable, by_hits)
-        taken = torch.cumsum(wants.long(), 0)
-        starts = torch.searchsorted(group, torch.arange(len(touched), device=group.device))
-        before = (taken - wants.long())[starts]
-        rank = taken - 1 - before[group]
-        ok = wants & (rank < free[group])
-        slot = order[group, rank.clamp(0, order.shape[1] - 1)]
-        return torch.where(ok, touched[group] * order.shape[1] + slot, -1)
+        slot = order[group, rank.clamp(max=order.shape[1] - 1)]
+        return torch.where(rank < free[group], touched[group] * order.shape[1] + slot, -1)
 
-    def write(self, flat: torch.Tensor, keys: torch.Tensor, step: int, hits: torch.Tensor) -> None:
+    def write(
+        self, flat: torch.Tensor, keys: torch.Tensor, step: int, hits: torch.Tensor
+    ) -> torch.Tensor:
+        """Give the distinct slots ``flat`` to ``keys`` (sorted, none live); returns how
+        many live keys they held (0-d)."""
+        held = self.occupied.view(-1)[flat]
+        gone = self.keys.view(-1)[flat][held]
         self.keys.view(-1)[flat] = keys
         self.occupied.view(-1)[flat] = True
         self.last_seen.view(-1)[flat] = step
         self.hits.view(-1)[flat] = hits
+        self._merge(gone, keys, flat)
+        return held.sum()
+
+    def clear(self, flat: torch.Tensor) -> None:
+        """Empty the live slots ``flat``."""
+        gone = self.keys.view(-1)[flat]
+        self.occupied.view(-1)[flat] = False
+        self._merge(gone, gone[:0], flat[:0])
+
+    def _merge(self, gone: torch.Tensor, keys: torch.Tensor, flat: torch.Tensor) -> None:
+        """The index without the keys ``gone`` and with ``keys`` (sorted) at ``flat``:
+        every entry's new place from two cumulative counts, then one scatter."""
+        if not len(gone) and not len(keys):
+            return
+        old = self.index_keys
+        size = len(old) - len(gone) + len(keys)
+        removed = torch.searchsorted(old, gone)
+        inserted = torch.searchsorted(old, keys)
+        # Entry j moves up by the keys inserted at or before it and down by the entries
+        # removed before it; a new key lands after the kept entries below it and the
+        # new keys before it. Removed entries go to a spare last place, then cut.
+        before = torch.zeros(len(old) + 1, dtype=torch.int64, device=old.device)
+        before.index_add_(0, removed + 1, torch.ones_like(removed))
+        before = before.cumsum_(0)
+        shift = torch.zeros(len(old) + 1, dtype=torch.int64, device=old.device)
+        shift.index_add_(0, inserted, torch.ones_like(inserted))
+        place = (
+            shift.cumsum_(0)[:-1].sub_(before[:-1]).add_(torch.arange(len(old), device=old.device))
+        )
+        place[removed] = size
+        new = torch.arange(len(keys), device=old.device).add_(inserted).sub_(before[inserted])
+        index_keys = old.new_empty(size + 1)
+        index_slots = old.new_empty(size + 1)
+        index_keys[place] = old
+        index_slots[place] = self.index_slots
+        index_keys[new] = keys
+        index_slots[new] = flat
+        self.index_keys, self.index_slots = index_keys[:size], index_slots[:size]
 
     def seen(self, flat: torch.Tensor, step: int, hits: torch.Tensor) -> None:
         self.last_seen.view(-1)[flat] = step
@@ -254,11 +300,7 @@ class IdMap:
         sighting, admission or eviction): what a forward that must not learn reads
         (evaluation, as TorchRec's managed-collision modules outside training)."""
         self._check(keys, self.step or 0)
-        if len(keys) == 0:
-            return keys.new_empty(0)
-        uniq, inverse = torch.unique(keys, return_inverse=True)
-        touched = torch.unique_consecutive(bucket_of(uniq, self.spec.buckets) - self.first)
-        return self.slots.find(touched, uniq)[inverse]
+        return self.slots.find(keys)
 
     def remap(self, keys: torch.Tensor, step: int) -> RemapResult:
         """Each key's local row (-1: none) at ``step`` (non-decreasing over calls), admitting
@@ -275,67 +317,85 @@ class IdMap:
         if len(keys) == 0:
             zero = torch.zeros((), dtype=torch.int64, device=self.device)
             return RemapResult(empty, empty, empty, zero, zero)
-        # Sorted keys are in bucket order: a bucket is a range of keys.
         uniq, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
-        touched, group = torch.unique_consecutive(
-            bucket_of(uniq, self.spec.buckets) - self.first, return_inverse=True
-        )
-        slots, rows = self.slots, self.spec.rows_per_bucket
+        slots = self.slots
 
-        found = slots.find(touched, uniq)
+        found = slots.find(uniq)
         live = found >= 0
-        seen = live.nonzero()[:, 0]
-        slots.seen(found[seen], step, slots.hits.view(-1)[found[seen]] + counts[seen])
+        seen = found[live]
+        slots.seen(seen, step, slots.hits.view(-1)[seen] + counts[live])
 
         new, total, waiting = ~live, counts, None
         if self.probation is not None:
-            waiting = self.probation.find(touched, uniq)
+            waiting = self.probation.find(uniq)
             total = counts + torch.where(
                 waiting >= 0, self.probation.hits.view(-1)[waiting.clamp(min=0)], 0
             )
-        due = new & (total >= self.spec.admit_after)
+        due = (new & (total >= self.spec.admit_after)).nonzero()[:, 0]
 
-        seen_now = _marked(touched, rows, group[seen], found[seen])
-        evictable = self.spec.evictable(seen_now, _of(slots.last_seen, touched), step)
-        taken = slots.take(touched, evictable, self.spec.policy == "lfu", group, due)
-        admit = taken >= 0
-        got = admit.nonzero()[:, 0]
-        evicted = slots.occupied.view(-1)[taken[got]].sum()
-        slots.write(taken[got], uniq[got], step, total[got])
+        def evictable(seen_now: torch.Tensor, touched: torch.Tensor) -> torch.Tensor:
+            return self.spec.evictable(seen_now, _of(slots.last_seen, touched), step)
+
+        taken = torch.full_like(uniq, -1)
+        taken[due] = self._take(slots, uniq[due], seen, evictable, self.spec.policy == "lfu")
+        got = due[taken[due] >= 0]
+        evicted = slots.write(taken[got], uniq[got], step, total[got])
 
         if self.probation is not None and waiting is not None:
-            self._wait(touched, group, uniq, total, waiting, admit, new & ~admit, step)
+            self._wait(uniq, total, waiting, taken >= 0, new, step)
 
         return RemapResult(
             rows=torch.where(live, found, taken)[inverse],
             admitted=taken[got],
             admitted_keys=uniq[got],
             evicted=evicted,
-            overflow=(due & ~admit).sum(),
+            overflow=(taken[due] < 0).sum(),
         )
+
+    def _take(
+        self,
+        slots: _Slots,
+        keys: torch.Tensor,
+        seen: torch.Tensor,
+        evictable: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        by_hits: bool,
+    ) -> torch.Tensor:
+        """The flat slot of ``slots`` each key of ``keys`` (sorted, none there) takes, -1
+        where none is left: a bucket's r-th key takes its r-th victim. Only the buckets
+        of ``keys`` are ranked; ``seen``: the slots seen in this call, which
+        ``evictable(seen_now, buckets)`` reads as a mask of those buckets' slots."""
+        if not len(keys):
+            return keys
+        touched, group, counts = torch.unique_consecutive(
+            bucket_of(keys, self.spec.buckets) - self.first,
+            return_inverse=True,
+            return_counts=True,
+        )
+        rank = torch.arange(len(keys), device=keys.device) - (counts.cumsum(0) - counts)[group]
+        seen_now = _marked(touched, self.spec.rows_per_bucket, seen)
+        return slots.take(touched, evictable(seen_now, touched), by_hits, group, rank)
 
     def _wait(
         self,
-        touched: torch.Tensor,
-        group: torch.Tensor,
         uniq: torch.Tensor,
         total: torch.Tensor,
         waiting: torch.Tensor,
         admit: torch.Tensor,
-        wait: torch.Tensor,
+        new: torch.Tensor,
         step: int,
     ) -> None:
         """Probation after admission: admitted ids leave it, ids still waiting are seen
         (kept this call) or enter it, taking free slots, then the least recently seen."""
-        probation, known = self.probation, waiting >= 0
+        probation, known, wait = self.probation, waiting >= 0, new & ~admit
         assert probation is not None
-        probation.occupied.view(-1)[waiting[(known & admit).nonzero()[:, 0]]] = False
-        stay = (known & wait).nonzero()[:, 0]
-        probation.seen(waiting[stay], step, total[stay])
-        kept = ~_marked(touched, self.spec.rows_per_bucket, group[stay], waiting[stay])
-        taken = probation.take(touched, kept, False, group, wait & ~known)
-        enter = (taken >= 0).nonzero()[:, 0]
-        probation.write(taken[enter], uniq[enter], step, total[enter])
+        probation.clear(waiting[known & admit])
+        stay = known & wait
+        seen = waiting[stay]
+        probation.seen(seen, step, total[stay])
+        enter = (wait & ~known).nonzero()[:, 0]
+        taken = self._take(probation, uniq[enter], seen, lambda seen_now, _: ~seen_now, False)
+        ok = taken >= 0
+        probation.write(taken[ok], uniq[enter][ok], step, total[enter][ok])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The map's plain tensors, each ``(buckets of this range, rows_per_bucket)``:
@@ -361,6 +421,9 @@ class IdMap:
                 )
         for name, tensor in mine.items():
             tensor.copy_(state[name])
+        self.slots.reindex()
+        if self.probation is not None:
+            self.probation.reindex()
 
 
 def _of(table: torch.Tensor, touched: torch.Tensor) -> torch.Tensor:
@@ -369,10 +432,12 @@ def _of(table: torch.Tensor, touched: torch.Tensor) -> torch.Tensor:
     return table if len(touched) == len(table) else table[touched]
 
 
-def _marked(
-    touched: torch.Tensor, rows: int, group: torch.Tensor, flat: torch.Tensor
-) -> torch.Tensor:
-    """A ``(len(touched), rows)`` mask, true at the given flat slots of ``group``'s buckets."""
+def _marked(touched: torch.Tensor, rows: int, flat: torch.Tensor) -> torch.Tensor:
+    """A ``(len(touched), rows)`` mask of the buckets ``touched`` (distinct, in order),
+    true at the flat slots ``flat`` that are theirs."""
     mask = torch.zeros(len(touched), rows, dtype=torch.bool, device=touched.device)
-    mask[group, flat % rows] = True
+    bucket = torch.div(flat, rows, rounding_mode="floor")
+    at = torch.searchsorted(touched, bucket).clamp_(max=len(touched) - 1)
+    mine = touched[at] == bucket
+    mask[at[mine], flat[mine] % rows] = True
     return mask
