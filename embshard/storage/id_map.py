@@ -125,6 +125,7 @@ class _Slots:
     hits: torch.Tensor
     index_keys: torch.Tensor
     index_slots: torch.Tensor
+    newest: int  # no step seen is later: the slots' victims may pack it with a slot
 
     def __init__(self, buckets: int, rows: int, device: torch.device) -> None:
         for name, dtype in self.dtypes:
@@ -136,7 +137,8 @@ class _Slots:
         return sum(dtype.itemsize for _, dtype in cls.dtypes)
 
     def reindex(self) -> None:
-        """Rebuild the index of live keys from the slots."""
+        """Rebuild the index of live keys from the slots (one host sync: ``.item()``)."""
+        self.newest = int(self.last_seen.max().item())
         flat = self.occupied.view(-1).nonzero()[:, 0]
         self.index_keys, order = torch.sort(self.keys.view(-1)[flat])
         self.index_slots = flat[order]
@@ -147,27 +149,41 @@ class _Slots:
         if not len(self.index_keys):
             return torch.full_like(ids, -1)
         pos = torch.searchsorted(self.index_keys, ids).clamp_(max=len(self.index_keys) - 1)
-        return torch.where(self.index_keys[pos] == ids, self.index_slots[pos], -1)
+        hit = self.index_keys.gather(0, pos) == ids
+        return torch.where(hit, self.index_slots.gather(0, pos), -1)
 
     def victims(
-        self, touched: torch.Tensor, evictable: torch.Tensor, by_hits: bool
+        self, touched: torch.Tensor, evictable: torch.Tensor, by_hits: bool, most: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each touched bucket's slots in the order new keys take them, and how many may
-        be taken: empty slots, then the evictable live ones by (sightings if ``by_hits``,)
-        last step seen, ties by slot; ``evictable`` is ``(len(touched), rows)``. Slots
-        are the same wherever a bucket is held, so the order is too."""
+        """The first ``most`` slots of each touched bucket in the order new keys take
+        them, and how many may be taken: empty slots, then the evictable live ones by
+        (sightings if ``by_hits``,) last step seen, ties by slot; ``evictable`` is
+        ``(len(touched), rows)``. Slots are the same wherever a bucket is held, so the
+        order is too."""
+        # Masks multiply (a where over these slots costs several times more).
         occupied = _of(self.occupied, touched)
-        kind = occupied.long() + (occupied & ~evictable).long()  # empty, evictable, kept
+        rows, live = occupied.shape[1], occupied.long()
+        kind = (occupied & ~evictable).long().add_(live)  # empty, evictable, kept
+        last_seen = _of(self.last_seen, touched) * live
+        free = (kind < 2).sum(1)
+        bits = (rows - 1).bit_length()
+        if not by_hits and self.newest < 1 << (61 - bits):
+            # (kind, last step seen, slot) in one int64, distinct in a bucket: the
+            # first few by a partial sort.
+            slot = torch.arange(rows, device=kind.device)
+            key = last_seen.bitwise_left_shift_(bits).bitwise_or_(slot)
+            key.bitwise_or_(kind.bitwise_left_shift_(61))
+            return torch.topk(key, most, dim=1, largest=False).indices, free
         # Stable sorts, least significant key first; the last carries the kind in its
         # top bits (steps stay below _STEP_LIMIT, and so do sightings in any real stream).
-        keys = [torch.where(occupied, _of(self.last_seen, touched), 0)]
+        keys = [last_seen]
         if by_hits:
-            keys.append(torch.where(occupied, _of(self.hits, touched), 0))
-        keys[-1] |= kind << 61
+            keys.append(_of(self.hits, touched) * live)
+        keys[-1] = keys[-1] | (kind << 61)
         order = torch.sort(keys[0], dim=1, stable=True)[1]
         for key in keys[1:]:
             order = order.gather(1, torch.sort(key.gather(1, order), dim=1, stable=True)[1])
-        return order, (kind < 2).sum(1)
+        return order[:, :most], free
 
     def take(
         self,
@@ -176,31 +192,33 @@ class _Slots:
         by_hits: bool,
         group: torch.Tensor,
         rank: torch.Tensor,
+        most: int,
     ) -> torch.Tensor:
         """The flat slot each new key takes (-1: none left): the ``rank``-th new key of
-        bucket ``touched[group]`` takes that bucket's ``rank``-th victim."""
-        order, free = self.victims(touched, evictable, by_hits)
-        slot = order[group, rank.clamp(max=order.shape[1] - 1)]
-        return torch.where(rank < free[group], touched[group] * order.shape[1] + slot, -1)
+        bucket ``touched[group]`` takes that bucket's ``rank``-th victim; no bucket has
+        over ``most`` new keys."""
+        order, free = self.victims(touched, evictable, by_hits, most)
+        slot = order.reshape(-1).gather(0, group * most + rank.clamp(max=most - 1))
+        rows = self.keys.shape[1]
+        return torch.where(rank < free[group], touched[group] * rows + slot, -1)
 
     def write(
         self, flat: torch.Tensor, keys: torch.Tensor, step: int, hits: torch.Tensor
     ) -> torch.Tensor:
         """Give the distinct slots ``flat`` to ``keys`` (sorted, none live); returns how
         many live keys they held (0-d)."""
-        held = self.occupied.view(-1)[flat]
-        gone = self.keys.view(-1)[flat][held]
-        self.keys.view(-1)[flat] = keys
-        self.occupied.view(-1)[flat] = True
-        self.last_seen.view(-1)[flat] = step
-        self.hits.view(-1)[flat] = hits
+        held = self.occupied.view(-1).gather(0, flat)
+        gone = self.keys.view(-1).gather(0, flat)[held]
+        self.keys.view(-1).scatter_(0, flat, keys)
+        self.occupied.view(-1).scatter_(0, flat, True)
+        self.seen(flat, step, hits)
         self._merge(gone, keys, flat)
         return held.sum()
 
     def clear(self, flat: torch.Tensor) -> None:
         """Empty the live slots ``flat``."""
-        gone = self.keys.view(-1)[flat]
-        self.occupied.view(-1)[flat] = False
+        gone = self.keys.view(-1).gather(0, flat)
+        self.occupied.view(-1).scatter_(0, flat, False)
         self._merge(gone, gone[:0], flat[:0])
 
     def _merge(self, gone: torch.Tensor, keys: torch.Tensor, flat: torch.Tensor) -> None:
@@ -223,19 +241,18 @@ class _Slots:
         place = (
             shift.cumsum_(0)[:-1].sub_(before[:-1]).add_(torch.arange(len(old), device=old.device))
         )
-        place[removed] = size
-        new = torch.arange(len(keys), device=old.device).add_(inserted).sub_(before[inserted])
-        index_keys = old.new_empty(size + 1)
-        index_slots = old.new_empty(size + 1)
-        index_keys[place] = old
-        index_slots[place] = self.index_slots
-        index_keys[new] = keys
-        index_slots[new] = flat
+        place.scatter_(0, removed, size)
+        new = torch.arange(len(keys), device=old.device).add_(inserted)
+        new.sub_(before.gather(0, inserted))
+        index_keys = old.new_empty(size + 1).scatter_(0, place, old).scatter_(0, new, keys)
+        index_slots = old.new_empty(size + 1).scatter_(0, place, self.index_slots)
+        index_slots.scatter_(0, new, flat)
         self.index_keys, self.index_slots = index_keys[:size], index_slots[:size]
 
     def seen(self, flat: torch.Tensor, step: int, hits: torch.Tensor) -> None:
-        self.last_seen.view(-1)[flat] = step
-        self.hits.view(-1)[flat] = hits
+        self.last_seen.view(-1).scatter_(0, flat, step)
+        self.hits.view(-1).scatter_(0, flat, hits)
+        self.newest = max(self.newest, step)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self.names}
@@ -336,8 +353,9 @@ class IdMap:
         def evictable(seen_now: torch.Tensor, touched: torch.Tensor) -> torch.Tensor:
             return self.spec.evictable(seen_now, _of(slots.last_seen, touched), step)
 
-        taken = torch.full_like(uniq, -1)
-        taken[due] = self._take(slots, uniq[due], seen, evictable, self.spec.policy == "lfu")
+        taken = torch.full_like(uniq, -1).scatter_(
+            0, due, self._take(slots, uniq[due], seen, evictable, self.spec.policy == "lfu")
+        )
         got = due[taken[due] >= 0]
         evicted = slots.write(taken[got], uniq[got], step, total[got])
 
@@ -373,7 +391,8 @@ class IdMap:
         )
         rank = torch.arange(len(keys), device=keys.device) - (counts.cumsum(0) - counts)[group]
         seen_now = _marked(touched, self.spec.rows_per_bucket, seen)
-        return slots.take(touched, evictable(seen_now, touched), by_hits, group, rank)
+        most = min(self.spec.rows_per_bucket, int(counts.max().item()))
+        return slots.take(touched, evictable(seen_now, touched), by_hits, group, rank, most)
 
     def _wait(
         self,
@@ -429,7 +448,7 @@ class IdMap:
 def _of(table: torch.Tensor, touched: torch.Tensor) -> torch.Tensor:
     """The rows of ``table`` (a row a bucket) of the buckets ``touched`` (distinct, in
     order): the table itself, uncopied, where they are all of its buckets."""
-    return table if len(touched) == len(table) else table[touched]
+    return table if len(touched) == len(table) else table.index_select(0, touched)
 
 
 def _marked(touched: torch.Tensor, rows: int, flat: torch.Tensor) -> torch.Tensor:
@@ -438,6 +457,6 @@ def _marked(touched: torch.Tensor, rows: int, flat: torch.Tensor) -> torch.Tenso
     mask = torch.zeros(len(touched), rows, dtype=torch.bool, device=touched.device)
     bucket = torch.div(flat, rows, rounding_mode="floor")
     at = torch.searchsorted(touched, bucket).clamp_(max=len(touched) - 1)
-    mine = touched[at] == bucket
-    mask[at[mine], flat[mine] % rows] = True
+    mine = (touched.gather(0, at) == bucket).nonzero()[:, 0]
+    mask.view(-1).scatter_(0, (at * rows + flat % rows)[mine], True)
     return mask
