@@ -223,27 +223,23 @@ class _Slots:
 
     def _merge(self, gone: torch.Tensor, keys: torch.Tensor, flat: torch.Tensor) -> None:
         """The index without the keys ``gone`` and with ``keys`` (sorted) at ``flat``:
-        every entry's new place from two cumulative counts, then one scatter."""
+        every entry's new place from one cumulative count, then one scatter."""
         if not len(gone) and not len(keys):
             return
-        old = self.index_keys
+        old, device = self.index_keys, self.index_keys.device
         size = len(old) - len(gone) + len(keys)
-        removed = torch.searchsorted(old, gone)
+        removed = torch.searchsorted(old, gone).sort()[0]
         inserted = torch.searchsorted(old, keys)
         # Entry j moves up by the keys inserted at or before it and down by the entries
         # removed before it; a new key lands after the kept entries below it and the
         # new keys before it. Removed entries go to a spare last place, then cut.
-        before = torch.zeros(len(old) + 1, dtype=torch.int64, device=old.device)
-        before.index_add_(0, removed + 1, torch.ones_like(removed))
-        before = before.cumsum_(0)
-        shift = torch.zeros(len(old) + 1, dtype=torch.int64, device=old.device)
-        shift.index_add_(0, inserted, torch.ones_like(inserted))
-        place = (
-            shift.cumsum_(0)[:-1].sub_(before[:-1]).add_(torch.arange(len(old), device=old.device))
-        )
-        place.scatter_(0, removed, size)
-        new = torch.arange(len(keys), device=old.device).add_(inserted)
-        new.sub_(before.gather(0, inserted))
+        place = torch.ones(len(old) + 1, dtype=torch.int64, device=device)
+        place[0] = 0
+        place.index_add_(0, inserted, torch.ones_like(inserted))
+        place.index_add_(0, removed + 1, torch.full_like(removed, -1))
+        place = place.cumsum_(0)[:-1].scatter_(0, removed, size)
+        new = torch.arange(len(keys), device=device).add_(inserted)
+        new.sub_(torch.searchsorted(removed, inserted))
         index_keys = old.new_empty(size + 1).scatter_(0, place, old).scatter_(0, new, keys)
         index_slots = old.new_empty(size + 1).scatter_(0, place, self.index_slots)
         index_slots.scatter_(0, new, flat)
