@@ -153,33 +153,39 @@ class _Slots:
         return torch.where(hit, self.index_slots.gather(0, pos), -1)
 
     def victims(
-        self, touched: torch.Tensor, evictable: torch.Tensor, by_hits: bool, most: int
+        self,
+        touched: torch.Tensor,
+        evictable: Callable[[torch.Tensor], torch.Tensor],
+        by_hits: bool,
+        most: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``most`` slots of each touched bucket in the order new keys take
         them, and how many may be taken: empty slots, then the evictable live ones by
-        (sightings if ``by_hits``,) last step seen, ties by slot; ``evictable`` is
-        ``(len(touched), rows)``. Slots are the same wherever a bucket is held, so the
-        order is too."""
-        # Masks multiply (a where over these slots costs several times more).
+        (sightings if ``by_hits``,) last step seen, ties by slot; ``evictable(last_seen)``
+        gives the ``(len(touched), rows)`` mask of the live slots the policy gives up.
+        Slots are the same wherever a bucket is held, so the order is too."""
         occupied = _of(self.occupied, touched)
-        rows, live = occupied.shape[1], occupied.long()
-        kind = (occupied & ~evictable).long().add_(live)  # empty, evictable, kept
-        last_seen = _of(self.last_seen, touched) * live
-        free = (kind < 2).sum(1)
+        last_seen = _of(self.last_seen, touched)
+        kept = occupied & ~evictable(last_seen)
+        rows = occupied.shape[1]
+        free = rows - kept.sum(1)
         bits = (rows - 1).bit_length()
+        # The kind of slot in the top bits: 0 empty, 1 evictable, 2 kept. Masks multiply
+        # and add in place: fresh tensors and a where over these slots cost several
+        # times more.
+        key = last_seen * occupied
         if not by_hits and self.newest < 1 << (61 - bits):
             # (kind, last step seen, slot) in one int64, distinct in a bucket: the
             # first few by a partial sort.
-            slot = torch.arange(rows, device=kind.device)
-            key = last_seen.bitwise_left_shift_(bits).bitwise_or_(slot)
-            key.bitwise_or_(kind.bitwise_left_shift_(61))
+            key.bitwise_left_shift_(bits).bitwise_or_(torch.arange(rows, device=key.device))
+            key.add_(occupied, alpha=1 << 61).add_(kept, alpha=1 << 61)
             return torch.topk(key, most, dim=1, largest=False).indices, free
         # Stable sorts, least significant key first; the last carries the kind in its
         # top bits (steps stay below _STEP_LIMIT, and so do sightings in any real stream).
-        keys = [last_seen]
+        keys = [key]
         if by_hits:
-            keys.append(_of(self.hits, touched) * live)
-        keys[-1] = keys[-1] | (kind << 61)
+            keys.append(_of(self.hits, touched) * occupied)
+        keys[-1].add_(occupied, alpha=1 << 61).add_(kept, alpha=1 << 61)
         order = torch.sort(keys[0], dim=1, stable=True)[1]
         for key in keys[1:]:
             order = order.gather(1, torch.sort(key.gather(1, order), dim=1, stable=True)[1])
@@ -188,7 +194,7 @@ class _Slots:
     def take(
         self,
         touched: torch.Tensor,
-        evictable: torch.Tensor,
+        evictable: Callable[[torch.Tensor], torch.Tensor],
         by_hits: bool,
         group: torch.Tensor,
         rank: torch.Tensor,
@@ -346,8 +352,8 @@ class IdMap:
             )
         due = (new & (total >= self.spec.admit_after)).nonzero()[:, 0]
 
-        def evictable(seen_now: torch.Tensor, touched: torch.Tensor) -> torch.Tensor:
-            return self.spec.evictable(seen_now, _of(slots.last_seen, touched), step)
+        def evictable(seen_now: torch.Tensor, last_seen: torch.Tensor) -> torch.Tensor:
+            return self.spec.evictable(seen_now, last_seen, step)
 
         taken = torch.full_like(uniq, -1).scatter_(
             0, due, self._take(slots, uniq[due], seen, evictable, self.spec.policy == "lfu")
@@ -377,7 +383,7 @@ class IdMap:
         """The flat slot of ``slots`` each key of ``keys`` (sorted, none there) takes, -1
         where none is left: a bucket's r-th key takes its r-th victim. Only the buckets
         of ``keys`` are ranked; ``seen``: the slots seen in this call, which
-        ``evictable(seen_now, buckets)`` reads as a mask of those buckets' slots."""
+        ``evictable(seen_now, last_seen)`` reads as masks of those buckets' slots."""
         if not len(keys):
             return keys
         touched, group, counts = torch.unique_consecutive(
@@ -388,7 +394,9 @@ class IdMap:
         rank = torch.arange(len(keys), device=keys.device) - (counts.cumsum(0) - counts)[group]
         seen_now = _marked(touched, self.spec.rows_per_bucket, seen)
         most = min(self.spec.rows_per_bucket, int(counts.max().item()))
-        return slots.take(touched, evictable(seen_now, touched), by_hits, group, rank, most)
+        return slots.take(
+            touched, lambda last_seen: evictable(seen_now, last_seen), by_hits, group, rank, most
+        )
 
     def _wait(
         self,
