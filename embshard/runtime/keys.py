@@ -38,13 +38,13 @@ def _shr(x: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.T
     return torch.bitwise_right_shift(x, bits, out=out).bitwise_and_((1 << (64 - bits)) - 1)
 
 
-def _finalize(z: torch.Tensor, spare: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finalizer, in place on ``z``; ``spare``: a buffer of its shape."""
+def _scramble(z: torch.Tensor, spare: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer but its last xor-shift, in place on ``z``; ``spare``: a
+    buffer of its shape."""
     z ^= _shr(z, 30, spare)
     z *= _MUL1
     z ^= _shr(z, 27, spare)
     z *= _MUL2
-    z ^= _shr(z, 31, spare)
     return z
 
 
@@ -53,7 +53,10 @@ def mix64(x: torch.Tensor) -> torch.Tensor:
     int64): one golden-ratio step then the finalizer. Torch's int64 add and multiply wrap
     the same way on every device, so the bits are the same everywhere."""
     z = x + _GAMMA
-    return _finalize(z, torch.empty_like(z))
+    spare = torch.empty_like(z)
+    z = _scramble(z, spare)
+    z ^= _shr(z, 31, spare)
+    return z
 
 
 def hash_ids(raw_ids: torch.Tensor) -> torch.Tensor:
@@ -98,7 +101,8 @@ def initial_rows(
     Value ``[i, c]`` is a counter-based hash of (seed, table, key, column): it does not
     depend on the row the key got, the batch, the device or the world size."""
     low, high = bounds
-    # mix64(key + column) is the finalizer of (key + _GAMMA) + column.
+    # mix64(key + column) is the finalizer of (key + _GAMMA) + column; its last
+    # xor-shift (by 31) leaves the top 33 bits as they are, and only the top 24 are kept.
     start = mix64(keys.to(torch.int64) ^ _table_key(seed, table)).add_(_GAMMA)
     columns = torch.arange(dim, dtype=torch.int64, device=keys.device)
     rows = torch.empty(len(keys), dim, dtype=torch.float32, device=keys.device)
@@ -107,7 +111,7 @@ def initial_rows(
     for first in range(0, len(keys), step):
         bits = start[first : first + step, None] + columns
         spare = torch.empty_like(bits)
-        _finalize(bits, spare)
+        _scramble(bits, spare)
         # 24 bits, exact in [0, 1): scaling by 2**-24 rounds nothing, so folding it
         # into (high - low) gives the same float64 values.
         unit = _shr(bits, 40, spare).to(torch.float64)
