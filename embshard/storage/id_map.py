@@ -108,9 +108,10 @@ class _Slots:
     sightings. Used for the map and for the probation of keys not admitted yet.
 
     Beside them, derived from them: an index of the live keys, sorted (``index_keys``),
-    with each one's flat slot (``index_slots``), so a key is found by a binary search.
-    ``write`` and ``clear`` keep it up to date by a merge, without a sort;
-    ``reindex`` rebuilds it (after the slots are loaded)."""
+    with each one's flat slot (``index_slots``), so a key is found by a binary search
+    instead of a sort of the slots at every call. ``write`` and ``clear`` keep it up to
+    date by a merge, without a sort; whatever changes the slots otherwise calls
+    ``reindex`` (a load)."""
 
     dtypes = (
         ("keys", torch.int64),
@@ -229,7 +230,8 @@ class _Slots:
 
     def _merge(self, gone: torch.Tensor, keys: torch.Tensor, flat: torch.Tensor) -> None:
         """The index without the keys ``gone`` and with ``keys`` (sorted) at ``flat``:
-        every entry's new place from one cumulative count, then one scatter."""
+        every entry's new place from one cumulative count, then scatters (linear in
+        the live keys, where a sort is not)."""
         if not len(gone) and not len(keys):
             return
         old, device = self.index_keys, self.index_keys.device
@@ -422,7 +424,9 @@ class IdMap:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The map's plain tensors, each ``(buckets of this range, rows_per_bucket)``:
-        the bucket axis splits and joins across ranges."""
+        the bucket axis splits and joins across ranges. They are the map's own: change
+        them through ``load_state_dict`` only, which rebuilds the index of live keys
+        derived from them."""
         state = self.slots.tensors()
         if self.probation is not None:
             state |= {f"probation_{k}": v for k, v in self.probation.tensors().items()}
