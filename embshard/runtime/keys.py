@@ -29,7 +29,8 @@ _MUL1 = _signed(0xBF58476D1CE4E5B9)
 _MUL2 = _signed(0x94D049BB133111EB)
 
 
-# Values initial_rows works on at a time: its int64 temporaries stay in cache.
+# Values initial_rows works on at a time (a few thousand rows): the dozen passes over
+# its int64 temporaries stay in cache.
 _CHUNK = 1 << 18
 
 
@@ -106,7 +107,6 @@ def initial_rows(
     start = mix64(keys.to(torch.int64) ^ _table_key(seed, table)).add_(_GAMMA)
     columns = torch.arange(dim, dtype=torch.int64, device=keys.device)
     rows = torch.empty(len(keys), dim, dtype=torch.float32, device=keys.device)
-    # A few thousand rows at a time: the dozen passes over them stay in cache.
     step = max(1, _CHUNK // max(dim, 1))
     for first in range(0, len(keys), step):
         bits = start[first : first + step, None] + columns
