@@ -459,10 +459,11 @@ def test_the_index_of_live_keys_follows_evictions_probation_and_loads(policy: st
     assert evicted > 0 and left > 0
 
 
-@pytest.mark.parametrize("policy", ["lru", "ttl"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "ttl"])
 def test_steps_too_large_to_pack_with_a_slot_give_the_reference(policy: str) -> None:
-    """Victims pack (last step, slot) in one int64 while steps allow it; past that they
-    are ranked by stable sorts: both give the reference, across the switch."""
+    """Victims pack ((sightings,) last step, slot) in one int64 while they fit; past
+    that they are ranked by stable sorts: both give the reference, across the switch
+    (lfu's sightings take bits too: here it sorts throughout)."""
     spec = IdMapSpec(
         buckets=2, rows_per_bucket=3, policy=policy, ttl_steps=2 if policy == "ttl" else None
     )

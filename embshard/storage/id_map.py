@@ -126,7 +126,7 @@ class _Slots:
     hits: torch.Tensor
     index_keys: torch.Tensor
     index_slots: torch.Tensor
-    newest: int  # no step seen is later: the slots' victims may pack it with a slot
+    newest: int  # no step seen is later: victims may pack it with a slot
 
     def __init__(self, buckets: int, rows: int, device: torch.device) -> None:
         for name, dtype in self.dtypes:
@@ -174,18 +174,20 @@ class _Slots:
         # The kind of slot in the top bits: 0 empty, 1 evictable, 2 kept. Masks multiply
         # and add in place: fresh tensors and a where over these slots cost several
         # times more.
-        key = last_seen * occupied
-        if not by_hits and self.newest < 1 << (61 - bits):
-            # (kind, last step seen, slot) in one int64, distinct in a bucket: the
-            # first few by a partial sort.
+        key, steps = last_seen * occupied, self.newest.bit_length()
+        hits = _of(self.hits, touched) * occupied if by_hits else None
+        width = steps + bits + (0 if hits is None else int(hits.max().item()).bit_length())
+        if width <= 61:
+            # (kind, sightings if by_hits, last step seen, slot) in one int64, distinct
+            # in a bucket: the first few by a partial sort.
+            if hits is not None:
+                key.bitwise_or_(hits.bitwise_left_shift_(steps))
             key.bitwise_left_shift_(bits).bitwise_or_(torch.arange(rows, device=key.device))
             key.add_(occupied, alpha=1 << 61).add_(kept, alpha=1 << 61)
             return torch.topk(key, most, dim=1, largest=False).indices, free
         # Stable sorts, least significant key first; the last carries the kind in its
         # top bits (steps stay below _STEP_LIMIT, and so do sightings in any real stream).
-        keys = [key]
-        if by_hits:
-            keys.append(_of(self.hits, touched) * occupied)
+        keys = [key] if hits is None else [key, hits]
         keys[-1].add_(occupied, alpha=1 << 61).add_(kept, alpha=1 << 61)
         order = torch.sort(keys[0], dim=1, stable=True)[1]
         for key in keys[1:]:
