@@ -409,3 +409,82 @@ def test_lookup_reads_rows_and_changes_nothing():
     assert idmap.lookup(torch.cat([keys, new])).tolist() == [*rows.tolist(), -1]
     after = idmap.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def index_of(state: dict[str, torch.Tensor], prefix: str = "") -> tuple[list[int], list[int]]:
+    """The live keys of a map's state, sorted, and each one's flat slot: what the map's
+    index must hold, rebuilt here from the slots."""
+    keys = state[prefix + "keys"].flatten().tolist()
+    live = state[prefix + "occupied"].flatten().tolist()
+    pairs = sorted((key, slot) for slot, (key, on) in enumerate(zip(keys, live)) if on)
+    return [key for key, _ in pairs], [slot for _, slot in pairs]
+
+
+def assert_index_agrees(idmap: IdMap) -> None:
+    state = idmap.state_dict()
+    tables = [("", idmap.slots)]
+    if idmap.probation is not None:
+        tables.append(("probation_", idmap.probation))
+    for prefix, slots in tables:
+        keys, flat = index_of(state, prefix)
+        assert slots.index_keys.tolist() == keys, prefix
+        assert slots.index_slots.tolist() == flat, prefix
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "ttl"])
+def test_the_index_of_live_keys_follows_evictions_probation_and_loads(policy: str) -> None:
+    spec = IdMapSpec(
+        buckets=6,
+        rows_per_bucket=4,
+        policy=policy,
+        ttl_steps=2 if policy == "ttl" else None,
+        admit_after=2,
+    )
+    idmap = IdMap(spec, 1, 5)
+    generator = torch.Generator().manual_seed(7)
+    evicted = left = 0
+    for step in range(40):
+        ids = hash_ids(torch.randint(0, 120, (40,), generator=generator))
+        ids = ids[(bucket_of(ids, 6) >= 1) & (bucket_of(ids, 6) < 5)]
+        got = idmap.remap(ids, step)
+        evicted += got.evicted.item()
+        left += len(got.admitted)  # admitted ids left probation
+        assert_index_agrees(idmap)
+        if step % 10 == 9:  # a fresh map loading the state rebuilds its index
+            loaded = IdMap(spec, 1, 5)
+            loaded.load_state_dict({k: v.clone() for k, v in idmap.state_dict().items()})
+            assert_index_agrees(loaded)
+            assert torch.equal(loaded.lookup(ids), idmap.lookup(ids))
+            idmap = loaded
+    assert evicted > 0 and left > 0
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "ttl"])
+def test_steps_too_large_to_pack_with_a_slot_give_the_reference(policy: str) -> None:
+    """Victims pack ((sightings,) last step, slot) in one int64 while they fit; past
+    that they are ranked by stable sorts: both give the reference, across the switch
+    (lfu's sightings take bits too: here it sorts throughout)."""
+    spec = IdMapSpec(
+        buckets=2, rows_per_bucket=3, policy=policy, ttl_steps=2 if policy == "ttl" else None
+    )
+    idmap, ref = IdMap(spec), Reference(spec, 0, 2)
+    pool = keys_of(list(range(30)))
+    for step, ids in id_stream(pool, seed=11, steps=30):
+        step += 2**59 - 15  # 2 bits of slot: packing stops at 2**59
+        rows, admitted, evicted, overflow = ref.remap(ids, step)
+        got = idmap.remap(torch.tensor(ids, dtype=torch.int64), step)
+        assert got.rows.tolist() == rows
+        assert list(zip(got.admitted.tolist(), got.admitted_keys.tolist())) == admitted
+        assert (got.evicted.item(), got.overflow.item()) == (evicted, overflow)
+        assert slot_states(idmap) == ref_states(ref.slots)
+    assert step >= 2**59
+
+
+def test_initial_rows_of_a_large_batch_are_the_reference() -> None:
+    """Rows are made a few thousand at a time: the rows at either side of a cut are
+    still each key's own."""
+    generator = torch.Generator().manual_seed(4)
+    keys = torch.randint(0, 2**63 - 1, (9000,), generator=generator, dtype=torch.int64)
+    rows = initial_rows(keys, 64, 2, "big", (-0.5, 0.5))
+    for i in (0, 4095, 4096, 4097, 8191, 8192, 8999):
+        assert rows[i].tolist() == ref_initial(keys[i].item(), 64, 2, "big", -0.5, 0.5)

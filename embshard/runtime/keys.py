@@ -29,22 +29,34 @@ _MUL1 = _signed(0xBF58476D1CE4E5B9)
 _MUL2 = _signed(0x94D049BB133111EB)
 
 
-def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 bits (torch's ``>>`` is arithmetic)."""
-    return (x >> bits).bitwise_and_((1 << (64 - bits)) - 1)
+# Values initial_rows works on at a time (a few thousand rows): the dozen passes over
+# its int64 temporaries stay in cache.
+_CHUNK = 1 << 18
+
+
+def _shr(x: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's ``>>`` is arithmetic), into ``out``."""
+    return torch.bitwise_right_shift(x, bits, out=out).bitwise_and_((1 << (64 - bits)) - 1)
+
+
+def _scramble(z: torch.Tensor, spare: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer but its last xor-shift, in place on ``z``; ``spare``: a
+    buffer of its shape."""
+    z ^= _shr(z, 30, spare)
+    z *= _MUL1
+    z ^= _shr(z, 27, spare)
+    z *= _MUL2
+    return z
 
 
 def mix64(x: torch.Tensor) -> torch.Tensor:
     """splitmix64 of each int64 (its bits read as unsigned, the result's bits returned as
     int64): one golden-ratio step then the finalizer. Torch's int64 add and multiply wrap
-    the same way on every device, so the bits are the same everywhere. In place on one
-    new tensor: admitted rows call it on every value they start with."""
+    the same way on every device, so the bits are the same everywhere."""
     z = x + _GAMMA
-    z ^= _shr(z, 30)
-    z *= _MUL1
-    z ^= _shr(z, 27)
-    z *= _MUL2
-    z ^= _shr(z, 31)
+    spare = torch.empty_like(z)
+    z = _scramble(z, spare)
+    z ^= _shr(z, 31, spare)
     return z
 
 
@@ -90,10 +102,18 @@ def initial_rows(
     Value ``[i, c]`` is a counter-based hash of (seed, table, key, column): it does not
     depend on the row the key got, the batch, the device or the world size."""
     low, high = bounds
-    key = mix64(keys.to(torch.int64) ^ _table_key(seed, table))
+    # mix64(key + column) is the finalizer of (key + _GAMMA) + column; its last
+    # xor-shift (by 31) leaves the top 33 bits as they are, and only the top 24 are kept.
+    start = mix64(keys.to(torch.int64) ^ _table_key(seed, table)).add_(_GAMMA)
     columns = torch.arange(dim, dtype=torch.int64, device=keys.device)
-    bits = mix64(key[:, None] + columns)
-    # 24 bits, exact in [0, 1): scaling by 2**-24 rounds nothing, so folding it into
-    # (high - low) gives the same float64 values.
-    unit = _shr(bits, 40).to(torch.float64)
-    return unit.mul_(2.0**-24 * (high - low)).add_(low).to(torch.float32)
+    rows = torch.empty(len(keys), dim, dtype=torch.float32, device=keys.device)
+    step = max(1, _CHUNK // max(dim, 1))
+    for first in range(0, len(keys), step):
+        bits = start[first : first + step, None] + columns
+        spare = torch.empty_like(bits)
+        _scramble(bits, spare)
+        # 24 bits, exact in [0, 1): scaling by 2**-24 rounds nothing, so folding it
+        # into (high - low) gives the same float64 values.
+        unit = _shr(bits, 40, spare).to(torch.float64)
+        rows[first : first + step] = unit.mul_(2.0**-24 * (high - low)).add_(low)
+    return rows

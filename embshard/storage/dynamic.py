@@ -121,9 +121,9 @@ class _Shard:
             result.admitted_keys, self.weights.shape[1], self.spec.seed, self.name, self.bounds
         )
         with torch.no_grad():
-            self.weights[rows] = start.to(self.weights.dtype)
+            self.weights.index_copy_(0, rows, start.to(self.weights.dtype))
             for state in self.states:
-                state[rows] = 0
+                state.index_fill_(0, rows, 0)
 
 
 class DynamicTables:

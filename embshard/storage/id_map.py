@@ -12,6 +12,7 @@ any split of the buckets over ranks gives the same map.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -104,7 +105,13 @@ class RemapResult:
 
 class _Slots:
     """A table of ``(buckets, rows_per_bucket)`` slots: key, occupied, last step seen and
-    sightings. Used for the map and for the probation of keys not admitted yet."""
+    sightings. Used for the map and for the probation of keys not admitted yet.
+
+    Beside them, derived from them: an index of the live keys, sorted (``index_keys``),
+    with each one's flat slot (``index_slots``), so a key is found by a binary search
+    instead of a sort of the slots at every call. ``write`` and ``clear`` keep it up to
+    date by a merge, without a sort; whatever changes the slots otherwise calls
+    ``reindex`` (a load)."""
 
     dtypes = (
         ("keys", torch.int64),
@@ -117,79 +124,141 @@ class _Slots:
     occupied: torch.Tensor
     last_seen: torch.Tensor
     hits: torch.Tensor
+    index_keys: torch.Tensor
+    index_slots: torch.Tensor
+    newest: int  # no step seen is later: victims may pack it with a slot
 
     def __init__(self, buckets: int, rows: int, device: torch.device) -> None:
         for name, dtype in self.dtypes:
             setattr(self, name, torch.zeros((buckets, rows), dtype=dtype, device=device))
+        self.reindex()
 
     @classmethod
     def slot_bytes(cls) -> int:
         return sum(dtype.itemsize for _, dtype in cls.dtypes)
 
-    def find(self, touched: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The flat slot (``bucket * rows + slot``) of each unique key ``ids``, -1 where
-        absent; ``touched``: their buckets. A sort-join over the touched buckets' slots only."""
-        rows = self.keys.shape[1]
-        # Empty slots hold -1, which no key equals: live keys are distinct, so one
-        # unstable sort orders them.
-        keys = torch.where(_of(self.occupied, touched), _of(self.keys, touched), -1).flatten()
-        sorted_keys, order = torch.sort(keys)
-        pos = torch.searchsorted(sorted_keys, ids).clamp_(max=len(sorted_keys) - 1)
-        slot = order[pos]
-        flat = touched[torch.div(slot, rows, rounding_mode="floor")] * rows + slot % rows
-        return torch.where(sorted_keys[pos] == ids, flat, -1)
+    def reindex(self) -> None:
+        """Rebuild the index of live keys from the slots (one host sync: ``.item()``)."""
+        self.newest = int(self.last_seen.max().item())
+        flat = self.occupied.view(-1).nonzero()[:, 0]
+        self.index_keys, order = torch.sort(self.keys.view(-1)[flat])
+        self.index_slots = flat[order]
+
+    def find(self, ids: torch.Tensor) -> torch.Tensor:
+        """The flat slot (``bucket * rows + slot``) of each key ``ids``, -1 where absent:
+        a binary search of the index."""
+        if not len(self.index_keys):
+            return torch.full_like(ids, -1)
+        pos = torch.searchsorted(self.index_keys, ids).clamp_(max=len(self.index_keys) - 1)
+        hit = self.index_keys.gather(0, pos) == ids
+        return torch.where(hit, self.index_slots.gather(0, pos), -1)
 
     def victims(
-        self, touched: torch.Tensor, evictable: torch.Tensor, by_hits: bool
+        self,
+        touched: torch.Tensor,
+        evictable: Callable[[torch.Tensor], torch.Tensor],
+        by_hits: bool,
+        most: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each touched bucket's slots in the order new keys take them, and how many may
-        be taken: empty slots, then the evictable live ones by (sightings if ``by_hits``,)
-        last step seen, ties by slot; ``evictable`` is ``(len(touched), rows)``. Slots
-        are the same wherever a bucket is held, so the order is too."""
+        """The first ``most`` slots of each touched bucket in the order new keys take
+        them, and how many may be taken: empty slots, then the evictable live ones by
+        (sightings if ``by_hits``,) last step seen, ties by slot; ``evictable(last_seen)``
+        gives the ``(len(touched), rows)`` mask of the live slots the policy gives up.
+        Slots are the same wherever a bucket is held, so the order is too."""
         occupied = _of(self.occupied, touched)
-        live = occupied.long()
-        kind = torch.where(occupied, 1 + (~evictable).long(), 0)  # empty, evictable, kept
+        last_seen = _of(self.last_seen, touched)
+        kept = occupied & ~evictable(last_seen)
+        rows = occupied.shape[1]
+        free = rows - kept.sum(1)
+        bits = (rows - 1).bit_length()
+        # The kind of slot in the top bits: 0 empty, 1 evictable, 2 kept. Masks multiply
+        # and add in place: fresh tensors and a where over these slots cost several
+        # times more.
+        key, steps = last_seen * occupied, self.newest.bit_length()
+        hits = _of(self.hits, touched) * occupied if by_hits else None
+        width = steps + bits + (0 if hits is None else int(hits.max().item()).bit_length())
+        if width <= 61:
+            # (kind, sightings if by_hits, last step seen, slot) in one int64, distinct
+            # in a bucket: the first few by a partial sort.
+            if hits is not None:
+                key.bitwise_or_(hits.bitwise_left_shift_(steps))
+            key.bitwise_left_shift_(bits).bitwise_or_(torch.arange(rows, device=key.device))
+            key.add_(occupied, alpha=1 << 61).add_(kept, alpha=1 << 61)
+            return torch.topk(key, most, dim=1, largest=False).indices, free
         # Stable sorts, least significant key first; the last carries the kind in its
         # top bits (steps stay below _STEP_LIMIT, and so do sightings in any real stream).
-        keys = [_of(self.last_seen, touched) * live]
-        if by_hits:
-            keys.append(_of(self.hits, touched) * live)
-        keys[-1] = keys[-1] | (kind << 61)
+        keys = [key] if hits is None else [key, hits]
+        keys[-1].add_(occupied, alpha=1 << 61).add_(kept, alpha=1 << 61)
         order = torch.sort(keys[0], dim=1, stable=True)[1]
         for key in keys[1:]:
             order = order.gather(1, torch.sort(key.gather(1, order), dim=1, stable=True)[1])
-        return order, (kind < 2).sum(1)
+        return order[:, :most], free
 
     def take(
         self,
         touched: torch.Tensor,
-        evictable: torch.Tensor,
+        evictable: Callable[[torch.Tensor], torch.Tensor],
         by_hits: bool,
         group: torch.Tensor,
-        wants: torch.Tensor,
+        rank: torch.Tensor,
+        most: int,
     ) -> torch.Tensor:
-        """The flat slot each wanting id takes (-1: none left, or not wanting).
+        """The flat slot each new key takes (-1: none left): the ``rank``-th new key of
+        bucket ``touched[group]`` takes that bucket's ``rank``-th victim; no bucket has
+        over ``most`` new keys."""
+        order, free = self.victims(touched, evictable, by_hits, most)
+        slot = order.reshape(-1).gather(0, group * most + rank.clamp(max=most - 1))
+        rows = self.keys.shape[1]
+        return torch.where(rank < free[group], touched[group] * rows + slot, -1)
 
-        Keys come in order, ``group``: their index into ``touched``; the
-        r-th wanting id of a bucket takes that bucket's r-th victim."""
-        order, free = self.victims(touched, evictable, by_hits)
-        taken = torch.cumsum(wants.long(), 0)
-        starts = torch.searchsorted(group, torch.arange(len(touched), device=group.device))
-        before = (taken - wants.long())[starts]
-        rank = taken - 1 - before[group]
-        ok = wants & (rank < free[group])
-        slot = order[group, rank.clamp(0, order.shape[1] - 1)]
-        return torch.where(ok, touched[group] * order.shape[1] + slot, -1)
+    def write(
+        self, flat: torch.Tensor, keys: torch.Tensor, step: int, hits: torch.Tensor
+    ) -> torch.Tensor:
+        """Give the distinct slots ``flat`` to ``keys`` (sorted, none live); returns how
+        many live keys they held (0-d)."""
+        held = self.occupied.view(-1).gather(0, flat)
+        gone = self.keys.view(-1).gather(0, flat)[held]
+        self.keys.view(-1).scatter_(0, flat, keys)
+        self.occupied.view(-1).scatter_(0, flat, True)
+        self.seen(flat, step, hits)
+        self._merge(gone, keys, flat)
+        return held.sum()
 
-    def write(self, flat: torch.Tensor, keys: torch.Tensor, step: int, hits: torch.Tensor) -> None:
-        self.keys.view(-1)[flat] = keys
-        self.occupied.view(-1)[flat] = True
-        self.last_seen.view(-1)[flat] = step
-        self.hits.view(-1)[flat] = hits
+    def clear(self, flat: torch.Tensor) -> None:
+        """Empty the live slots ``flat``."""
+        gone = self.keys.view(-1).gather(0, flat)
+        self.occupied.view(-1).scatter_(0, flat, False)
+        self._merge(gone, gone[:0], flat[:0])
+
+    def _merge(self, gone: torch.Tensor, keys: torch.Tensor, flat: torch.Tensor) -> None:
+        """The index without the keys ``gone`` and with ``keys`` (sorted) at ``flat``:
+        every entry's new place from one cumulative count, then scatters (linear in
+        the live keys, where a sort is not)."""
+        if not len(gone) and not len(keys):
+            return
+        old, device = self.index_keys, self.index_keys.device
+        size = len(old) - len(gone) + len(keys)
+        removed = torch.searchsorted(old, gone).sort()[0]
+        inserted = torch.searchsorted(old, keys)
+        # Entry j moves up by the keys inserted at or before it and down by the entries
+        # removed before it; a new key lands after the kept entries below it and the
+        # new keys before it. Removed entries go to a spare last place, then cut.
+        place = torch.ones(len(old) + 1, dtype=torch.int64, device=device)
+        place[0] = 0
+        place.index_add_(0, inserted, torch.ones_like(inserted))
+        place.index_add_(0, removed + 1, torch.full_like(removed, -1))
+        place = place.cumsum_(0)[:-1].scatter_(0, removed, size)
+        new = torch.arange(len(keys), device=device).add_(inserted)
+        new.sub_(torch.searchsorted(removed, inserted))
+        index_keys = old.new_empty(size + 1).scatter_(0, place, old).scatter_(0, new, keys)
+        index_slots = old.new_empty(size + 1).scatter_(0, place, self.index_slots)
+        index_slots.scatter_(0, new, flat)
+        self.index_keys, self.index_slots = index_keys[:size], index_slots[:size]
 
     def seen(self, flat: torch.Tensor, step: int, hits: torch.Tensor) -> None:
-        self.last_seen.view(-1)[flat] = step
-        self.hits.view(-1)[flat] = hits
+        self.last_seen.view(-1).scatter_(0, flat, step)
+        self.hits.view(-1).scatter_(0, flat, hits)
+        self.newest = max(self.newest, step)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self.names}
@@ -254,11 +323,7 @@ class IdMap:
         sighting, admission or eviction): what a forward that must not learn reads
         (evaluation, as TorchRec's managed-collision modules outside training)."""
         self._check(keys, self.step or 0)
-        if len(keys) == 0:
-            return keys.new_empty(0)
-        uniq, inverse = torch.unique(keys, return_inverse=True)
-        touched = torch.unique_consecutive(bucket_of(uniq, self.spec.buckets) - self.first)
-        return self.slots.find(touched, uniq)[inverse]
+        return self.slots.find(keys)
 
     def remap(self, keys: torch.Tensor, step: int) -> RemapResult:
         """Each key's local row (-1: none) at ``step`` (non-decreasing over calls), admitting
@@ -275,71 +340,95 @@ class IdMap:
         if len(keys) == 0:
             zero = torch.zeros((), dtype=torch.int64, device=self.device)
             return RemapResult(empty, empty, empty, zero, zero)
-        # Sorted keys are in bucket order: a bucket is a range of keys.
         uniq, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
-        touched, group = torch.unique_consecutive(
-            bucket_of(uniq, self.spec.buckets) - self.first, return_inverse=True
-        )
-        slots, rows = self.slots, self.spec.rows_per_bucket
+        slots = self.slots
 
-        found = slots.find(touched, uniq)
+        found = slots.find(uniq)
         live = found >= 0
-        seen = live.nonzero()[:, 0]
-        slots.seen(found[seen], step, slots.hits.view(-1)[found[seen]] + counts[seen])
+        seen = found[live]
+        slots.seen(seen, step, slots.hits.view(-1)[seen] + counts[live])
 
         new, total, waiting = ~live, counts, None
         if self.probation is not None:
-            waiting = self.probation.find(touched, uniq)
+            waiting = self.probation.find(uniq)
             total = counts + torch.where(
                 waiting >= 0, self.probation.hits.view(-1)[waiting.clamp(min=0)], 0
             )
-        due = new & (total >= self.spec.admit_after)
+        due = (new & (total >= self.spec.admit_after)).nonzero()[:, 0]
 
-        seen_now = _marked(touched, rows, group[seen], found[seen])
-        evictable = self.spec.evictable(seen_now, _of(slots.last_seen, touched), step)
-        taken = slots.take(touched, evictable, self.spec.policy == "lfu", group, due)
-        admit = taken >= 0
-        got = admit.nonzero()[:, 0]
-        evicted = slots.occupied.view(-1)[taken[got]].sum()
-        slots.write(taken[got], uniq[got], step, total[got])
+        def evictable(seen_now: torch.Tensor, last_seen: torch.Tensor) -> torch.Tensor:
+            return self.spec.evictable(seen_now, last_seen, step)
+
+        taken = torch.full_like(uniq, -1).scatter_(
+            0, due, self._take(slots, uniq[due], seen, evictable, self.spec.policy == "lfu")
+        )
+        got = due[taken[due] >= 0]
+        evicted = slots.write(taken[got], uniq[got], step, total[got])
 
         if self.probation is not None and waiting is not None:
-            self._wait(touched, group, uniq, total, waiting, admit, new & ~admit, step)
+            self._wait(uniq, total, waiting, taken >= 0, new, step)
 
         return RemapResult(
             rows=torch.where(live, found, taken)[inverse],
             admitted=taken[got],
             admitted_keys=uniq[got],
             evicted=evicted,
-            overflow=(due & ~admit).sum(),
+            overflow=(taken[due] < 0).sum(),
+        )
+
+    def _take(
+        self,
+        slots: _Slots,
+        keys: torch.Tensor,
+        seen: torch.Tensor,
+        evictable: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        by_hits: bool,
+    ) -> torch.Tensor:
+        """The flat slot of ``slots`` each key of ``keys`` (sorted, none there) takes, -1
+        where none is left: a bucket's r-th key takes its r-th victim. Only the buckets
+        of ``keys`` are ranked; ``seen``: the slots seen in this call, which
+        ``evictable(seen_now, last_seen)`` reads as masks of those buckets' slots."""
+        if not len(keys):
+            return keys
+        touched, group, counts = torch.unique_consecutive(
+            bucket_of(keys, self.spec.buckets) - self.first,
+            return_inverse=True,
+            return_counts=True,
+        )
+        rank = torch.arange(len(keys), device=keys.device) - (counts.cumsum(0) - counts)[group]
+        seen_now = _marked(touched, self.spec.rows_per_bucket, seen)
+        most = min(self.spec.rows_per_bucket, int(counts.max().item()))
+        return slots.take(
+            touched, lambda last_seen: evictable(seen_now, last_seen), by_hits, group, rank, most
         )
 
     def _wait(
         self,
-        touched: torch.Tensor,
-        group: torch.Tensor,
         uniq: torch.Tensor,
         total: torch.Tensor,
         waiting: torch.Tensor,
         admit: torch.Tensor,
-        wait: torch.Tensor,
+        new: torch.Tensor,
         step: int,
     ) -> None:
         """Probation after admission: admitted ids leave it, ids still waiting are seen
         (kept this call) or enter it, taking free slots, then the least recently seen."""
-        probation, known = self.probation, waiting >= 0
+        probation, known, wait = self.probation, waiting >= 0, new & ~admit
         assert probation is not None
-        probation.occupied.view(-1)[waiting[(known & admit).nonzero()[:, 0]]] = False
-        stay = (known & wait).nonzero()[:, 0]
-        probation.seen(waiting[stay], step, total[stay])
-        kept = ~_marked(touched, self.spec.rows_per_bucket, group[stay], waiting[stay])
-        taken = probation.take(touched, kept, False, group, wait & ~known)
-        enter = (taken >= 0).nonzero()[:, 0]
-        probation.write(taken[enter], uniq[enter], step, total[enter])
+        probation.clear(waiting[known & admit])
+        stay = known & wait
+        seen = waiting[stay]
+        probation.seen(seen, step, total[stay])
+        enter = (wait & ~known).nonzero()[:, 0]
+        taken = self._take(probation, uniq[enter], seen, lambda seen_now, _: ~seen_now, False)
+        ok = taken >= 0
+        probation.write(taken[ok], uniq[enter][ok], step, total[enter][ok])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The map's plain tensors, each ``(buckets of this range, rows_per_bucket)``:
-        the bucket axis splits and joins across ranges."""
+        the bucket axis splits and joins across ranges. They are the map's own: change
+        them through ``load_state_dict`` only, which rebuilds the index of live keys
+        derived from them."""
         state = self.slots.tensors()
         if self.probation is not None:
             state |= {f"probation_{k}": v for k, v in self.probation.tensors().items()}
@@ -361,18 +450,23 @@ class IdMap:
                 )
         for name, tensor in mine.items():
             tensor.copy_(state[name])
+        self.slots.reindex()
+        if self.probation is not None:
+            self.probation.reindex()
 
 
 def _of(table: torch.Tensor, touched: torch.Tensor) -> torch.Tensor:
     """The rows of ``table`` (a row a bucket) of the buckets ``touched`` (distinct, in
     order): the table itself, uncopied, where they are all of its buckets."""
-    return table if len(touched) == len(table) else table[touched]
+    return table if len(touched) == len(table) else table.index_select(0, touched)
 
 
-def _marked(
-    touched: torch.Tensor, rows: int, group: torch.Tensor, flat: torch.Tensor
-) -> torch.Tensor:
-    """A ``(len(touched), rows)`` mask, true at the given flat slots of ``group``'s buckets."""
+def _marked(touched: torch.Tensor, rows: int, flat: torch.Tensor) -> torch.Tensor:
+    """A ``(len(touched), rows)`` mask of the buckets ``touched`` (distinct, in order),
+    true at the flat slots ``flat`` that are theirs."""
     mask = torch.zeros(len(touched), rows, dtype=torch.bool, device=touched.device)
-    mask[group, flat % rows] = True
+    bucket = torch.div(flat, rows, rounding_mode="floor")
+    at = torch.searchsorted(touched, bucket).clamp_(max=len(touched) - 1)
+    mine = (touched.gather(0, at) == bucket).nonzero()[:, 0]
+    mask.view(-1).scatter_(0, (at * rows + flat % rows)[mine], True)
     return mask
