@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+import yaml
 from click.testing import CliRunner
 from torchrec import EmbeddingBagConfig
 
@@ -18,10 +20,17 @@ from embshard import ShardingPlan
 from embshard.app.cli import main as cli
 from embshard.app.config import load_config
 from embshard.app.data import build_data
-from embshard.app.planning import count_traffic, lookup_balanced_plan, plan_config
+from embshard.app.planning import count_traffic, lookup_balanced_plan, plan_config, topology_for
 from embshard.errors import PlanningError
 from embshard.plan.specs import Kind, row_wise, table_wise
-from embshard.planner.search import TableConstraint, Topology, plan_loads, plan_tables
+from embshard.planner.search import (
+    CPU_REMAP_RATE,
+    GPU_REMAP_RATE,
+    TableConstraint,
+    Topology,
+    plan_loads,
+    plan_tables,
+)
 from embshard.planner.traffic import TableTraffic, TrafficStats, balanced_plan
 from embshard.storage.id_map import IdMap, IdMapSpec
 
@@ -40,10 +49,13 @@ def _config(buckets: int, rows_per_bucket: int, name: str = "items") -> Embeddin
 
 
 def _map_bytes(spec: IdMapSpec, rows: int, offset: int = 0) -> int:
-    """The bytes of the real map of a shard's buckets (rows ``[offset, +rows)``)."""
+    """The bytes of the real map of a shard's buckets (rows ``[offset, +rows)``), full:
+    its state and an index entry (key and slot, int64) per slot."""
     first = offset // spec.rows_per_bucket
     last = first + rows // spec.rows_per_bucket
-    return sum(t.nbytes for t in IdMap(spec, first, last).state_dict().values())
+    state = IdMap(spec, first, last).state_dict()
+    slots = sum(t.numel() for name, t in state.items() if name.endswith("keys"))
+    return sum(t.nbytes for t in state.values()) + 16 * slots
 
 
 def _bytes(spec: IdMapSpec, rows: int, offset: int = 0) -> int:
@@ -172,33 +184,51 @@ def test_a_plans_memory_is_weights_state_and_maps(admit_after):
     )
 
 
-def test_static_tables_are_priced_as_before():
-    """The same plan priced with and without the dynamic table's map: every rank's cost
-    is the same, and its memory differs by the maps it holds, and by nothing else."""
+def test_a_dynamic_tables_blocks_cost_their_remaps_and_hold_their_maps():
+    """The same plan priced with and without the dynamic table's map: each rank's
+    memory differs by the maps it holds and its cost by remapping its block's share of
+    the batch's ids (3 ranks x 64 samples x 1 id) at the topology's rate; the static
+    table is priced as before."""
     buckets, rows_per_bucket = 90, 4
     tables = [_config(buckets, rows_per_bucket), _config(30, 10, "static")]
     spec = IdMapSpec(buckets, rows_per_bucket)
     plan = ShardingPlan({"items": row_wise([120, 0, 240]), "static": table_wise(1)})
-    topology = Topology.cpu(3)
+    topology = Topology.cpu(3, remap_rate=2.5e5)
     plain = plan_loads(plan, tables, topology, 64)
     mapped = plan_loads(plan, tables, topology, 64, dynamic={"items": spec})
     maps = [_map_bytes(spec, 120, 0), 0, _map_bytes(spec, 240, 120)]
     assert [m.memory - p.memory for m, p in zip(mapped, plain)] == maps
-    assert [m.cost for m in mapped] == [p.cost for p in plain]
+    remaps = [3 * 64 * rows / 360 / 2.5e5 for rows in (120, 0, 240)]
+    assert [m.cost - p.cost for m, p in zip(mapped, plain)] == pytest.approx(remaps, rel=1e-9)
+
+
+def test_a_configs_topology_sets_the_remap_rate(tmp_path):
+    data = yaml.safe_load(Path("configs/dynamic.yaml").read_text())
+    data["topology"] = {"remap_rate": 3e5}
+    path = tmp_path / "dynamic.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert topology_for(load_config(path, use="plan"), 2).remap_rate == 3e5
+    assert Topology.cpu(2).remap_rate == CPU_REMAP_RATE
+    assert Topology.gpu(2).remap_rate == GPU_REMAP_RATE
+    with pytest.raises(PlanningError, match="topology remap_rate: must be more than 0, got 0"):
+        Topology.cpu(2, remap_rate=0)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_the_demo_plans_as_its_static_twin_where_memory_is_ample(world):
-    """Where every table fits whole anyway, the maps change no choice: the demo's plan
-    (its dynamic tables and its static ones) is its static twin's."""
+    """Where every table fits whole anyway and remapping costs nothing, the maps
+    change no choice: the demo's plan (its dynamic tables and its static ones) is its
+    static twin's."""
     config = load_config("configs/dynamic.yaml", use="plan")
+    free_remaps = dataclasses.replace(config.topology, remap_rate=1e30)
+    config = dataclasses.replace(config, topology=free_remaps)
     twin = dataclasses.replace(
         config, tables=[dataclasses.replace(t, dynamic=None) for t in config.tables]
     )
     assert plan_config(config, world)[0] == plan_config(twin, world)[0]
 
 
-@pytest.mark.parametrize(("world", "memory"), [(3, "6MiB"), (7, "3MiB")])
+@pytest.mark.parametrize(("world", "memory"), [(3, "7MiB"), (7, "3.5MiB")])
 def test_the_demos_cuts_by_its_traffic_are_whole_buckets(world, memory):
     """The demo's measured traffic (raw ids counted on their buckets): the planner's
     plan and the lookup-balanced one cut its dynamic tables on bucket boundaries."""
@@ -236,10 +266,24 @@ def test_bad_dynamic_input_is_refused_in_one_line():
 
 
 @pytest.mark.parametrize("admit_after", [1, 2])
-def test_bytes_per_row_is_the_real_maps(admit_after):
+def test_bytes_per_row_is_the_real_maps_when_full(admit_after):
+    """A map of 3 buckets of 5 rows with every slot live (probation's too): its state
+    and its indexes of live keys."""
     spec = IdMapSpec(6, 5, policy="ttl", ttl_steps=3, admit_after=admit_after)
-    state = IdMap(spec, 1, 4).state_dict()
-    assert spec.bytes_per_row() * 3 * 5 == sum(t.nbytes for t in state.values())
+    idmap = IdMap(spec, 1, 4)
+    state = idmap.state_dict()
+    width = -(-(2**63) // 6)
+    for name, tensor in state.items():
+        if name.endswith("keys"):
+            buckets = torch.arange(1, 4).unsqueeze(1) * width
+            tensor.copy_(buckets + torch.arange(5) + (100 if "probation" in name else 0))
+        elif name.endswith("occupied"):
+            tensor.fill_(True)
+    idmap.load_state_dict(state)
+    tables = [idmap.slots] + ([idmap.probation] if idmap.probation is not None else [])
+    index = sum(t.index_keys.nbytes + t.index_slots.nbytes for t in tables)
+    assert all(len(t.index_keys) == 15 for t in tables)
+    assert spec.bytes_per_row() * 3 * 5 == sum(t.nbytes for t in state.values()) + index
 
 
 def test_planning_md_shows_the_commands_output():

@@ -100,7 +100,7 @@ def test_ranks_report_their_dynamic_tables_as_the_reference_maps(tmp_path, world
     }
     text = result.to_text()
     admitted, evicted, overflow, live = expected[(world - 1, "item")]
-    row = rf"\n +{world - 1} item +{live} of 128 +{admitted} +{evicted} +{overflow} +6.2 KiB\n"
+    row = rf"\n +{world - 1} item +{live} of 128 +{admitted} +{evicted} +{overflow} +10.2 KiB\n"
     assert re.search(row, text), text
     totals = [sum(v[i] for (r, n), v in expected.items() if n == "user") for i in range(4)]
     assert (
@@ -111,9 +111,9 @@ def test_ranks_report_their_dynamic_tables_as_the_reference_maps(tmp_path, world
 
 def test_the_id_maps_are_priced_per_rank(tmp_path):
     result = simulate(dynamic_config(tmp_path, 2), 2, batches=1)
-    # 25 bytes a row for a map; twice with probation (admit_after 2)
-    assert result.ranks[0].id_maps == {"user": 64 * 25}
-    assert result.ranks[1].id_maps == {"user": 192 * 25, "item": 128 * 50}
+    # 25 bytes a slot and 16 a live key's index entry; twice with probation (admit_after 2)
+    assert result.ranks[0].id_maps == {"user": 64 * 41}
+    assert result.ranks[1].id_maps == {"user": 192 * 41, "item": 128 * 82}
 
 
 @pytest.mark.parametrize(

@@ -183,6 +183,7 @@ class TopologyConfig:
     intra_latency: float | None = None  # s
     inter_latency: float | None = None
     lookup_bandwidth: float | None = None
+    remap_rate: float | None = None  # ids/s a rank's id maps remap
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,13 @@ from embshard.storage.id_map import IdMapSpec
 from embshard.storage.optimizers import FUSED_OPTIMIZERS, state_values
 
 GiB = 2**30
+# Ids a second one rank's id maps remap (a dynamic table's keys to rows, admitted rows
+# initialized, ids without rows dropped). CPU: tools/bench_dynamic.py on the project's
+# 2-core machine, where a rank's dynamic tables add 83 ms of CPU to a step for the
+# 59,392 keys it remaps (7.2e5 a second). GPU: assumed, not measured (the map has not
+# run on one).
+CPU_REMAP_RATE = 7.2e5
+GPU_REMAP_RATE = 1.0e9
 _UNITS = {
     "": 1,
     "B": 1,
@@ -119,6 +126,7 @@ _TOPOLOGY_RULES = {
     "inter_bandwidth": ("more than 0", lambda v, t: v > 0),
     "inter_latency": ("at least 0", lambda v, t: v >= 0),
     "lookup_bandwidth": ("more than 0", lambda v, t: v > 0),
+    "remap_rate": ("more than 0", lambda v, t: v > 0),
     "reserved_memory": (
         "at least 0 and less than memory_per_rank",
         lambda v, t: 0 <= v < t.memory_per_rank,
@@ -142,6 +150,7 @@ class Topology:
     inter_bandwidth: float
     inter_latency: float
     lookup_bandwidth: float
+    remap_rate: float  # ids a second a rank's id maps remap (dynamic tables)
     reserved_memory: int = 0
 
     def __post_init__(self) -> None:
@@ -169,6 +178,7 @@ class Topology:
             "inter_bandwidth": 1.25e9,
             "inter_latency": 250e-6,
             "lookup_bandwidth": 4e9,
+            "remap_rate": CPU_REMAP_RATE,
         } | overrides
         values.setdefault("reserved_memory", values["memory_per_rank"] // 8)
         return cls(world_size, **values)
@@ -186,6 +196,7 @@ class Topology:
             "inter_bandwidth": 45e9,
             "inter_latency": 10e-6,
             "lookup_bandwidth": 1e12,
+            "remap_rate": GPU_REMAP_RATE,
         } | overrides
         values.setdefault("reserved_memory", min(4 * GiB, values["memory_per_rank"] // 4))
         return cls(world_size, **values)
@@ -416,15 +427,17 @@ class CostModel:
         however they are cut: a row piece (row-wise, or a grid's) gets its share of the
         ids but every bag's length, a column piece every id and bag. A pooled piece
         sends a row back for every bag (a partial sum, for a row piece); a sequence
-        piece one for each id it got. A data-parallel copy: ``replica_cost``."""
+        piece one for each id it got; a dynamic table's piece remaps each id it gets
+        (``Topology.remap_rate``). A data-parallel copy: ``replica_cost``."""
         if kind == Kind.DATA_PARALLEL:
             return self.replica_cost(table)
         share = rows / table.num_embeddings if kind in _ROW_SPLIT else 1.0
         ids, bags = self.ids(table) * share, self.bags(table)
         out = ids if table.sequence else bags
         lookup = ids * cols * table.weight_bytes * LOOKUP_PASSES / self.topology.lookup_bandwidth
+        remap = ids / self.topology.remap_rate if table.dynamic else 0.0
         moved = (ids + bags) * _ID_BYTES + 2 * out * cols * 4
-        return lookup + moved * self.topology.seconds_per_byte()
+        return lookup + remap + moved * self.topology.seconds_per_byte()
 
     def whole_cost(self, table: PlannedTable) -> float:
         return self.shard_cost(table, Kind.TABLE_WISE, table.num_embeddings, table.embedding_dim)

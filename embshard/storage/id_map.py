@@ -22,6 +22,7 @@ from embshard.runtime.keys import KEY_LIMIT, bucket_of, bucket_width
 
 POLICIES = ("lru", "lfu", "ttl", "none")
 
+_INDEX_BYTES = 16  # a live key's entry in a map's index: the key and its slot, int64
 _STEP_LIMIT = 1 << 61  # victims sort on a step or a count with two bits above it
 
 
@@ -49,10 +50,10 @@ class IdMapSpec:
             raise PlanError(f"IdMapSpec: {problem}")
 
     def bytes_per_row(self) -> int:
-        """The map's bytes for each row of the table on the rank holding it (a slot a
-        row, and a probation slot too with ``admit_after`` > 1): what a planner adds to
-        a row's weights and optimizer state."""
-        return _Slots.slot_bytes() * (2 if self.admit_after > 1 else 1)
+        """The map's most bytes for each row of the table on the rank holding it (a
+        slot a row and its live key's index entry, and as much again for probation with
+        ``admit_after`` > 1): what a planner adds to a row's weights and optimizer state."""
+        return (_Slots.slot_bytes() + _INDEX_BYTES) * (2 if self.admit_after > 1 else 1)
 
     def evictable(self, seen_now: torch.Tensor, last_seen: torch.Tensor, step: int) -> torch.Tensor:
         """Which live slots may give their row to a new id at ``step``, by the policy;
