@@ -378,11 +378,16 @@ def _raises(fn) -> str:
     return "no error"
 
 
-def _negative_raw_id() -> list[str]:
+def bag_module(rows: int) -> EmbeddingBagCollection:
+    """The cases' collection on meta, its dynamic table of ``rows`` rows."""
+    return EmbeddingBagCollection(tables=configs(rows), device=torch.device("meta"))
+
+
+def _negative_raw_id(module=bag_module) -> list[str]:
     """Rank 1 sends a negative raw id at the second step."""
     rank = torch.distributed.get_rank()
     sharded = embshard.shard(
-        EmbeddingBagCollection(tables=configs(12), device=torch.device("meta")),
+        module(12),
         ShardingPlan({"d": row_wise(), "s": table_wise(0)}),
         dynamic={"d": IdMapSpec(4, 3)},
     )
@@ -392,19 +397,23 @@ def _negative_raw_id() -> list[str]:
     return messages
 
 
-def test_negative_raw_ids_are_refused_on_every_rank(world) -> None:
-    for ok, refused in world(2).run(_negative_raw_id):
+def check_negative_raw_ids_refused(results: list[list[str]]) -> None:
+    for ok, refused in results:
         assert ok == "no error"
         assert refused.startswith("InputError: bad input batch")
         assert "rank 1: feature 'f_d1' (table 'd'): raw id -5 is negative" in refused
         assert "rank 0" not in refused
 
 
-def _overflow_without_eviction() -> list[str]:
+def test_negative_raw_ids_are_refused_on_every_rank(world) -> None:
+    check_negative_raw_ids_refused(world(2).run(_negative_raw_id))
+
+
+def _overflow_without_eviction(module=bag_module) -> list[str]:
     """Policy "none": 2 buckets of 2 rows; step 0 brings 12 distinct ids."""
     rank = torch.distributed.get_rank()
     sharded = embshard.shard(
-        EmbeddingBagCollection(tables=configs(4), device=torch.device("meta")),
+        module(4),
         ShardingPlan({"d": row_wise(), "s": table_wise(0)}),
         dynamic={"d": IdMapSpec(2, 2, "none")},
     )
@@ -412,8 +421,7 @@ def _overflow_without_eviction() -> list[str]:
     return [_raises(lambda: sharded(kjt(ids, [[[1]]]))) for _ in range(4)]
 
 
-def test_overflow_with_no_eviction_raises_on_every_rank_at_the_next_step(world) -> None:
-    results = world(2).run(_overflow_without_eviction)
+def check_overflow_raised_at_the_next_step(results: list[list[str]]) -> None:
     for first, second, third, fourth in results:
         assert first == "no error"  # the step that overflowed ran, its extra ids without rows
         assert second.startswith("InputError: bad input batch")
@@ -422,6 +430,10 @@ def test_overflow_with_no_eviction_raises_on_every_rank_at_the_next_step(world) 
         assert fourth == second  # and the next raises again
     # Each rank names what its own buckets refused; the message is the same everywhere.
     assert results[0][1] == results[1][1]
+
+
+def test_overflow_with_no_eviction_raises_on_every_rank_at_the_next_step(world) -> None:
+    check_overflow_raised_at_the_next_step(world(2).run(_overflow_without_eviction))
 
 
 BAD_PLANS = {

@@ -19,7 +19,11 @@ from test_dynamic import (
     TOL,
     Case,
     RefModel,
+    _negative_raw_id,
+    _overflow_without_eviction,
     _raises,
+    check_negative_raw_ids_refused,
+    check_overflow_raised_at_the_next_step,
     stream,
 )
 from test_id_map import ref_key
@@ -249,49 +253,19 @@ def test_repeated_ids_count_every_sighting(world) -> None:
             assert admitted_live == (3, 3), (world_size, admitted_live)  # 11, 12, 13
 
 
-def _negative_raw_id() -> list[str]:
-    """Rank 1 sends a negative raw id at the second step."""
-    rank = torch.distributed.get_rank()
-    sharded = embshard.shard(
-        EmbeddingCollection(tables=configs(12), device=torch.device("meta")),
-        ShardingPlan({"d": row_wise(), "s": table_wise(0)}),
-        dynamic={"d": IdMapSpec(4, 3)},
-    )
-    messages = []
-    for raw in (5, -5 if rank == 1 else 7):
-        messages.append(_raises(lambda raw=raw: sharded(kjt([[[raw]], [[]]], [[[1]]]))))
-    return messages
+def sequence_module(rows: int) -> EmbeddingCollection:
+    """The cases' collection on meta, its dynamic table of ``rows`` rows."""
+    return EmbeddingCollection(tables=configs(rows), device=torch.device("meta"))
 
 
 def test_negative_raw_ids_are_refused_on_every_rank(world) -> None:
-    for ok, refused in world(2).run(_negative_raw_id):
-        assert ok == "no error"
-        assert refused.startswith("InputError: bad input batch")
-        assert "rank 1: feature 'f_d1' (table 'd'): raw id -5 is negative" in refused
-        assert "rank 0" not in refused
-
-
-def _overflow_without_eviction() -> list[str]:
-    """Policy "none": 2 buckets of 2 rows; step 0 brings 12 distinct ids."""
-    rank = torch.distributed.get_rank()
-    sharded = embshard.shard(
-        EmbeddingCollection(tables=configs(4), device=torch.device("meta")),
-        ShardingPlan({"d": row_wise(), "s": table_wise(0)}),
-        dynamic={"d": IdMapSpec(2, 2, "none")},
-    )
-    ids = [[list(range(rank * 6, rank * 6 + 6))], [[]]]
-    return [_raises(lambda: sharded(kjt(ids, [[[1]]]))) for _ in range(4)]
+    check_negative_raw_ids_refused(world(2).run(_negative_raw_id, sequence_module))
 
 
 def test_overflow_with_no_eviction_raises_on_every_rank_at_the_next_step(world) -> None:
-    results = world(2).run(_overflow_without_eviction)
-    for first, second, third, fourth in results:
-        assert first == "no error"  # the step that overflowed ran, its extra ids got zeros
-        assert second.startswith("InputError: bad input batch")
-        assert "dynamic table 'd':" in second and "policy 'none'" in second
-        assert third == "no error"  # raised once; this step overflows again,
-        assert fourth == second  # and the next raises again
-    assert results[0][1] == results[1][1]
+    # The step that overflowed ran, its extra ids got zeros.
+    results = world(2).run(_overflow_without_eviction, sequence_module)
+    check_overflow_raised_at_the_next_step(results)
 
 
 def _bad_plan() -> str:
