@@ -16,6 +16,7 @@ from embshard.app.cli import main as cli
 from embshard.app.config import load_config
 from embshard.app.data import Feed, build_data
 from embshard.app.simulate import SimulationError, simulate
+from embshard.planner.search import Topology
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCHES = 6
@@ -42,16 +43,19 @@ def dynamic_config(tmp_path: Path, world: int) -> str:
     return str(path)
 
 
-def reference_counts(path: str, world: int) -> dict[tuple[int, str], tuple[int, int, int, int]]:
+def reference_counts(
+    path: str, world: int
+) -> tuple[dict[tuple[int, str], tuple[int, int, int, int]], dict[tuple[int, str], int]]:
     """Per (rank, table held): admitted, evicted, overflow and live ids of plain
-    reference maps of the rank's buckets, fed every rank's ids of each batch."""
+    reference maps of the rank's buckets, fed every rank's ids of each batch; and the
+    ids each remapped."""
     config = load_config(path, use="simulate")
     feeds = [Feed(build_data(config, rank, world)) for rank in range(world)]
     for feed in feeds:
         feed.next_epoch()
     batches = [[feed.take().sparse for _ in range(BATCHES)] for feed in feeds]
     blocks = {"user": [64] * (world - 1) + [256 - 64 * (world - 1)], "item": None}
-    found = {}
+    found, remapped = {}, {}
     for table in config.tables[:2]:
         spec = table.id_map(config.seed)
         rows = spec.rows_per_bucket
@@ -72,12 +76,13 @@ def reference_counts(path: str, world: int) -> dict[tuple[int, str], tuple[int, 
             ]
             for r, ref in maps.items():
                 mine = [k for k in keys if ref_bucket(k, spec.buckets) in ref.slots]
+                remapped[(r, table.name)] = remapped.get((r, table.name), 0) + len(mine)
                 _, admitted, evicted, overflow = ref.remap(mine, step)
                 counts[r] = [a + b for a, b in zip(counts[r], (len(admitted), evicted, overflow))]
         for r, ref in maps.items():
             live = sum(e is not None for slots in ref.slots.values() for e in slots)
             found[(r, table.name)] = (*counts[r], live)
-    return found
+    return found, remapped
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -90,8 +95,14 @@ def test_ranks_report_their_dynamic_tables_as_the_reference_maps(tmp_path, world
         for name, s in r.dynamic.items()
         if name in r.dynamic_rows
     }
-    expected = reference_counts(path, world)
+    expected, remapped = reference_counts(path, world)
     assert got == expected
+    # Each rank's remaps are priced per id it remapped, the reference maps' ids.
+    rate = Topology.cpu(world).remap_rate
+    for r in result.ranks:
+        ids = sum(remapped[(r.rank, name)] for name in r.dynamic_rows)
+        assert r.remap_seconds == pytest.approx(ids / rate / BATCHES, rel=1e-12)
+        assert r.remap_seconds > 0
     assert all(evicted for _, evicted, _, _ in expected.values())  # buckets filled
     report = result.to_dict()
     assert report["ranks"][world - 1]["dynamic_rows"] == {

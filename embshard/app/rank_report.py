@@ -73,6 +73,7 @@ class RankReport:
     shards: list[str] = field(default_factory=list)
     lookup_seconds: float = 0.0  # per step, at the planner's prices
     moving_seconds: float = 0.0
+    remap_seconds: float = 0.0  # its dynamic tables' id maps
     # In sharding groups (2-D), a step's all-reduce over the rank's copies in the other
     # groups: bytes it sends (and receives), whether they cross hosts, their seconds.
     sync_bytes: int = 0
@@ -82,6 +83,7 @@ class RankReport:
     # holds, its rows and their id map's bytes.
     dynamic: dict[str, DynamicStats] = field(default_factory=dict)
     dynamic_rows: dict[str, int] = field(default_factory=dict)
+    dynamic_ids: int = 0  # the ids its id maps remapped
     id_maps: dict[str, int] = field(default_factory=dict)
 
     def add_step(self, step: RankReport) -> None:
@@ -101,7 +103,7 @@ class RankReport:
 
     @property
     def seconds(self) -> float:
-        return self.lookup_seconds + self.moving_seconds + self.sync_seconds
+        return self.lookup_seconds + self.moving_seconds + self.sync_seconds + self.remap_seconds
 
     @property
     def moved(self) -> int:

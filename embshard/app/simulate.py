@@ -190,6 +190,7 @@ class Simulation:
             "lookups": slow.lookup_seconds,
             "communication": slow.moving_seconds,
             "its all-reduce over its copies": slow.sync_seconds,
+            "its id maps' remaps": slow.remap_seconds,
         }
         mostly = max(shares, key=shares.__getitem__)  # ties: the first
         return (
@@ -360,6 +361,7 @@ def _simulate_rank(
             progress(world)
     report.dynamic = maps.local_stats()
     report.dynamic_rows = {n: s.rows for n, s in shards if n in dynamic}
+    report.dynamic_ids = maps.keys_remapped
     return report
 
 
@@ -422,9 +424,11 @@ def _price_sync(
 
 def _estimate(r: RankReport, topology: Topology, steps: int) -> None:
     """Seconds per step at the planner's prices: every looked-up byte read forward and
-    read and written backward, and the bytes moved, inside the host and across."""
+    read and written backward, the bytes moved, inside the host and across, and the
+    ids its dynamic tables' maps remapped."""
     r.lookup_seconds = r.lookup_bytes * LOOKUP_PASSES / topology.lookup_bandwidth / steps
     r.moving_seconds = topology.seconds(r.moved - r.moved_across, r.moved_across) / steps
+    r.remap_seconds = r.dynamic_ids / topology.remap_rate / steps
 
 
 def simulate(

@@ -144,6 +144,7 @@ class DynamicTables:
         device: torch.device,
     ) -> None:
         self.names = sorted(specs)
+        self.keys_remapped = 0  # ids of this rank's dynamic shards remapped so far
         self.specs = dict(specs)
         self.step = 0
         self._device = device
@@ -199,6 +200,7 @@ class DynamicTables:
         tags = bag_tags.repeat_interleave(lengths, output_size=indices.numel())
         for shard in self._shards:
             mine = (tags == shard.tag).nonzero()[:, 0]
+            self.keys_remapped += len(mine)
             if not learn:
                 indices[mine] = shard.idmap.lookup(indices[mine])
                 continue
