@@ -1,16 +1,18 @@
-"""TorchRec's ManagedCollisionEmbeddingBagCollection, sharded, against a reference made of
-TorchRec's pieces only: per row block of a table (in row order) an MCH module made by
-``rebuild_with_output_id_range`` for its rows (the unsharded module itself when one
-block holds the whole table), fed the global batch's ids of its input range, then the
-unsharded EmbeddingBagCollection. That is what TorchRec's sharded managed-collision
-collection computes; at one rank it is TorchRec's unsharded MC-EBC (its managed-collision
-collection, then its EBC). Rows a module evicts are reset before the lookup (a
+"""TorchRec's ManagedCollisionEmbeddingBagCollection and ManagedCollisionEmbeddingCollection,
+sharded, against a reference made of TorchRec's pieces only: per row block of a table (in
+row order) an MCH module made by ``rebuild_with_output_id_range`` for its rows (the
+unsharded module itself when one block holds the whole table), fed the global batch's ids
+of its input range (every id, repeats too), then the unsharded EmbeddingBagCollection or
+EmbeddingCollection. That is what TorchRec's sharded managed-collision collection
+computes; at one rank it is TorchRec's unsharded MC-EBC or MC-EC (its managed-collision
+collection, then its tables). Rows a module evicts are reset before the lookup (a
 constant ``init_fn``, or with TorchRec's default one the row's initial value) with their
 optimizer state, as TorchRec's sharded module resets them. Plain SGD, Adagrad and
 row-wise Adagrad on autograd's gradients of the global batch's loss over the world size."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -81,10 +83,22 @@ class Case:
     meta: bool = False  # shard a module on meta (the seeded initialization)
     evaluate: bool = False  # after each step, the next step's batch in eval mode
     seed: int = 0
+    sequence: bool = False  # a ManagedCollisionEmbeddingCollection (a row per id)
 
 
-def configs(case: Case) -> list[EmbeddingBagConfig]:
+def configs(case: Case) -> list[EmbeddingBagConfig] | list[EmbeddingConfig]:
     init_fn = functools.partial(nn.init.constant_, val=0.25) if case.init_fn else None
+    if case.sequence:
+        return [
+            EmbeddingConfig(
+                name=t,
+                embedding_dim=DIM,
+                num_embeddings=ROWS[t],
+                feature_names=list(FEATURES[t]),
+                init_fn=init_fn,
+            )
+            for t in FEATURES
+        ]
     return [
         EmbeddingBagConfig(
             name=t,
@@ -98,9 +112,21 @@ def configs(case: Case) -> list[EmbeddingBagConfig]:
     ]
 
 
-def mc_ebc(case: Case, device: str = "cpu") -> ManagedCollisionEmbeddingBagCollection:
+def tables_of(
+    case: Case, device: str = "cpu", tables=None
+) -> EmbeddingBagCollection | EmbeddingCollection:
+    """The unsharded tables (of ``tables``, the case's configs): an EmbeddingCollection
+    for a sequence case."""
+    kind = EmbeddingCollection if case.sequence else EmbeddingBagCollection
+    return kind(tables=tables or configs(case), device=torch.device(device))
+
+
+def mc_ebc(
+    case: Case, device: str = "cpu"
+) -> ManagedCollisionEmbeddingBagCollection | ManagedCollisionEmbeddingCollection:
+    """The MC-EBC, or for a sequence case the MC-EC, of the case's tables."""
     tables = configs(case)
-    ebc = EmbeddingBagCollection(tables=tables, device=torch.device(device))
+    ebc = tables_of(case, device, tables)
     policy = LFU_EvictionPolicy if case.policy == "lfu" else LRU_EvictionPolicy
     modules = {
         c.name: MCHManagedCollisionModule(
@@ -113,7 +139,12 @@ def mc_ebc(case: Case, device: str = "cpu") -> ManagedCollisionEmbeddingBagColle
         )
         for c in tables
     }
-    return ManagedCollisionEmbeddingBagCollection(ebc, ManagedCollisionCollection(modules, tables))
+    kind = (
+        ManagedCollisionEmbeddingCollection
+        if case.sequence
+        else ManagedCollisionEmbeddingBagCollection
+    )
+    return kind(ebc, ManagedCollisionCollection(modules, tables))
 
 
 def stream(case: Case) -> list[list[tuple[list[list[list[int]]], torch.Tensor]]]:
@@ -160,16 +191,56 @@ def blocks(case: Case, table: str) -> list[tuple[int, int]]:
     return sorted((s.row_offset, s.rows) for s in sharded.shards if s.rows)
 
 
+def weights_of(tables: EmbeddingBagCollection | EmbeddingCollection) -> dict[str, nn.Parameter]:
+    """The unsharded tables' weights, by table."""
+    held = tables.embeddings if isinstance(tables, EmbeddingCollection) else tables.embedding_bags
+    return {t: m.weight for t, m in held.items()}
+
+
+def outputs(case: Case, ranks, found) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Each rank's output of the global batch's (its bags of every feature: pooled, or
+    its ids' rows in feature order), and the sum of the ranks' losses."""
+    outs, loss = [], 0
+    if case.sequence:
+        rows = {f: found[f].values() for f in ("f1", "f2", "g")}
+        at = dict.fromkeys(rows, 0)
+        for bags, _ in ranks:
+            parts = []
+            for f, feature in zip(rows, bags):
+                n = sum(map(len, feature))
+                parts.append(rows[f][at[f] : at[f] + n])
+                at[f] += n
+            out = torch.cat(parts)
+            outs.append(out.detach().clone())
+            loss = loss + sequence_loss(out)
+        return outs, loss
+    whole = torch.cat([found["f1"], found["f2"], found["g"]], 1)
+    at = 0
+    for bags, upstream in ranks:
+        out = whole[at : at + len(bags[0])]
+        at += len(bags[0])
+        outs.append(out.detach().clone())
+        loss = loss + (out[:, : 2 * DIM] * upstream).sum() + out[:, 2 * DIM :].sum()
+    return outs, loss
+
+
+def sequence_loss(rows: torch.Tensor) -> torch.Tensor:
+    """A rank's loss of its ids' rows: each id's gradient depends on its row."""
+    return (rows**2).sum() + rows[:, :2].sum()
+
+
 class Reference:
     """TorchRec's pieces: per table, an MCH module per row block fed the ids of its
-    input range; the unsharded EBC with evicted rows reset; plain optimizer steps."""
+    input range; the unsharded EBC (EC) with evicted rows reset; plain optimizer
+    steps."""
 
     def __init__(self, case: Case, module: ManagedCollisionEmbeddingBagCollection, initial) -> None:
         self.case = case
         self.initial = {t: w.clone() for t, w in initial.items()}
-        self.ebc = EmbeddingBagCollection(tables=configs(case))
+        self.ebc = tables_of(case)
+        self.weights = weights_of(self.ebc)
         for t, w in initial.items():
-            self.ebc.embedding_bags[t].weight.data.copy_(w)
+            self.weights[t].data.copy_(w)
         self.state = {t: torch.zeros_like(w) for t, w in initial.items()}
         own = module._managed_collision_collection._managed_collision_modules
         self.own = own
@@ -209,19 +280,11 @@ class Reference:
                     self.reset(t, evicted.long())
             values[span] = out
         remapped = KeyedJaggedTensor(keys=features.keys(), values=values, lengths=lengths)
-        pooled = self.ebc(remapped)
-        whole = torch.cat([pooled["f1"], pooled["f2"], pooled["g"]], 1)
-        outs, loss, at = [], 0, 0
-        for bags, upstream in ranks:
-            out = whole[at : at + len(bags[0])]
-            at += len(bags[0])
-            outs.append(out.detach().clone())
-            loss = loss + (out[:, : 2 * DIM] * upstream).sum() + out[:, 2 * DIM :].sum()
-        return outs, loss
+        return outputs(self.case, ranks, self.ebc(remapped))
 
     def reset(self, table: str, rows: torch.Tensor) -> None:
         self.evicted += len(rows)
-        weight = self.ebc.embedding_bags[table].weight
+        weight = self.weights[table]
         with torch.no_grad():
             if self.case.init_fn:
                 weight[rows] = 0.25
@@ -235,7 +298,7 @@ class Reference:
         opt = self.case.optimizer
         with torch.no_grad():
             for t in FEATURES:
-                weight = self.ebc.embedding_bags[t].weight
+                weight = self.weights[t]
                 grad = weight.grad
                 if isinstance(opt, SGD):
                     weight -= opt.lr * grad
@@ -252,10 +315,24 @@ class Reference:
 
 
 def _output(sharded, bags, upstream) -> tuple[torch.Tensor, torch.Tensor]:
-    pooled, remapped = sharded(kjt(bags))
+    found, remapped = sharded(kjt(bags))
     assert remapped is None
-    out = torch.cat([pooled["f1"], pooled["f2"], pooled["g"]], 1)
+    if isinstance(found, dict):  # an MC-EC's: a JaggedTensor a feature
+        for f, feature in zip(("f1", "f2", "g"), bags):
+            assert found[f].lengths().tolist() == [len(bag) for bag in feature]
+        out = torch.cat([found[f].values() for f in ("f1", "f2", "g")])
+        return out, sequence_loss(out)
+    out = torch.cat([found["f1"], found["f2"], found["g"]], 1)
     return out, (out[:, : 2 * DIM] * upstream).sum() + out[:, 2 * DIM :].sum()
+
+
+def _tables(sharded):
+    """The sharded collection inside a sharded MC-EBC or MC-EC."""
+    return (
+        sharded.embedding_collection
+        if hasattr(sharded, "embedding_collection")
+        else (sharded.embedding_bag_collection)
+    )
 
 
 def _run_case(case: Case) -> dict:
@@ -266,9 +343,9 @@ def _run_case(case: Case) -> dict:
     rank = torch.distributed.get_rank()
     sharded = embshard.shard(module, ShardingPlan(case.plan), optimizer=case.optimizer)
     if case.meta:
-        initial = {t: gather_table(w) for t, w in sharded.embedding_bag_collection.weights.items()}
+        initial = {t: gather_table(w) for t, w in _tables(sharded).weights.items()}
     else:
-        initial = {t: b.weight.detach() for t, b in module._embedding_module.embedding_bags.items()}
+        initial = {t: w.detach() for t, w in weights_of(module._embedding_module).items()}
     ref = Reference(case, module, initial)
     out_gap = 0.0
     steps = stream(case)
@@ -288,10 +365,9 @@ def _run_case(case: Case) -> dict:
     # The tables under the unsharded module's keys, not the MCH modules' state.
     tables = {k for k in module.state_dict() if k.startswith("_embedding_module.")}
     assert set(sharded.state_dict()) == tables, sorted(sharded.state_dict())
-    weights = sharded.embedding_bag_collection.weights
+    weights = _tables(sharded).weights
     table_gap = max(
-        (gather_table(weights[t]) - ref.ebc.embedding_bags[t].weight).abs().max().item()
-        for t in FEATURES
+        (gather_table(weights[t]) - ref.weights[t]).abs().max().item() for t in FEATURES
     )
     return {"out_gap": out_gap, "table_gap": table_gap, "evicted": ref.evicted}
 
@@ -332,10 +408,33 @@ CASES = {
     ),
 }
 
+# The same cases for a ManagedCollisionEmbeddingCollection, and many steps of evictions.
+SEQUENCE_CASES = {
+    **{name: dataclasses.replace(case, sequence=True) for name, case in CASES.items()},
+    "w2_row_wise_lfu_adagrad_many_steps_evaluated": Case(
+        2,
+        {"t": row_wise(), "u": row_wise()},
+        "lfu",
+        Adagrad(lr=0.1),
+        steps=40,
+        meta=True,
+        evaluate=True,
+        sequence=True,
+    ),
+}
+
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_sharded_mc_ebc_equals_torchrec_pieces(world, name: str) -> None:
-    case = CASES[name]
+    _check_case(world, CASES[name])
+
+
+@pytest.mark.parametrize("name", list(SEQUENCE_CASES))
+def test_sharded_mc_ec_equals_torchrec_pieces(world, name: str) -> None:
+    _check_case(world, SEQUENCE_CASES[name])
+
+
+def _check_case(world, case: Case) -> None:
     results = world(case.world).run(_run_case, case)
     for r in results:
         assert r["out_gap"] < TOL, r

@@ -152,18 +152,27 @@ class SequenceInputDistribution:
         table's: all its ids, each its own), in its first bag (values past the last
         row's are left over: the payload reads rows by their lengths), and the
         SequenceIds that bring every id's row back. Sorting keys of (row, id) finds them
-        without reading anything back to the host."""
+        without reading anything back to the host; keys of (row, place in the row) keep
+        a row of all its ids in the batch's order, the order the unsharded module sees
+        them in (an MCH module's evictions depend on it)."""
         rows, count = lengths.shape[0], values.numel()
         row_of = torch.repeat_interleave(
             torch.arange(rows, device=self.bags.device), lengths.sum(1), output_size=count
         )
-        if rows * self.id_bound < 2**63:  # one sort of combined keys
-            key = row_of * self.id_bound + values.long()
+        sortable, bound = values.long(), self.id_bound
+        if self.repeats is not None:  # their ids keep their order: by place in the row
+            per_row = lengths.sum(1)
+            place = torch.arange(count, device=self.bags.device)
+            place -= (torch.cumsum(per_row, 0) - per_row)[row_of]
+            sortable = torch.where(self.repeats[row_of % len(self.repeats)], place, sortable)
+            bound = max(bound, count)
+        if rows * bound < 2**63:  # one sort of combined keys
+            key = row_of * bound + sortable
             key, order = torch.sort(key)
             first = torch.ones_like(key, dtype=torch.bool)
             first[1:] = key[1:] != key[:-1]
         else:  # rows, then ids within a row: two stable sorts
-            order = torch.sort(values, stable=True)[1]
+            order = torch.sort(sortable, stable=True)[1]
             order = order[torch.sort(row_of[order], stable=True)[1]]
             ids, row = values[order], row_of[order]
             first = torch.ones_like(ids, dtype=torch.bool)
