@@ -480,16 +480,9 @@ def _refusals() -> dict[str, str]:
 
     sharded = embshard.shard(mc_ebc(case), plan)
     outside = kjt([[[5]], [[case.input_size]], [[1]]])
-    ec_tables = [
-        EmbeddingConfig(name="t", embedding_dim=DIM, num_embeddings=10, feature_names=["f1"])
-    ]
-    mc_ec = ManagedCollisionEmbeddingCollection(
-        EmbeddingCollection(tables=ec_tables),
-        ManagedCollisionCollection(
-            {"t": MCHManagedCollisionModule(10, torch.device("cpu"), LFU_EvictionPolicy(), 2)},
-            ec_tables,
-        ),
-    )
+    sequence = dataclasses.replace(case, sequence=True)
+    mc_ec = mc_ebc(sequence)
+    mc_ec._return_remapped_features = True
     return {
         "kind": with_module(other_kind),
         "trained": with_module(trained),
@@ -500,7 +493,15 @@ def _refusals() -> dict[str, str]:
             lambda: embshard.shard(mc_ebc(case), plan, dynamic={"t": embshard.IdMapSpec(2, 5)})
         ),
         "outside": _raises(lambda: sharded(outside)),
-        "mc_ec": _raises(lambda: embshard.shard(mc_ec, plan)),
+        "mc_ec_remapped": _raises(lambda: embshard.shard(mc_ec, plan)),
+        "mc_ec_uneven": _raises(
+            lambda: embshard.shard(
+                mc_ebc(sequence), ShardingPlan({"t": row_wise([3, 7]), "u": row_wise()})
+            )
+        ),
+        "mc_ec_dynamic": _raises(
+            lambda: embshard.shard(mc_ebc(sequence), plan, dynamic={"u": embshard.IdMapSpec(2, 3)})
+        ),
         "served": _raises(
             lambda: sharded.embedding_bag_collection.replace_lookup(lambda tables, fmap: None)
         ),
@@ -523,7 +524,14 @@ def test_refusals_are_one_line_on_every_rank(world) -> None:
     assert r["dynamic"].startswith("PlanError: dynamic tables ['t']")
     assert r["outside"].startswith("InputError")
     assert "rank 1: feature 'f2' (table 't'): id 48 is outside [0, 48)" in r["outside"]
-    assert "ManagedCollisionEmbeddingCollection" in r["mc_ec"]
+    assert (
+        "ValueError: return_remapped_features=True is not supported: the sharded "
+        "ManagedCollisionEmbeddingCollection returns (embeddings, None)"
+    ) in r["mc_ec_remapped"]
+    assert "table 't': its row blocks [3, 7] are not equal" in r["mc_ec_uneven"]
+    assert ("PlanError: dynamic tables ['u']: a ManagedCollisionEmbeddingCollection's tables") in r[
+        "mc_ec_dynamic"
+    ]
     assert "managed-collision tables ['t', 'u'] cannot be served" in r["served"]
 
 
@@ -531,17 +539,31 @@ class _Model(nn.Module):
     def __init__(self, case: Case) -> None:
         super().__init__()
         self.sparse = mc_ebc(case, "meta")
-        self.dense = nn.Linear(3 * DIM, 1)
+        self.dense = nn.Linear(DIM if case.sequence else 3 * DIM, 1)
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        pooled, _ = self.sparse(features)
-        return self.dense(torch.cat([pooled["f1"], pooled["f2"], pooled["g"]], 1)).sum()
+        found, _ = self.sparse(features)
+        if isinstance(found, dict):  # an MC-EC's rows, a JaggedTensor a feature
+            return self.dense(torch.cat([found[f].values() for f in found])).sum()
+        return self.dense(torch.cat([found["f1"], found["f2"], found["g"]], 1)).sum()
 
 
-def _through_shard_model() -> tuple[str, list[str], float]:
-    case = Case(2, {"t": row_wise(), "u": table_wise(0)}, "lru", SGD(lr=0.1), hashed=True)
+def _through_shard_model(sequence: bool) -> tuple[str, list[str], float]:
+    case = Case(
+        2,
+        {"t": row_wise(), "u": table_wise(0)},
+        "lru",
+        SGD(lr=0.1),
+        hashed=True,
+        sequence=sequence,
+    )
     torch.manual_seed(0)
-    model = embshard.shard_model(_Model(case), ShardingPlan(case.plan), optimizer=case.optimizer)
+    model = embshard.shard_model(
+        _Model(case),
+        ShardingPlan(case.plan),
+        optimizer=case.optimizer,
+        comm_precision="fp16",  # the pooled all-to-all's: an MC-EC's rows travel in fp32
+    )
     dense = torch.optim.SGD(model.parameters(), lr=0.1)
     rank = torch.distributed.get_rank()
     sparse = model.module.sparse
@@ -551,7 +573,7 @@ def _through_shard_model() -> tuple[str, list[str], float]:
         if step % 2:  # a pipeline's prefetch: the forward takes it up (ids hashed once)
             embshard.prefetch(model, batch)
         loss = model(batch)
-        assert not sparse.embedding_bag_collection.is_prefetched(batch)
+        assert not _tables(sparse).is_prefetched(batch)
         loss.backward()
         dense.step()
         dense.zero_grad()
@@ -559,9 +581,16 @@ def _through_shard_model() -> tuple[str, list[str], float]:
     return type(sparse).__name__, sorted(sparse.managed_collision_modules()), max(map(abs, losses))
 
 
-def test_shard_model_trains_a_model_with_an_mc_ebc(world) -> None:
-    (kind, tables0, loss0), (kind1, tables1, loss1) = world(2).run(_through_shard_model)
-    assert kind == kind1 == "ShardedManagedCollisionEmbeddingBagCollection"
+@pytest.mark.parametrize("sequence", [False, True])
+def test_shard_model_trains_a_model_with_an_mc_ebc_or_mc_ec(world, sequence: bool) -> None:
+    results = world(2).run(_through_shard_model, sequence)
+    (kind, tables0, loss0), (kind1, tables1, loss1) = results
+    expected = (
+        "ManagedCollisionEmbeddingCollection"
+        if sequence
+        else ("ManagedCollisionEmbeddingBagCollection")
+    )
+    assert kind == kind1 == f"Sharded{expected}"
     assert tables0 == ["t", "u"] and tables1 == ["t"]
     assert math.isfinite(loss0) and math.isfinite(loss1)
 
