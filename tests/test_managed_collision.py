@@ -326,13 +326,11 @@ def _output(sharded, bags, upstream) -> tuple[torch.Tensor, torch.Tensor]:
     return out, (out[:, : 2 * DIM] * upstream).sum() + out[:, 2 * DIM :].sum()
 
 
-def _tables(sharded):
+def sharded_tables(sharded):
     """The sharded collection inside a sharded MC-EBC or MC-EC."""
-    return (
-        sharded.embedding_collection
-        if hasattr(sharded, "embedding_collection")
-        else (sharded.embedding_bag_collection)
-    )
+    if hasattr(sharded, "embedding_collection"):
+        return sharded.embedding_collection
+    return sharded.embedding_bag_collection
 
 
 def _run_case(case: Case) -> dict:
@@ -343,7 +341,7 @@ def _run_case(case: Case) -> dict:
     rank = torch.distributed.get_rank()
     sharded = embshard.shard(module, ShardingPlan(case.plan), optimizer=case.optimizer)
     if case.meta:
-        initial = {t: gather_table(w) for t, w in _tables(sharded).weights.items()}
+        initial = {t: gather_table(w) for t, w in sharded_tables(sharded).weights.items()}
     else:
         initial = {t: w.detach() for t, w in weights_of(module._embedding_module).items()}
     ref = Reference(case, module, initial)
@@ -365,7 +363,7 @@ def _run_case(case: Case) -> dict:
     # The tables under the unsharded module's keys, not the MCH modules' state.
     tables = {k for k in module.state_dict() if k.startswith("_embedding_module.")}
     assert set(sharded.state_dict()) == tables, sorted(sharded.state_dict())
-    weights = _tables(sharded).weights
+    weights = sharded_tables(sharded).weights
     table_gap = max(
         (gather_table(weights[t]) - ref.weights[t]).abs().max().item() for t in FEATURES
     )
@@ -573,7 +571,7 @@ def _through_shard_model(sequence: bool) -> tuple[str, list[str], float]:
         if step % 2:  # a pipeline's prefetch: the forward takes it up (ids hashed once)
             embshard.prefetch(model, batch)
         loss = model(batch)
-        assert not _tables(sparse).is_prefetched(batch)
+        assert not sharded_tables(sparse).is_prefetched(batch)
         loss.backward()
         dense.step()
         dense.zero_grad()
