@@ -593,9 +593,16 @@ def test_shard_model_trains_a_model_with_an_mc_ebc_or_mc_ec(world, sequence: boo
     assert math.isfinite(loss0) and math.isfinite(loss1)
 
 
-def _collectives() -> list[int]:
+def _collectives(sequence: bool) -> list[int]:
     """Backend collectives (gloo's profiler events) of each forward plus backward."""
-    case = Case(2, {"t": row_wise(), "u": table_wise(1)}, "lfu", SGD(lr=0.1), hashed=True)
+    case = Case(
+        2,
+        {"t": row_wise(), "u": table_wise(1)},
+        "lfu",
+        SGD(lr=0.1),
+        hashed=True,
+        sequence=sequence,
+    )
     torch.manual_seed(0)
     sharded = embshard.shard(mc_ebc(case), ShardingPlan(case.plan))
     rank, counts = torch.distributed.get_rank(), []
@@ -607,7 +614,8 @@ def _collectives() -> list[int]:
     return counts
 
 
-def test_a_step_keeps_the_collections_collectives(world) -> None:
-    # The counts exchange, the ids and pooled all-to-alls, the pooled gradient's.
-    for counts in world(2).run(_collectives):
+@pytest.mark.parametrize("sequence", [False, True])
+def test_a_step_keeps_the_collections_collectives(world, sequence: bool) -> None:
+    # The counts exchange, the ids and pooled (rows') all-to-alls, the gradient's.
+    for counts in world(2).run(_collectives, sequence):
         assert counts == [4] * 6
