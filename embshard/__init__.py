@@ -30,7 +30,10 @@ _MODULES = {
     "embshard.modules.shard_model": ["shard_model", "sync_replicas"],
     "embshard.modules.mesh": ["sharding_mesh"],
     "embshard.modules.collection": ["ShardedEmbeddingBagCollection"],
-    "embshard.modules.managed_collision": ["ShardedManagedCollisionEmbeddingBagCollection"],
+    "embshard.modules.managed_collision": [
+        "ShardedManagedCollisionEmbeddingBagCollection",
+        "ShardedManagedCollisionEmbeddingCollection",
+    ],
     "embshard.modules.shard": ["shard"],
     "embshard.plan.specs": [
         "ColumnWise",

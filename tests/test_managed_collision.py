@@ -1,16 +1,18 @@
-"""TorchRec's ManagedCollisionEmbeddingBagCollection, sharded, against a reference made of
-TorchRec's pieces only: per row block of a table (in row order) an MCH module made by
-``rebuild_with_output_id_range`` for its rows (the unsharded module itself when one
-block holds the whole table), fed the global batch's ids of its input range, then the
-unsharded EmbeddingBagCollection. That is what TorchRec's sharded managed-collision
-collection computes; at one rank it is TorchRec's unsharded MC-EBC (its managed-collision
-collection, then its EBC). Rows a module evicts are reset before the lookup (a
+"""TorchRec's ManagedCollisionEmbeddingBagCollection and ManagedCollisionEmbeddingCollection,
+sharded, against a reference made of TorchRec's pieces only: per row block of a table (in
+row order) an MCH module made by ``rebuild_with_output_id_range`` for its rows (the
+unsharded module itself when one block holds the whole table), fed the global batch's ids
+of its input range (every id, repeats too), then the unsharded EmbeddingBagCollection or
+EmbeddingCollection. That is what TorchRec's sharded managed-collision collection
+computes; at one rank it is TorchRec's unsharded MC-EBC or MC-EC (its managed-collision
+collection, then its tables). Rows a module evicts are reset before the lookup (a
 constant ``init_fn``, or with TorchRec's default one the row's initial value) with their
 optimizer state, as TorchRec's sharded module resets them. Plain SGD, Adagrad and
 row-wise Adagrad on autograd's gradients of the global batch's loss over the world size."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -81,10 +83,22 @@ class Case:
     meta: bool = False  # shard a module on meta (the seeded initialization)
     evaluate: bool = False  # after each step, the next step's batch in eval mode
     seed: int = 0
+    sequence: bool = False  # a ManagedCollisionEmbeddingCollection (a row per id)
 
 
-def configs(case: Case) -> list[EmbeddingBagConfig]:
+def configs(case: Case) -> list[EmbeddingBagConfig] | list[EmbeddingConfig]:
     init_fn = functools.partial(nn.init.constant_, val=0.25) if case.init_fn else None
+    if case.sequence:
+        return [
+            EmbeddingConfig(
+                name=t,
+                embedding_dim=DIM,
+                num_embeddings=ROWS[t],
+                feature_names=list(FEATURES[t]),
+                init_fn=init_fn,
+            )
+            for t in FEATURES
+        ]
     return [
         EmbeddingBagConfig(
             name=t,
@@ -98,9 +112,21 @@ def configs(case: Case) -> list[EmbeddingBagConfig]:
     ]
 
 
-def mc_ebc(case: Case, device: str = "cpu") -> ManagedCollisionEmbeddingBagCollection:
+def tables_of(
+    case: Case, device: str = "cpu", tables=None
+) -> EmbeddingBagCollection | EmbeddingCollection:
+    """The unsharded tables (of ``tables``, the case's configs): an EmbeddingCollection
+    for a sequence case."""
+    kind = EmbeddingCollection if case.sequence else EmbeddingBagCollection
+    return kind(tables=tables or configs(case), device=torch.device(device))
+
+
+def mc_ebc(
+    case: Case, device: str = "cpu"
+) -> ManagedCollisionEmbeddingBagCollection | ManagedCollisionEmbeddingCollection:
+    """The MC-EBC, or for a sequence case the MC-EC, of the case's tables."""
     tables = configs(case)
-    ebc = EmbeddingBagCollection(tables=tables, device=torch.device(device))
+    ebc = tables_of(case, device, tables)
     policy = LFU_EvictionPolicy if case.policy == "lfu" else LRU_EvictionPolicy
     modules = {
         c.name: MCHManagedCollisionModule(
@@ -113,7 +139,12 @@ def mc_ebc(case: Case, device: str = "cpu") -> ManagedCollisionEmbeddingBagColle
         )
         for c in tables
     }
-    return ManagedCollisionEmbeddingBagCollection(ebc, ManagedCollisionCollection(modules, tables))
+    kind = (
+        ManagedCollisionEmbeddingCollection
+        if case.sequence
+        else ManagedCollisionEmbeddingBagCollection
+    )
+    return kind(ebc, ManagedCollisionCollection(modules, tables))
 
 
 def stream(case: Case) -> list[list[tuple[list[list[list[int]]], torch.Tensor]]]:
@@ -160,16 +191,56 @@ def blocks(case: Case, table: str) -> list[tuple[int, int]]:
     return sorted((s.row_offset, s.rows) for s in sharded.shards if s.rows)
 
 
+def weights_of(tables: EmbeddingBagCollection | EmbeddingCollection) -> dict[str, nn.Parameter]:
+    """The unsharded tables' weights, by table."""
+    held = tables.embeddings if isinstance(tables, EmbeddingCollection) else tables.embedding_bags
+    return {t: m.weight for t, m in held.items()}
+
+
+def outputs(case: Case, ranks, found) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Each rank's output of the global batch's (its bags of every feature: pooled, or
+    its ids' rows in feature order), and the sum of the ranks' losses."""
+    outs, loss = [], 0
+    if case.sequence:
+        rows = {f: found[f].values() for f in ("f1", "f2", "g")}
+        at = dict.fromkeys(rows, 0)
+        for bags, _ in ranks:
+            parts = []
+            for f, feature in zip(rows, bags):
+                n = sum(map(len, feature))
+                parts.append(rows[f][at[f] : at[f] + n])
+                at[f] += n
+            out = torch.cat(parts)
+            outs.append(out.detach().clone())
+            loss = loss + sequence_loss(out)
+        return outs, loss
+    whole = torch.cat([found["f1"], found["f2"], found["g"]], 1)
+    at = 0
+    for bags, upstream in ranks:
+        out = whole[at : at + len(bags[0])]
+        at += len(bags[0])
+        outs.append(out.detach().clone())
+        loss = loss + (out[:, : 2 * DIM] * upstream).sum() + out[:, 2 * DIM :].sum()
+    return outs, loss
+
+
+def sequence_loss(rows: torch.Tensor) -> torch.Tensor:
+    """A rank's loss of its ids' rows: each id's gradient depends on its row."""
+    return (rows**2).sum() + rows[:, :2].sum()
+
+
 class Reference:
     """TorchRec's pieces: per table, an MCH module per row block fed the ids of its
-    input range; the unsharded EBC with evicted rows reset; plain optimizer steps."""
+    input range; the unsharded EBC (EC) with evicted rows reset; plain optimizer
+    steps."""
 
     def __init__(self, case: Case, module: ManagedCollisionEmbeddingBagCollection, initial) -> None:
         self.case = case
         self.initial = {t: w.clone() for t, w in initial.items()}
-        self.ebc = EmbeddingBagCollection(tables=configs(case))
+        self.ebc = tables_of(case)
+        self.weights = weights_of(self.ebc)
         for t, w in initial.items():
-            self.ebc.embedding_bags[t].weight.data.copy_(w)
+            self.weights[t].data.copy_(w)
         self.state = {t: torch.zeros_like(w) for t, w in initial.items()}
         own = module._managed_collision_collection._managed_collision_modules
         self.own = own
@@ -209,19 +280,11 @@ class Reference:
                     self.reset(t, evicted.long())
             values[span] = out
         remapped = KeyedJaggedTensor(keys=features.keys(), values=values, lengths=lengths)
-        pooled = self.ebc(remapped)
-        whole = torch.cat([pooled["f1"], pooled["f2"], pooled["g"]], 1)
-        outs, loss, at = [], 0, 0
-        for bags, upstream in ranks:
-            out = whole[at : at + len(bags[0])]
-            at += len(bags[0])
-            outs.append(out.detach().clone())
-            loss = loss + (out[:, : 2 * DIM] * upstream).sum() + out[:, 2 * DIM :].sum()
-        return outs, loss
+        return outputs(self.case, ranks, self.ebc(remapped))
 
     def reset(self, table: str, rows: torch.Tensor) -> None:
         self.evicted += len(rows)
-        weight = self.ebc.embedding_bags[table].weight
+        weight = self.weights[table]
         with torch.no_grad():
             if self.case.init_fn:
                 weight[rows] = 0.25
@@ -235,7 +298,7 @@ class Reference:
         opt = self.case.optimizer
         with torch.no_grad():
             for t in FEATURES:
-                weight = self.ebc.embedding_bags[t].weight
+                weight = self.weights[t]
                 grad = weight.grad
                 if isinstance(opt, SGD):
                     weight -= opt.lr * grad
@@ -252,10 +315,22 @@ class Reference:
 
 
 def _output(sharded, bags, upstream) -> tuple[torch.Tensor, torch.Tensor]:
-    pooled, remapped = sharded(kjt(bags))
+    found, remapped = sharded(kjt(bags))
     assert remapped is None
-    out = torch.cat([pooled["f1"], pooled["f2"], pooled["g"]], 1)
+    if isinstance(found, dict):  # an MC-EC's: a JaggedTensor a feature
+        for f, feature in zip(("f1", "f2", "g"), bags):
+            assert found[f].lengths().tolist() == [len(bag) for bag in feature]
+        out = torch.cat([found[f].values() for f in ("f1", "f2", "g")])
+        return out, sequence_loss(out)
+    out = torch.cat([found["f1"], found["f2"], found["g"]], 1)
     return out, (out[:, : 2 * DIM] * upstream).sum() + out[:, 2 * DIM :].sum()
+
+
+def sharded_tables(sharded):
+    """The sharded collection inside a sharded MC-EBC or MC-EC."""
+    if hasattr(sharded, "embedding_collection"):
+        return sharded.embedding_collection
+    return sharded.embedding_bag_collection
 
 
 def _run_case(case: Case) -> dict:
@@ -266,9 +341,9 @@ def _run_case(case: Case) -> dict:
     rank = torch.distributed.get_rank()
     sharded = embshard.shard(module, ShardingPlan(case.plan), optimizer=case.optimizer)
     if case.meta:
-        initial = {t: gather_table(w) for t, w in sharded.embedding_bag_collection.weights.items()}
+        initial = {t: gather_table(w) for t, w in sharded_tables(sharded).weights.items()}
     else:
-        initial = {t: b.weight.detach() for t, b in module._embedding_module.embedding_bags.items()}
+        initial = {t: w.detach() for t, w in weights_of(module._embedding_module).items()}
     ref = Reference(case, module, initial)
     out_gap = 0.0
     steps = stream(case)
@@ -288,10 +363,9 @@ def _run_case(case: Case) -> dict:
     # The tables under the unsharded module's keys, not the MCH modules' state.
     tables = {k for k in module.state_dict() if k.startswith("_embedding_module.")}
     assert set(sharded.state_dict()) == tables, sorted(sharded.state_dict())
-    weights = sharded.embedding_bag_collection.weights
+    weights = sharded_tables(sharded).weights
     table_gap = max(
-        (gather_table(weights[t]) - ref.ebc.embedding_bags[t].weight).abs().max().item()
-        for t in FEATURES
+        (gather_table(weights[t]) - ref.weights[t]).abs().max().item() for t in FEATURES
     )
     return {"out_gap": out_gap, "table_gap": table_gap, "evicted": ref.evicted}
 
@@ -332,10 +406,33 @@ CASES = {
     ),
 }
 
+# The same cases for a ManagedCollisionEmbeddingCollection, and many steps of evictions.
+SEQUENCE_CASES = {
+    **{name: dataclasses.replace(case, sequence=True) for name, case in CASES.items()},
+    "w2_row_wise_lfu_adagrad_many_steps_evaluated": Case(
+        2,
+        {"t": row_wise(), "u": row_wise()},
+        "lfu",
+        Adagrad(lr=0.1),
+        steps=40,
+        meta=True,
+        evaluate=True,
+        sequence=True,
+    ),
+}
+
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_sharded_mc_ebc_equals_torchrec_pieces(world, name: str) -> None:
-    case = CASES[name]
+    _check_case(world, CASES[name])
+
+
+@pytest.mark.parametrize("name", list(SEQUENCE_CASES))
+def test_sharded_mc_ec_equals_torchrec_pieces(world, name: str) -> None:
+    _check_case(world, SEQUENCE_CASES[name])
+
+
+def _check_case(world, case: Case) -> None:
     results = world(case.world).run(_run_case, case)
     for r in results:
         assert r["out_gap"] < TOL, r
@@ -381,16 +478,9 @@ def _refusals() -> dict[str, str]:
 
     sharded = embshard.shard(mc_ebc(case), plan)
     outside = kjt([[[5]], [[case.input_size]], [[1]]])
-    ec_tables = [
-        EmbeddingConfig(name="t", embedding_dim=DIM, num_embeddings=10, feature_names=["f1"])
-    ]
-    mc_ec = ManagedCollisionEmbeddingCollection(
-        EmbeddingCollection(tables=ec_tables),
-        ManagedCollisionCollection(
-            {"t": MCHManagedCollisionModule(10, torch.device("cpu"), LFU_EvictionPolicy(), 2)},
-            ec_tables,
-        ),
-    )
+    sequence = dataclasses.replace(case, sequence=True)
+    mc_ec = mc_ebc(sequence)
+    mc_ec._return_remapped_features = True
     return {
         "kind": with_module(other_kind),
         "trained": with_module(trained),
@@ -401,7 +491,15 @@ def _refusals() -> dict[str, str]:
             lambda: embshard.shard(mc_ebc(case), plan, dynamic={"t": embshard.IdMapSpec(2, 5)})
         ),
         "outside": _raises(lambda: sharded(outside)),
-        "mc_ec": _raises(lambda: embshard.shard(mc_ec, plan)),
+        "mc_ec_remapped": _raises(lambda: embshard.shard(mc_ec, plan)),
+        "mc_ec_uneven": _raises(
+            lambda: embshard.shard(
+                mc_ebc(sequence), ShardingPlan({"t": row_wise([3, 7]), "u": row_wise()})
+            )
+        ),
+        "mc_ec_dynamic": _raises(
+            lambda: embshard.shard(mc_ebc(sequence), plan, dynamic={"u": embshard.IdMapSpec(2, 3)})
+        ),
         "served": _raises(
             lambda: sharded.embedding_bag_collection.replace_lookup(lambda tables, fmap: None)
         ),
@@ -424,7 +522,14 @@ def test_refusals_are_one_line_on_every_rank(world) -> None:
     assert r["dynamic"].startswith("PlanError: dynamic tables ['t']")
     assert r["outside"].startswith("InputError")
     assert "rank 1: feature 'f2' (table 't'): id 48 is outside [0, 48)" in r["outside"]
-    assert "ManagedCollisionEmbeddingCollection" in r["mc_ec"]
+    assert (
+        "ValueError: return_remapped_features=True is not supported: the sharded "
+        "ManagedCollisionEmbeddingCollection returns (embeddings, None)"
+    ) in r["mc_ec_remapped"]
+    assert "table 't': its row blocks [3, 7] are not equal" in r["mc_ec_uneven"]
+    assert ("PlanError: dynamic tables ['u']: a ManagedCollisionEmbeddingCollection's tables") in r[
+        "mc_ec_dynamic"
+    ]
     assert "managed-collision tables ['t', 'u'] cannot be served" in r["served"]
 
 
@@ -432,17 +537,31 @@ class _Model(nn.Module):
     def __init__(self, case: Case) -> None:
         super().__init__()
         self.sparse = mc_ebc(case, "meta")
-        self.dense = nn.Linear(3 * DIM, 1)
+        self.dense = nn.Linear(DIM if case.sequence else 3 * DIM, 1)
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        pooled, _ = self.sparse(features)
-        return self.dense(torch.cat([pooled["f1"], pooled["f2"], pooled["g"]], 1)).sum()
+        found, _ = self.sparse(features)
+        if isinstance(found, dict):  # an MC-EC's rows, a JaggedTensor a feature
+            return self.dense(torch.cat([found[f].values() for f in found])).sum()
+        return self.dense(torch.cat([found["f1"], found["f2"], found["g"]], 1)).sum()
 
 
-def _through_shard_model() -> tuple[str, list[str], float]:
-    case = Case(2, {"t": row_wise(), "u": table_wise(0)}, "lru", SGD(lr=0.1), hashed=True)
+def _through_shard_model(sequence: bool) -> tuple[str, list[str], float]:
+    case = Case(
+        2,
+        {"t": row_wise(), "u": table_wise(0)},
+        "lru",
+        SGD(lr=0.1),
+        hashed=True,
+        sequence=sequence,
+    )
     torch.manual_seed(0)
-    model = embshard.shard_model(_Model(case), ShardingPlan(case.plan), optimizer=case.optimizer)
+    model = embshard.shard_model(
+        _Model(case),
+        ShardingPlan(case.plan),
+        optimizer=case.optimizer,
+        comm_precision="fp16",  # the pooled all-to-all's: an MC-EC's rows travel in fp32
+    )
     dense = torch.optim.SGD(model.parameters(), lr=0.1)
     rank = torch.distributed.get_rank()
     sparse = model.module.sparse
@@ -452,7 +571,7 @@ def _through_shard_model() -> tuple[str, list[str], float]:
         if step % 2:  # a pipeline's prefetch: the forward takes it up (ids hashed once)
             embshard.prefetch(model, batch)
         loss = model(batch)
-        assert not sparse.embedding_bag_collection.is_prefetched(batch)
+        assert not sharded_tables(sparse).is_prefetched(batch)
         loss.backward()
         dense.step()
         dense.zero_grad()
@@ -460,16 +579,30 @@ def _through_shard_model() -> tuple[str, list[str], float]:
     return type(sparse).__name__, sorted(sparse.managed_collision_modules()), max(map(abs, losses))
 
 
-def test_shard_model_trains_a_model_with_an_mc_ebc(world) -> None:
-    (kind, tables0, loss0), (kind1, tables1, loss1) = world(2).run(_through_shard_model)
-    assert kind == kind1 == "ShardedManagedCollisionEmbeddingBagCollection"
+@pytest.mark.parametrize("sequence", [False, True])
+def test_shard_model_trains_a_model_with_an_mc_ebc_or_mc_ec(world, sequence: bool) -> None:
+    results = world(2).run(_through_shard_model, sequence)
+    (kind, tables0, loss0), (kind1, tables1, loss1) = results
+    expected = (
+        "ManagedCollisionEmbeddingCollection"
+        if sequence
+        else ("ManagedCollisionEmbeddingBagCollection")
+    )
+    assert kind == kind1 == f"Sharded{expected}"
     assert tables0 == ["t", "u"] and tables1 == ["t"]
     assert math.isfinite(loss0) and math.isfinite(loss1)
 
 
-def _collectives() -> list[int]:
+def _collectives(sequence: bool) -> list[int]:
     """Backend collectives (gloo's profiler events) of each forward plus backward."""
-    case = Case(2, {"t": row_wise(), "u": table_wise(1)}, "lfu", SGD(lr=0.1), hashed=True)
+    case = Case(
+        2,
+        {"t": row_wise(), "u": table_wise(1)},
+        "lfu",
+        SGD(lr=0.1),
+        hashed=True,
+        sequence=sequence,
+    )
     torch.manual_seed(0)
     sharded = embshard.shard(mc_ebc(case), ShardingPlan(case.plan))
     rank, counts = torch.distributed.get_rank(), []
@@ -481,7 +614,8 @@ def _collectives() -> list[int]:
     return counts
 
 
-def test_a_step_keeps_the_collections_collectives(world) -> None:
-    # The counts exchange, the ids and pooled all-to-alls, the pooled gradient's.
-    for counts in world(2).run(_collectives):
+@pytest.mark.parametrize("sequence", [False, True])
+def test_a_step_keeps_the_collections_collectives(world, sequence: bool) -> None:
+    # The counts exchange, the ids and pooled (rows') all-to-alls, the gradient's.
+    for counts in world(2).run(_collectives, sequence):
         assert counts == [4] * 6

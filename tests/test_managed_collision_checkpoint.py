@@ -20,7 +20,9 @@ from test_managed_collision import (
     _output,
     configs,
     mc_ebc,
+    sharded_tables,
     stream,
+    weights_of,
 )
 from torch import nn
 from torchrec import EmbeddingBagCollection
@@ -68,11 +70,25 @@ CASES = {
         Case(2, {"t": row_wise(), "u": row_wise()}, "lfu", RowWiseAdagrad(lr=0.1), meta=True),
         3,
     ),
+    # A ManagedCollisionEmbeddingCollection's modules, saved mid-interval.
+    "w2_row_wise_lfu_adagrad_sequence_mid_interval": (
+        Case(
+            2,
+            {"t": row_wise(), "u": table_wise(0)},
+            "lfu",
+            Adagrad(lr=0.1),
+            interval=3,
+            hashed=True,
+            init_fn=True,
+            sequence=True,
+        ),
+        4,
+    ),
 }
 
 
 def _sharded(case: Case, plan: dict | None = None, torch_seed: int = 0):
-    """A fresh sharded MC-EBC; ``torch_seed`` draws its tables' values unless on meta
+    """A fresh sharded MC-EBC (MC-EC); ``torch_seed`` draws its tables' values unless on meta
     (embshard's seed, which evicted rows' values come from too, stays 0)."""
     torch.manual_seed(torch_seed)
     module = mc_ebc(case, "meta" if case.meta else "cpu")
@@ -84,11 +100,11 @@ def _resume(case: Case, saved_at: int, root: str) -> dict:
     meta), train on: each step's output and the final tables against the uninterrupted reference."""
     rank = torch.distributed.get_rank()
     module, sharded = _sharded(case)
-    weights = sharded.embedding_bag_collection.weights
+    weights = sharded_tables(sharded).weights
     if case.meta:
         initial = {t: gather_table(w) for t, w in weights.items()}
     else:
-        initial = {t: b.weight.detach() for t, b in module._embedding_module.embedding_bags.items()}
+        initial = {t: w.detach() for t, w in weights_of(module._embedding_module).items()}
     ref = Reference(case, module, initial)
     out_gap = 0.0
     for step, ranks in enumerate(stream(case)[: case.steps]):
@@ -102,10 +118,9 @@ def _resume(case: Case, saved_at: int, root: str) -> dict:
         loss.backward()
         expected = ref.step(ranks)[rank]
         out_gap = max(out_gap, (out.detach() - expected).abs().max().item())
-    weights = sharded.embedding_bag_collection.weights
+    weights = sharded_tables(sharded).weights
     table_gap = max(
-        (gather_table(weights[t]) - ref.ebc.embedding_bags[t].weight).abs().max().item()
-        for t in FEATURES
+        (gather_table(weights[t]) - ref.weights[t]).abs().max().item() for t in FEATURES
     )
     return {"out_gap": out_gap, "table_gap": table_gap, "evicted": ref.evicted - evicted_before}
 

@@ -181,8 +181,9 @@ class ShardedEmbeddingCollection(
 
     Table-wise, row-wise, column-wise, grid and data-parallel plans of FP32 or FP16
     tables, and dynamic tables (table-wise or row-wise: docs/dynamic.md), whose ids
-    without a row get zeros. ``state_dict()`` has the unsharded module's keys
-    (``embeddings.<table>.weight``).
+    without a row get zeros, and managed-collision tables (a
+    ManagedCollisionEmbeddingCollection's: ``shard()``). ``state_dict()`` has the
+    unsharded module's keys (``embeddings.<table>.weight``).
     """
 
     _PREFIX = "embeddings"
@@ -255,6 +256,10 @@ class ShardedEmbeddingCollection(
         if self._dynamic is not None:  # an id without a row leaves its bag empty: zeros
             lookup_ids, lookup_offsets, _ = self._dynamic.remap(
                 ids, offsets, None, max(per_slot, default=0), learn=self.training
+            )
+        if self._managed is not None:  # a miss gets its block's last row, as in TorchRec
+            lookup_ids = self._managed.remap(
+                ids, offsets, max(per_slot, default=0), learn=self.training
             )
         # [fullest slot's ids, slots' widths]
         pooled = self._storage.tbe(lookup_ids, lookup_offsets)

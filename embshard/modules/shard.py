@@ -16,7 +16,10 @@ from torchrec.modules.mc_embedding_modules import (
 
 from embshard.errors import PlanError
 from embshard.modules.collection import ShardedCollection, ShardedEmbeddingBagCollection
-from embshard.modules.managed_collision import ShardedManagedCollisionEmbeddingBagCollection
+from embshard.modules.managed_collision import (
+    ShardedManagedCollisionEmbeddingBagCollection,
+    ShardedManagedCollisionEmbeddingCollection,
+)
 from embshard.modules.mesh import world_mesh
 from embshard.modules.sequence import ShardedEmbeddingCollection
 from embshard.plan.specs import ShardingPlan
@@ -25,9 +28,15 @@ from embshard.storage.lookup import LookupBackend, TrainingTBE
 from embshard.storage.managed_collision import ManagedCollisions
 from embshard.storage.optimizers import SGD, FusedOptimizer
 
+# TorchRec's managed-collision collections: tables behind their MCH modules.
+_MANAGED = ManagedCollisionEmbeddingBagCollection | ManagedCollisionEmbeddingCollection
+
 
 def shard(
-    module: EmbeddingBagCollection | ManagedCollisionEmbeddingBagCollection,
+    module: EmbeddingBagCollection
+    | EmbeddingCollection
+    | ManagedCollisionEmbeddingBagCollection
+    | ManagedCollisionEmbeddingCollection,
     plan: ShardingPlan,
     *,
     mesh: DeviceMesh | None = None,
@@ -36,7 +45,11 @@ def shard(
     comm_precision: str | None = None,
     lookup: LookupBackend = TrainingTBE(),
     dynamic: Mapping[str, IdMapSpec] | None = None,
-) -> ShardedCollection | ShardedManagedCollisionEmbeddingBagCollection:
+) -> (
+    ShardedCollection
+    | ShardedManagedCollisionEmbeddingBagCollection
+    | ShardedManagedCollisionEmbeddingCollection
+):
     """Shard ``module`` by ``plan`` over ``mesh`` (default: the whole default process group).
 
     An ``EmbeddingCollection`` gives a ``ShardedEmbeddingCollection`` (embshard.modules.sequence):
@@ -64,17 +77,16 @@ def shard(
     ``MCHManagedCollisionModule``s) gives a
     ``ShardedManagedCollisionEmbeddingBagCollection``: its tables table-wise or row-wise
     (equal row blocks, the last may be smaller), each rank's module rebuilt for its rows
-    remapping the raw ids of its input range (docs/dynamic.md).
+    remapping the raw ids of its input range (docs/dynamic.md). A
+    ``ManagedCollisionEmbeddingCollection`` likewise gives a
+    ``ShardedManagedCollisionEmbeddingCollection``: a row per id, every raw id sent
+    to its owner (repeats too, so its module profiles every sighting), a miss its
+    block's last row.
     """
-    if isinstance(module, ManagedCollisionEmbeddingCollection):
-        raise TypeError("shard() does not take a ManagedCollisionEmbeddingCollection yet")
-    if not isinstance(
-        module,
-        EmbeddingBagCollection | EmbeddingCollection | ManagedCollisionEmbeddingBagCollection,
-    ):
+    if not isinstance(module, EmbeddingBagCollection | EmbeddingCollection | _MANAGED):
         raise TypeError(
             "shard() takes a TorchRec EmbeddingBagCollection, EmbeddingCollection or "
-            f"ManagedCollisionEmbeddingBagCollection, got {type(module)}"
+            f"their managed-collision collections, got {type(module)}"
         )
     if not dist.is_initialized():
         raise RuntimeError("shard() needs torch.distributed initialized (init_process_group)")
@@ -82,7 +94,7 @@ def shard(
         mesh = world_mesh()
     if isinstance(module, EmbeddingCollection):
         return _shard_sequence(module, plan, mesh, optimizer, seed, comm_precision, lookup, dynamic)
-    if isinstance(module, ManagedCollisionEmbeddingBagCollection):
+    if isinstance(module, _MANAGED):
         return _shard_managed(module, plan, mesh, optimizer, seed, comm_precision, lookup, dynamic)
     return ShardedEmbeddingBagCollection(
         module.embedding_bag_configs(),
@@ -99,7 +111,7 @@ def shard(
 
 
 def _shard_managed(
-    module: ManagedCollisionEmbeddingBagCollection,
+    module: ManagedCollisionEmbeddingBagCollection | ManagedCollisionEmbeddingCollection,
     plan: ShardingPlan,
     mesh: DeviceMesh,
     optimizer: FusedOptimizer,
@@ -107,20 +119,25 @@ def _shard_managed(
     comm_precision: str | None,
     lookup: LookupBackend,
     dynamic: Mapping[str, IdMapSpec] | None,
-) -> ShardedManagedCollisionEmbeddingBagCollection:
+) -> ShardedManagedCollisionEmbeddingBagCollection | ShardedManagedCollisionEmbeddingCollection:
+    kind = type(module).__name__
     if dynamic:
         raise PlanError(
-            f"dynamic tables {sorted(dynamic)}: a ManagedCollisionEmbeddingBagCollection's "
-            "tables are remapped by its own managed-collision modules"
+            f"dynamic tables {sorted(dynamic)}: a {kind}'s tables are remapped by its own "
+            "managed-collision modules"
         )
     if module._return_remapped_features:
         raise ValueError(
-            "return_remapped_features=True is not supported: the sharded module returns "
-            "(KeyedTensor, None)"
+            f"return_remapped_features=True is not supported: the sharded {kind} returns "
+            "(embeddings, None)"
         )
-    ebc = module._embedding_module
     mcc = module._managed_collision_collection
     managed = ManagedCollisions(dict(mcc._managed_collision_modules), mcc.need_preprocess)
+    if isinstance(module, ManagedCollisionEmbeddingCollection):
+        ec = module._embedding_module
+        args = (plan, mesh, optimizer, seed, comm_precision, lookup, None, managed)
+        return ShardedManagedCollisionEmbeddingCollection(_shard_sequence(ec, *args))
+    ebc = module._embedding_module
     collection = ShardedEmbeddingBagCollection(
         ebc.embedding_bag_configs(),
         plan,
@@ -154,7 +171,8 @@ def _shard_sequence(
     comm_precision: str | None,
     lookup: LookupBackend,
     dynamic: Mapping[str, IdMapSpec] | None,
-) -> ShardedCollection:
+    managed: ManagedCollisions | None = None,
+) -> ShardedEmbeddingCollection:
     if module.need_indices():
         raise ValueError("need_indices=True is not supported for an EmbeddingCollection yet")
     return ShardedEmbeddingCollection(
@@ -167,4 +185,5 @@ def _shard_sequence(
         comm_precision=comm_precision,
         lookup=lookup,
         dynamic=dynamic,
+        managed=managed,
     )

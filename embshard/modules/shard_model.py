@@ -13,7 +13,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
-from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
+from torchrec.modules.mc_embedding_modules import (
+    BaseManagedCollisionEmbeddingCollection,
+    ManagedCollisionEmbeddingCollection,
+)
 
 from embshard.errors import PlanError
 from embshard.modules.collection import ShardedCollection
@@ -107,8 +110,9 @@ def shard_model(
     ``lookup`` builds every sharded collection's per-rank lookup: see ``shard``.
 
     ``dynamic`` names the dynamic tables, of any collection, with their ``IdMapSpec``s:
-    see ``shard``. A ManagedCollisionEmbeddingBagCollection is sharded whole, its
-    managed-collision modules with its tables (see ``shard``).
+    see ``shard``. A ManagedCollisionEmbeddingBagCollection or
+    ManagedCollisionEmbeddingCollection is sharded whole, its managed-collision
+    modules with its tables (see ``shard``).
 
     A 2-D ``mesh`` (``sharding_mesh(group_size)``) shards the tables by ``plan``, made
     for ``group_size`` ranks, inside every sharding group; DDP still averages the dense
@@ -151,7 +155,9 @@ def shard_model(
     for path, collection in collections.items():
         own = {c.name for c in _configs(collection)}
         sub_plan = ShardingPlan({n: s for n, s in plan.tables.items() if n in own})
-        pooled = not isinstance(collection, EmbeddingCollection)
+        pooled = not isinstance(
+            collection, EmbeddingCollection | ManagedCollisionEmbeddingCollection
+        )
         sharded = shard(
             collection,
             sub_plan,

@@ -118,16 +118,22 @@ class Routes:
     def id_limits(self) -> tuple[int, ...]:
         """Per feature, the bound its ids are checked against: its rows, 2**63 for the
         raw ids of a dynamic table, the input size for a managed-collision table's."""
-        ranges = self.feature_ranges or (None,) * len(self.features)
         return tuple(
             KEY_LIMIT if buckets is not None else given[0] if given is not None else rows
-            for rows, buckets, given in zip(self.feature_rows, self.buckets_or_none, ranges)
+            for rows, buckets, given in zip(
+                self.feature_rows, self.buckets_or_none, self.ranges_or_none
+            )
         )
 
     @property
     def buckets_or_none(self) -> tuple[tuple[int, int] | None, ...]:
         """``feature_buckets`` for every feature (None where no table is dynamic)."""
         return self.feature_buckets or (None,) * len(self.features)
+
+    @property
+    def ranges_or_none(self) -> tuple[tuple[int, int, int] | None, ...]:
+        """``feature_ranges`` for every feature (None where no table is managed)."""
+        return self.feature_ranges or (None,) * len(self.features)
 
     @property
     def output_dim(self) -> int:

@@ -6,7 +6,9 @@ packing and the payload's all-to-all are the pooled lookup's (``InputDistributio
 
 A dynamic table's features send every id, repeats included, as keys: its owner's id
 map counts every sighting (``admit_after``, LFU), as for a pooled lookup, so a map
-decides the same whatever the world size and however the samples are split."""
+decides the same whatever the world size and however the samples are split. A
+managed-collision table's features send every raw id too: its owner's MCH module
+profiles every sighting, as TorchRec's unsharded module does."""
 
 from __future__ import annotations
 
@@ -101,10 +103,14 @@ class SequenceInputDistribution:
         # Above every id a lengths-table row holds (rebased into its block or not; a
         # dynamic table's keys are 63 bits).
         self.id_bound = max(routes.id_limits, default=0) + 1
-        # Per feature, whether its ids all travel, repeats included (a dynamic table's),
-        # or None where no feature's do. A lengths-table row's feature is its index
-        # modulo the features (every bucketizing pass's buckets repeat them).
-        repeats = [b is not None for b in routes.buckets_or_none]
+        # Per feature, whether its ids all travel, repeats included (a dynamic or
+        # managed-collision table's), or None where no feature's do. A lengths-table
+        # row's feature is its index modulo the features (every bucketizing pass's
+        # buckets repeat them).
+        repeats = [
+            b is not None or r is not None
+            for b, r in zip(routes.buckets_or_none, routes.ranges_or_none)
+        ]
         self.repeats = torch.tensor(repeats, device=device) if any(repeats) else None
         per_dest = torch.zeros(world, dtype=torch.long, device=device)
         per_dest.index_add_(0, self.bags.slot_rank, torch.ones_like(self.bags.slot_rank))
@@ -129,7 +135,7 @@ class SequenceInputDistribution:
     def route(self, batch: LocalBatch) -> SequenceRouted:
         """Bucketize row-wise ids by owner (rebased into its block), keeping where each
         id was, and keep each lengths-table row's distinct ids to send (a dynamic
-        table's keys all)."""
+        table's keys all, a managed-collision table's raw ids all)."""
         batch = self.bags.keyed(batch)
         positions = torch.arange(batch.values.numel(), device=self.bags.device)
         lengths, values, _, positions = self.bags.bucketize(batch, positions)
@@ -142,27 +148,36 @@ class SequenceInputDistribution:
     def _distinct(
         self, lengths: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, SequenceIds]:
-        """Each lengths-table row's distinct ids (a dynamic table's: all its ids, each
-        its own), in its first bag (values past the last row's are left over: the
-        payload reads rows by their lengths), and the SequenceIds that bring every id's
-        row back. Sorting keys of (row, id) finds them without reading anything back to
-        the host."""
+        """Each lengths-table row's distinct ids (a dynamic or managed-collision
+        table's: all its ids, each its own), in its first bag (values past the last
+        row's are left over: the payload reads rows by their lengths), and the
+        SequenceIds that bring every id's row back. Sorting keys of (row, id) finds them
+        without reading anything back to the host; keys of (row, place in the row) keep
+        a row of all its ids in the batch's order, the order the unsharded module sees
+        them in (an MCH module's evictions depend on it)."""
         rows, count = lengths.shape[0], values.numel()
         row_of = torch.repeat_interleave(
             torch.arange(rows, device=self.bags.device), lengths.sum(1), output_size=count
         )
-        if rows * self.id_bound < 2**63:  # one sort of combined keys
-            key = row_of * self.id_bound + values.long()
+        sortable, bound = values.long(), self.id_bound
+        if self.repeats is not None:  # their ids keep their order: by place in the row
+            per_row = lengths.sum(1)
+            place = torch.arange(count, device=self.bags.device)
+            place -= (torch.cumsum(per_row, 0) - per_row)[row_of]
+            sortable = torch.where(self.repeats[row_of % len(self.repeats)], place, sortable)
+            bound = max(bound, count)
+        if rows * bound < 2**63:  # one sort of combined keys
+            key = row_of * bound + sortable
             key, order = torch.sort(key)
             first = torch.ones_like(key, dtype=torch.bool)
             first[1:] = key[1:] != key[:-1]
         else:  # rows, then ids within a row: two stable sorts
-            order = torch.sort(values, stable=True)[1]
+            order = torch.sort(sortable, stable=True)[1]
             order = order[torch.sort(row_of[order], stable=True)[1]]
             ids, row = values[order], row_of[order]
             first = torch.ones_like(ids, dtype=torch.bool)
             first[1:] = (ids[1:] != ids[:-1]) | (row[1:] != row[:-1])
-        if self.repeats is not None:  # a dynamic table's ids are each their own
+        if self.repeats is not None:  # a dynamic or managed table's ids are each their own
             first |= self.repeats[row_of[order] % len(self.repeats)]
         index = torch.cumsum(first, 0) - 1  # each sorted id's distinct id
         distinct = torch.empty_like(index).scatter_(0, order, index)
