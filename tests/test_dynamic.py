@@ -256,12 +256,17 @@ def _run_case(case: Case) -> dict:
             sharded.train()
             expected = ref.evaluate(following)[rank]
             out_gap = max(out_gap, (out - expected).abs().max().item() if out.numel() else 0)
+    return {"out_gap": out_gap, **tables_against(sharded, ref)}
+
+
+def tables_against(sharded, ref: RefModel) -> dict:
+    """The largest gaps of the live rows and of the static table from the reference's,
+    and both models' counts (admitted, evicted, overflow, live); collective."""
     table = gather_table(sharded.weights["d"])
     row_gap = max(((table[r] - v).abs().max().item() for r, v in ref.rows.items()), default=0)
     static_gap = (gather_table(sharded.weights["s"]) - ref.static).abs().max().item()
     stats = sharded.dynamic_stats()["d"]
     return {
-        "out_gap": out_gap,
         "row_gap": row_gap,
         "static_gap": static_gap,
         "stats": (stats.admitted, stats.evicted, stats.overflow, stats.live),

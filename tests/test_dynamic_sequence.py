@@ -25,13 +25,13 @@ from test_dynamic import (
     check_negative_raw_ids_refused,
     check_overflow_raised_at_the_next_step,
     stream,
+    tables_against,
 )
 from test_id_map import ref_key
 from torchrec import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 
 import embshard
 from embshard import SGD, Adagrad, IdMapSpec, ShardingPlan, column_wise, row_wise, table_wise
-from embshard.storage.shards import gather_table
 
 FEATURES = (*DYN_FEATURES, "f_s")
 
@@ -117,18 +117,7 @@ def _run_case(case: Case) -> dict:
             sharded.train()
             expected = ref.evaluate(following)[rank]
             out_gap = max(out_gap, (out - expected).abs().max().item() if out.numel() else 0)
-    table = gather_table(sharded.weights["d"])
-    row_gap = max(((table[r] - v).abs().max().item() for r, v in ref.rows.items()), default=0)
-    static_gap = (gather_table(sharded.weights["s"]) - ref.static).abs().max().item()
-    stats = sharded.dynamic_stats()["d"]
-    return {
-        "out_gap": out_gap,
-        "row_gap": row_gap,
-        "static_gap": static_gap,
-        "unfound": unfound,
-        "stats": (stats.admitted, stats.evicted, stats.overflow, stats.live),
-        "ref": (ref.admitted, ref.evicted, ref.overflow, len(ref.rows)),
-    }
+    return {"out_gap": out_gap, "unfound": unfound, **tables_against(sharded, ref)}
 
 
 CASES = {

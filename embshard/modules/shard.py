@@ -96,6 +96,20 @@ def shard(
         return _shard_sequence(module, plan, mesh, optimizer, seed, comm_precision, lookup, dynamic)
     if isinstance(module, _MANAGED):
         return _shard_managed(module, plan, mesh, optimizer, seed, comm_precision, lookup, dynamic)
+    return _shard_bags(module, plan, mesh, optimizer, seed, comm_precision, lookup, dynamic)
+
+
+def _shard_bags(
+    module: EmbeddingBagCollection,
+    plan: ShardingPlan,
+    mesh: DeviceMesh,
+    optimizer: FusedOptimizer,
+    seed: int,
+    comm_precision: str | None,
+    lookup: LookupBackend,
+    dynamic: Mapping[str, IdMapSpec] | None,
+    managed: ManagedCollisions | None = None,
+) -> ShardedEmbeddingBagCollection:
     return ShardedEmbeddingBagCollection(
         module.embedding_bag_configs(),
         plan,
@@ -107,6 +121,7 @@ def shard(
         comm_precision=comm_precision,
         lookup=lookup,
         dynamic=dynamic,
+        managed=managed,
     )
 
 
@@ -133,24 +148,13 @@ def _shard_managed(
         )
     mcc = module._managed_collision_collection
     managed = ManagedCollisions(dict(mcc._managed_collision_modules), mcc.need_preprocess)
+    args = (plan, mesh, optimizer, seed, comm_precision, lookup, None, managed)
     if isinstance(module, ManagedCollisionEmbeddingCollection):
-        ec = module._embedding_module
-        args = (plan, mesh, optimizer, seed, comm_precision, lookup, None, managed)
-        return ShardedManagedCollisionEmbeddingCollection(_shard_sequence(ec, *args))
-    ebc = module._embedding_module
-    collection = ShardedEmbeddingBagCollection(
-        ebc.embedding_bag_configs(),
-        plan,
-        mesh,
-        optimizer,
-        seed,
-        weights=_given_weights(ebc.embedding_bags),
-        is_weighted=ebc.is_weighted(),
-        comm_precision=comm_precision,
-        lookup=lookup,
-        managed=managed,
+        sequences = _shard_sequence(module._embedding_module, *args)
+        return ShardedManagedCollisionEmbeddingCollection(sequences)
+    return ShardedManagedCollisionEmbeddingBagCollection(
+        _shard_bags(module._embedding_module, *args)
     )
-    return ShardedManagedCollisionEmbeddingBagCollection(collection)
 
 
 def _given_weights(tables: nn.ModuleDict) -> dict[str, torch.Tensor] | None:
