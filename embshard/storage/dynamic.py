@@ -30,6 +30,16 @@ from embshard.storage.lookup import LookupModule
 STATS = ("admitted", "evicted", "overflow")
 
 
+def id_tags(
+    slot_tags: torch.Tensor, offsets: torch.Tensor, batch_size: int, count: int
+) -> torch.Tensor:
+    """Each of a lookup's ``count`` ids tagged as its slot is (``slot_tags``, a tag a
+    slot; the lookup's bags slot by slot, ``batch_size`` a slot, by ``offsets``)."""
+    lengths = offsets[1:] - offsets[:-1]
+    bag_tags = slot_tags.repeat_interleave(batch_size)
+    return bag_tags.repeat_interleave(lengths, output_size=count)
+
+
 @dataclass(frozen=True)
 class DynamicStats:
     """A dynamic table's counts over every rank since sharding (continuing a loaded
@@ -195,9 +205,7 @@ class DynamicTables:
             self.step += 1
         if not self._shards:
             return indices, offsets, weights
-        lengths = offsets[1:] - offsets[:-1]
-        bag_tags = self._slot_tags.repeat_interleave(batch_size)
-        tags = bag_tags.repeat_interleave(lengths, output_size=indices.numel())
+        tags = id_tags(self._slot_tags, offsets, batch_size, indices.numel())
         for shard in self._shards:
             mine = (tags == shard.tag).nonzero()[:, 0]
             self.keys_remapped += len(mine)

@@ -26,6 +26,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 from embshard.errors import PlanError
 from embshard.plan.specs import ShardedTable, TableShard
 from embshard.runtime.routes import Slot
+from embshard.storage.dynamic import id_tags
 from embshard.storage.init import ROW_BLOCK, init_bounds, init_shard
 from embshard.storage.lookup import LookupModule
 
@@ -277,9 +278,7 @@ class ManagedTables:
         ``learn`` (a module in eval mode) the ids are only looked up."""
         if not self._shards:
             return indices
-        lengths = offsets[1:] - offsets[:-1]
-        bag_tags = self._slot_tags.repeat_interleave(batch_size)
-        tags = bag_tags.repeat_interleave(lengths, output_size=indices.numel())
+        tags = id_tags(self._slot_tags, offsets, batch_size, indices.numel())
         for shard in self._shards:
             mine = (tags == shard.tag).nonzero()[:, 0]
             indices[mine] = shard.remap(indices[mine], learn).to(indices.dtype)
