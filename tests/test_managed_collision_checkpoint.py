@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from click.testing import CliRunner
 from test_checkpoint import flip_a_byte
 from test_managed_collision import (
     FEATURES,
@@ -37,6 +38,7 @@ from embshard import (
     table_wise,
 )
 from embshard import checkpoint as ckpt
+from embshard.app.cli import main as cli
 from embshard.storage.shards import gather_table
 
 CASES = {
@@ -278,3 +280,12 @@ def test_each_block_saves_its_module_whole(world, tmp_path) -> None:
     assert not any(k.startswith("dynamic.") for k in keys)
     info = ckpt.describe(ckpt.latest(tmp_path))  # inspect reads it as any other
     assert sorted(info["tables"]) == [f"_embedding_module.embedding_bags.{t}" for t in "tu"]
+    t = info["tables"]["_embedding_module.embedding_bags.t"]["managed_collision"]
+    assert (t["policy"], t["row_blocks"], t["rows_per_block"]) == ("LFU_EvictionPolicy", 2, 5)
+    shown = CliRunner().invoke(cli, ["ckpt", "inspect", str(ckpt.latest(tmp_path))])
+    assert shown.exit_code == 0, shown.output
+    line = (
+        "    managed collisions: TorchRec MCH modules, LFU_EvictionPolicy, input size "
+        f"{t['input_size']}, 2 row blocks of 5 rows"
+    )
+    assert line in shown.output.splitlines(), shown.output

@@ -321,6 +321,12 @@ def inspect(directory: str, as_json: bool) -> None:
         )
         if table["dynamic"] is not None:
             click.echo(f"    id map: {_occupancy(table['dynamic'])}")
+        if (managed := table.get("managed_collision")) is not None:
+            click.echo(
+                f"    managed collisions: TorchRec MCH modules, {managed['policy']}, input size "
+                f"{managed['input_size']}, {plural(managed['row_blocks'], 'row block')} of "
+                f"{managed['rows_per_block']} rows"
+            )
         if table["layout"] == Kind.DATA_PARALLEL:
             ranks = plural(len(table["shards"]), "rank")
             click.echo(f"    a copy on each of {ranks}: rows 0:{table['shape'][0]}, all columns")

@@ -879,6 +879,7 @@ def describe(path: str | Path) -> dict[str, Any]:
             "optimizer_state": {n: shape for n, shape in states.items() if n != STEP},
             "optimizer_step": steps.get(fqn),
             "dynamic": describe_map(fqn, table[DYNAMIC], read) if DYNAMIC in table else None,
+            "managed_collision": table.get(mc.RECORD),
         }
     dense = [
         k.removeprefix("model.")
