@@ -253,14 +253,13 @@ class ShardedEmbeddingCollection(
         per_slot = [sum(ids[s] for ids in slot_ids) for s in range(len(mine))]
         offsets, slot, bag = _one_id_a_bag(per_slot, len(ids), device)
         lookup_ids, lookup_offsets = ids, offsets
+        bags = max(per_slot, default=0)  # a slot's one-id bags
         if self._dynamic is not None:  # an id without a row leaves its bag empty: zeros
             lookup_ids, lookup_offsets, _ = self._dynamic.remap(
-                ids, offsets, None, max(per_slot, default=0), learn=self.training
+                ids, offsets, None, bags, learn=self.training
             )
         if self._managed is not None:  # a miss gets its block's last row, as in TorchRec
-            lookup_ids = self._managed.remap(
-                ids, offsets, max(per_slot, default=0), learn=self.training
-            )
+            lookup_ids = self._managed.remap(ids, offsets, bags, learn=self.training)
         # [fullest slot's ids, slots' widths]
         pooled = self._storage.tbe(lookup_ids, lookup_offsets)
         # Each id's row: blocks of bag ``bag`` (a row of ``pooled``) at its slot's columns.

@@ -71,6 +71,30 @@ def check_dynamic(
             raise PlanError(f"dynamic table {name!r}: {problem}")
 
 
+def remapped_table_problem(
+    kind: str,
+    config: BaseEmbeddingConfig,
+    configs: Mapping[str, BaseEmbeddingConfig],
+    table: ShardedTable,
+) -> str | None:
+    """What keeps a table whose raw ids are remapped on their owner (``kind``: dynamic,
+    managed-collision) from its plan: a feature that feeds another table too, or a
+    layout other than table-wise or row-wise (whole rows, a block a rank) without hot
+    rows."""
+    others = {f for c in configs.values() if c is not config for f in c.feature_names}
+    shared = [f for f in config.feature_names if f in others]
+    if shared:
+        return f"its feature {shared[0]!r} feeds another table too (its raw ids are no rows there)"
+    ranks = [s.rank for s in table.shards if s.rows]
+    whole_rows = all(s.cols == table.embedding_dim and not s.replica for s in table.shards)
+    if table.replicated_rows or not whole_rows or len(ranks) != len(set(ranks)):
+        return (
+            f"its {table.kind} layout is refused: a {kind} table is table-wise or row-wise "
+            "without hot rows"
+        )
+    return None
+
+
 def _problem(
     name: str,
     spec: object,
@@ -88,17 +112,9 @@ def _problem(
             f"num_embeddings {config.num_embeddings} is not buckets x rows_per_bucket "
             f"= {spec.buckets} x {rows} = {spec.buckets * rows}"
         )
-    others = {f for c in configs.values() if c is not config for f in c.feature_names}
-    shared = [f for f in config.feature_names if f in others]
-    if shared:
-        return f"its feature {shared[0]!r} feeds another table too (its raw ids are no rows there)"
-    ranks = [s.rank for s in table.shards if s.rows]
-    whole_rows = all(s.cols == table.embedding_dim and not s.replica for s in table.shards)
-    if table.replicated_rows or not whole_rows or len(ranks) != len(set(ranks)):
-        return (
-            f"its {table.kind} layout is refused: a dynamic table is table-wise or row-wise "
-            "without hot rows, for now"
-        )
+    problem = remapped_table_problem("dynamic", config, configs, table)
+    if problem:
+        return problem
     cut = next((s.row_offset for s in table.shards if s.row_offset % rows), None)
     if cut is not None:
         return f"the plan cuts its rows at {cut}, not a multiple of rows_per_bucket {rows}"

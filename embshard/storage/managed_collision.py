@@ -26,7 +26,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 from embshard.errors import PlanError
 from embshard.plan.specs import ShardedTable, TableShard
 from embshard.runtime.routes import Slot
-from embshard.storage.dynamic import id_tags
+from embshard.storage.dynamic import id_tags, remapped_table_problem
 from embshard.storage.init import ROW_BLOCK, init_bounds, init_shard
 from embshard.storage.lookup import LookupModule
 
@@ -126,18 +126,10 @@ def _problem(
         )
     if int(module._current_iter_tensor.item()) != 0:
         return "its module has trained already: embshard starts from a fresh one"
-    others = {f for c in configs.values() if c is not config for f in c.feature_names}
-    shared = [f for f in config.feature_names if f in others]
-    if shared:
-        return f"its feature {shared[0]!r} feeds another table too"
+    problem = remapped_table_problem("managed-collision", config, configs, table)
+    if problem:
+        return problem
     blocks = _blocks(table)
-    whole_rows = all(s.cols == table.embedding_dim and not s.replica for s in table.shards)
-    ranks = [s.rank for s in blocks]
-    if table.replicated_rows or not whole_rows or len(ranks) != len(set(ranks)):
-        return (
-            f"its {table.kind} layout is refused: a managed-collision table is table-wise "
-            "or row-wise without hot rows"
-        )
     size = blocks[0].rows
     starts = [s.row_offset for s in blocks]
     if starts != [k * size for k in range(len(blocks))] or blocks[-1].rows > size:
