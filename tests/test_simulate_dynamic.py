@@ -11,6 +11,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 from test_id_map import Reference, ref_bucket, ref_key
+from test_simulate import assert_the_modes_agree
 
 from embshard.app.cli import main as cli
 from embshard.app.config import load_config
@@ -85,10 +86,12 @@ def reference_counts(
     return found, remapped
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_ranks_report_their_dynamic_tables_as_the_reference_maps(tmp_path, world):
+@pytest.mark.parametrize(
+    ("world", "mode"), [(2, "full"), (3, "full"), (1, "streamed"), (3, "streamed")]
+)
+def test_ranks_report_their_dynamic_tables_as_the_reference_maps(tmp_path, world, mode):
     path = dynamic_config(tmp_path, world)
-    result = simulate(path, world, batches=BATCHES)
+    result = simulate(path, world, batches=BATCHES, mode=mode)
     got = {
         (r.rank, name): (s.admitted, s.evicted, s.overflow, s.live)
         for r in result.ranks
@@ -127,15 +130,16 @@ def test_the_id_maps_are_priced_per_rank(tmp_path):
     assert result.ranks[1].id_maps == {"user": 192 * 41, "item": 128 * 82}
 
 
-@pytest.mark.parametrize(
-    ("args", "kwargs"),
-    [(["--mode", "streamed"], {"mode": "streamed"}), (["--check"], {"check": True})],
-)
-def test_what_is_not_simulated_is_refused_in_one_line(tmp_path, args, kwargs):
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_streamed_mode_reports_the_maps_as_the_full_mode(tmp_path, world):
+    assert_the_modes_agree(dynamic_config(tmp_path, world), world)
+
+
+def test_check_is_refused_in_one_line(tmp_path):
     path = dynamic_config(tmp_path, 2)
-    message = "dynamic tables (item, user) are simulated in full mode without --check"
-    out = CliRunner().invoke(cli, ["simulate", path, "-w", "2", "--batches", "1", *args])
+    message = "dynamic tables (item, user) are simulated without --check"
+    out = CliRunner().invoke(cli, ["simulate", path, "-w", "2", "--batches", "1", "--check"])
     assert out.exit_code == 1 and "Traceback" not in out.output
     assert message in out.output and out.output.count("\n") == 1
     with pytest.raises(SimulationError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        simulate(path, 2, batches=1, **kwargs)
+        simulate(path, 2, batches=1, check=True)

@@ -35,6 +35,10 @@ _PER_RECEIVED_ID = 28
 _PER_BAG = 256
 _PER_LENGTH = 24
 _STREAMED_PER_ID = 64  # per id of a sending rank's batch, routed with a bag per feature
+# Per key a sender routes to a dynamic table, kept for every step until the maps run
+# (the key, and its copy grouped by slot), and per key of one step while grouping.
+_STREAMED_PER_KEY = 16
+_STREAMED_PER_STEP_KEY = 40
 # A --check rank (Criteo 1TB's: 23 MiB a rank at 8 to 16 ranks): its thread, and bytes
 # per value of the small model's tables (its module, sharded copy, oracle, optimizer)
 # and per id of the global batch, which every rank's oracle looks up.
@@ -70,18 +74,24 @@ def default_mode(world_size: int) -> str:
     return "full" if world_size <= FULL_MODE_MAX_RANKS else "streamed"
 
 
-def input_need(config: TrainConfig, routes: Routes, mode: str) -> MemoryNeed:
-    """What simulating ``routes``' input stage on the config's batches needs: in full
-    mode, every rank's batch, routed lengths table, received ids and bags at once;
-    streamed, a few sending ranks' batches and a few counters per rank and step. Ids
-    are counted at the tables' mean pooling, spread evenly over a row-wise table's
-    rows."""
+def input_need(config: TrainConfig, routes: Routes, mode: str, batches: int) -> MemoryNeed:
+    """What simulating ``routes``' input stage on ``batches`` of the config's needs: in
+    full mode, every rank's batch, routed lengths table, received ids and bags at once;
+    streamed, a few sending ranks' batches and a few counters per rank and step, and
+    every step's keys of the dynamic tables until their maps run. Ids are counted at
+    the tables' mean pooling, spread evenly over a row-wise table's rows; the id maps
+    at their full size."""
     world, batch = routes.world_size, config.batch_size
     pooling = {f: t.mean_pooling for t in config.tables for f in t.features}
     own = batch * sum(pooling[f] for f in routes.features)
     if mode == "streamed":
-        batches = WORKERS * _STREAMED_PER_ID * round(own)
-        return MemoryNeed(_PROCESS + batches + 256 * world, 0, world)
+        dynamic = config.id_maps()
+        keys = batch * sum(
+            t.mean_pooling * len(t.features) for t in config.tables if t.name in dynamic
+        )
+        in_flight = WORKERS * _STREAMED_PER_ID * round(own) + _STREAMED_PER_STEP_KEY * keys * world
+        fixed = _PROCESS + in_flight + _maps_need(config)
+        return MemoryNeed(fixed, 256 + round(_STREAMED_PER_KEY * keys * batches), world)
     rows = {t.name: t.num_embeddings for t in config.tables}
     # Ids a rank receives on average: each slot gets its share of its feature's ids from
     # every rank's batch, the world's batches spread over the world's ranks.

@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from typing import Any, TypeVar
 
 import torch
@@ -38,6 +39,7 @@ from embshard.app.rank_report import (
     pooled_widths,
     step_report,
 )
+from embshard.app.sim_maps import rank_maps, record_maps
 from embshard.app.sim_memory import (
     MODES,
     MemoryNeed,
@@ -51,7 +53,7 @@ from embshard.app.streamed import stream_ranks
 from embshard.app.train import fused_optimizer
 from embshard.errors import EmbshardError
 from embshard.modules.mesh import forget_meshes
-from embshard.plan.specs import ShardedTable, ShardingPlan, local_shards, plural
+from embshard.plan.specs import ShardedTable, ShardingPlan, plural
 from embshard.planner.groups import (
     group_topology,
     ring_bytes,
@@ -63,7 +65,7 @@ from embshard.planner.search import LOOKUP_PASSES, Topology, format_bytes, plan_
 from embshard.runtime.input_dist import InputDistribution, start_input_dist
 from embshard.runtime.routes import Routes, build_routes
 from embshard.runtime.scratch import Scratch
-from embshard.storage.dynamic import DynamicTables, check_dynamic
+from embshard.storage.dynamic import check_dynamic
 from embshard.storage.id_map import IdMapSpec
 
 T = TypeVar("T")
@@ -324,12 +326,8 @@ def _simulate_rank(
     batch (the lookups in copies); its ``dynamic`` tables' keys are remapped by their id
     maps as in training, without rows to write. Rank 0 reports every rank's step done."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    cpu = torch.device("cpu")
-    input_dist = InputDistribution(routes, rank, Scratch(), cpu)
-    shards = local_shards(tables, rank)
-    maps = DynamicTables(
-        dynamic, config.embedding_bag_configs(), shards, routes.slots[rank], None, cpu
-    )
+    input_dist = InputDistribution(routes, rank, Scratch(), torch.device("cpu"))
+    maps, shards = rank_maps(config, routes, tables, dynamic, rank)
     feed = Feed(build_data(config, rank, world))
     feed.next_epoch()
     widths = pooled_widths(routes)
@@ -359,9 +357,7 @@ def _simulate_rank(
         report.add_step(step)
         if rank == 0:
             progress(world)
-    report.dynamic = maps.local_stats()
-    report.dynamic_rows = {n: s.rows for n, s in shards if n in dynamic}
-    report.dynamic_ids = maps.keys_remapped
+    record_maps(report, maps, shards, dynamic)
     return report
 
 
@@ -472,12 +468,12 @@ def simulate(
     buckets = {n: (s.buckets, s.rows_per_bucket) for n, s in dynamic.items()}
     routes = build_routes(configs, tables, group, weighted=False, dynamic=buckets)
     mode = mode or default_mode(group)
-    if dynamic and (mode != "full" or check):
+    if dynamic and check:
         raise SimulationError(
-            f"dynamic tables ({', '.join(sorted(dynamic))}) are simulated in full mode "
-            "without --check: their id maps remap each step's keys on their owners"
+            f"dynamic tables ({', '.join(sorted(dynamic))}) are simulated without --check: "
+            "its oracle, the unsharded module, has no id maps"
         )
-    _refuse_what_cannot_fit(config, routes, mode, check, memory_limit)
+    _refuse_what_cannot_fit(config, routes, mode, check, batches, memory_limit)
     start = time.perf_counter()
     with _single_threaded_ops():
         # One group of world_size // group runs: each of its steps stands for as many.
@@ -489,12 +485,8 @@ def simulate(
             topology.ranks_per_host,
             _scaled(told, world_size // group),
         )
-        full = mode == "full"
-        ranks = (
-            run_ranks(group, _simulate_rank, *args, tables, dynamic)
-            if full
-            else stream_ranks(*args)
-        )
+        run = partial(run_ranks, group, _simulate_rank) if mode == "full" else stream_ranks
+        ranks = run(*args, tables, dynamic)
         taken = time.perf_counter() - start
         checked = _check(config, plan, group, batches) if check else None
     _fill_memory(ranks, plan, config, topology, dynamic)
@@ -528,7 +520,7 @@ def _ignore(done: int) -> None:
 
 
 def _refuse_what_cannot_fit(
-    config: TrainConfig, routes: Routes, mode: str, check: bool, limit: int | None
+    config: TrainConfig, routes: Routes, mode: str, check: bool, batches: int, limit: int | None
 ) -> None:
     """A SimulationError when the estimated memory of the input stage, or of
     ``check``'s threads, exceeds ``limit`` (default: the system's available memory),
@@ -537,16 +529,16 @@ def _refuse_what_cannot_fit(
     if available is None:
         return
     world, have = routes.world_size, format_bytes(available)
-    need = input_need(config, routes, mode)
+    need = input_need(config, routes, mode, batches)
     if need.total > available:
         if mode == "full":  # at this world's need per rank (smaller in smaller worlds)
             full = ranks_that_fit(lambda n: replace(need, world_size=n), available, world)
-            streamed = input_need(config, routes, "streamed").total
+            streamed = input_need(config, routes, "streamed", batches).total
             fits = (
                 f"--mode streamed needs {format_bytes(streamed)}; full mode fits about {full} ranks"
             )
         else:
-            fits = "fewer features or a smaller batch_size would fit"
+            fits = "fewer features, a smaller batch_size or fewer batches would fit"
         raise SimulationError(
             f"simulating {world} ranks in {mode} mode needs about {format_bytes(need.total)}, "
             f"more than the {have} available: {fits}"

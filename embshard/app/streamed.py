@@ -20,7 +20,7 @@ import dataclasses
 import itertools
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import accumulate
@@ -38,11 +38,14 @@ from embshard.app.rank_report import (
     pooled_widths,
     step_report,
 )
+from embshard.app.sim_maps import StreamedKeys
 from embshard.errors import InputError
+from embshard.plan.specs import ShardedTable
 from embshard.runtime.batch import check_batch, describe_problem
 from embshard.runtime.input_dist import InputDistribution
 from embshard.runtime.routes import Routes
 from embshard.runtime.scratch import Scratch
+from embshard.storage.id_map import IdMapSpec
 
 # Sending ranks under way at once, a thread each: FBGEMM's and torch's ops release
 # Python's lock, so the cores share the work; each holds one batch.
@@ -59,11 +62,14 @@ class _Sent:
     payload: torch.Tensor
     slot_ids: torch.Tensor
     copies: list[int]
+    keys: tuple[torch.Tensor, ...]  # to the dynamic slots, and how many each (StreamedKeys)
 
 
-def _send(sender: int, features: KeyedJaggedTensor, input_dist: InputDistribution) -> _Sent:
+def _send(
+    sender: int, features: KeyedJaggedTensor, input_dist: InputDistribution, keys: StreamedKeys
+) -> _Sent:
     """Check and route ``sender``'s batch by the real input stage, and count what it
-    sends whom."""
+    sends whom (and which keys, to the dynamic tables' slots)."""
     routes = input_dist.routes
     batch = check_batch(features, routes, input_dist.check_inputs)
     if isinstance(batch, str) or bool(batch.problems):
@@ -80,7 +86,8 @@ def _send(sender: int, features: KeyedJaggedTensor, input_dist: InputDistributio
     if input_dist.world > 1:  # on one rank nothing travels
         payload.index_add_(0, input_dist.slot_rank, slot_ids * input_dist.ids_per_element)
         payload += torch.tensor(input_dist.slots_per_rank) * batch.batch_size
-    return _Sent(batch.batch_size, payload, slot_ids, copies_looked_up(routes, batch))
+    sent_keys = keys.routed(routed.lengths, routed.values) if keys else ()
+    return _Sent(batch.batch_size, payload, slot_ids, copies_looked_up(routes, batch), sent_keys)
 
 
 class _StepCounts:
@@ -147,20 +154,26 @@ def stream_ranks(
     batches: int,
     ranks_per_host: int,
     progress: Callable[[int], None],
+    tables: Mapping[str, ShardedTable],
+    dynamic: Mapping[str, IdMapSpec],
     workers: int = WORKERS,
 ) -> list[RankReport]:
     """Every rank's report over ``batches`` steps of its own data, sending ranks taken
-    ``workers`` at a time, one a thread (``progress`` told of each rank's step)."""
-    world = routes.world_size
+    ``workers`` at a time, one a thread (``progress`` told of each rank's step); the
+    ``dynamic`` tables' maps then run on the keys the senders routed to them."""
+    world, cpu = routes.world_size, torch.device("cpu")
     steps = [_StepCounts(routes) for _ in range(batches)]
+    keys = StreamedKeys(routes, dynamic, InputDistribution(routes, 0, Scratch(), cpu).send_rows)
     counting = threading.Lock()
 
     def send_all(sender: int) -> None:
-        input_dist = InputDistribution(routes, sender, Scratch(), torch.device("cpu"))
-        for step, features in zip(steps, _features(config, sender, world)):
-            sent = _send(sender, features, input_dist)
+        input_dist = InputDistribution(routes, sender, Scratch(), cpu)
+        for index, (step, features) in enumerate(zip(steps, _features(config, sender, world))):
+            sent = _send(sender, features, input_dist, keys)
             with counting:
                 step.add(sender, sent, ranks_per_host)
+                if sent.keys:
+                    keys.add(index, *sent.keys)
                 progress(1)
 
     with ThreadPoolExecutor(workers) as pool:
@@ -175,4 +188,5 @@ def stream_ranks(
     for step in steps:
         for report, counted in zip(reports, step.reports(routes, ranks_per_host)):
             report.add_step(counted)
+    keys.run(config, tables, reports, workers)
     return reports
