@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,6 +29,8 @@ from embshard.storage.id_map import IdMapSpec
 from embshard.storage.lookup import LookupBackend, TrainingTBE
 from embshard.storage.managed_collision import ManagedCollisions
 from embshard.storage.optimizers import SGD, FusedOptimizer
+
+_CollectionT = TypeVar("_CollectionT", bound=ShardedCollection)
 
 # TorchRec's managed-collision collections: tables behind their MCH modules.
 _MANAGED = ManagedCollisionEmbeddingBagCollection | ManagedCollisionEmbeddingCollection
@@ -92,54 +96,61 @@ def shard(
         raise RuntimeError("shard() needs torch.distributed initialized (init_process_group)")
     if mesh is None:
         mesh = world_mesh()
+    options = _Options(plan, mesh, optimizer, seed, comm_precision, lookup, dynamic)
     if isinstance(module, EmbeddingCollection):
-        return _shard_sequence(module, plan, mesh, optimizer, seed, comm_precision, lookup, dynamic)
+        return _shard_sequence(module, options)
     if isinstance(module, _MANAGED):
-        return _shard_managed(module, plan, mesh, optimizer, seed, comm_precision, lookup, dynamic)
-    return _shard_bags(module, plan, mesh, optimizer, seed, comm_precision, lookup, dynamic)
+        return _shard_managed(module, options)
+    return _shard_bags(module, options)
 
 
-def _shard_bags(
-    module: EmbeddingBagCollection,
-    plan: ShardingPlan,
-    mesh: DeviceMesh,
-    optimizer: FusedOptimizer,
-    seed: int,
-    comm_precision: str | None,
-    lookup: LookupBackend,
-    dynamic: Mapping[str, IdMapSpec] | None,
-    managed: ManagedCollisions | None = None,
-) -> ShardedEmbeddingBagCollection:
-    return ShardedEmbeddingBagCollection(
+@dataclass(frozen=True)
+class _Options:
+    """``shard()``'s arguments beside the module, and the managed collisions of an
+    MC collection's tables: what every sharded collection is built with."""
+
+    plan: ShardingPlan
+    mesh: DeviceMesh
+    optimizer: FusedOptimizer
+    seed: int
+    comm_precision: str | None
+    lookup: LookupBackend
+    dynamic: Mapping[str, IdMapSpec] | None
+    managed: ManagedCollisions | None = None
+
+    def build(self, collection: type[_CollectionT], configs: list, **kwargs) -> _CollectionT:
+        return collection(
+            configs,
+            self.plan,
+            self.mesh,
+            self.optimizer,
+            self.seed,
+            comm_precision=self.comm_precision,
+            lookup=self.lookup,
+            dynamic=self.dynamic,
+            managed=self.managed,
+            **kwargs,
+        )
+
+
+def _shard_bags(module: EmbeddingBagCollection, options: _Options) -> ShardedEmbeddingBagCollection:
+    return options.build(
+        ShardedEmbeddingBagCollection,
         module.embedding_bag_configs(),
-        plan,
-        mesh,
-        optimizer,
-        seed,
         weights=_given_weights(module.embedding_bags),
         is_weighted=module.is_weighted(),
-        comm_precision=comm_precision,
-        lookup=lookup,
-        dynamic=dynamic,
-        managed=managed,
     )
 
 
 def _shard_managed(
     module: ManagedCollisionEmbeddingBagCollection | ManagedCollisionEmbeddingCollection,
-    plan: ShardingPlan,
-    mesh: DeviceMesh,
-    optimizer: FusedOptimizer,
-    seed: int,
-    comm_precision: str | None,
-    lookup: LookupBackend,
-    dynamic: Mapping[str, IdMapSpec] | None,
+    options: _Options,
 ) -> ShardedManagedCollisionEmbeddingBagCollection | ShardedManagedCollisionEmbeddingCollection:
     kind = type(module).__name__
-    if dynamic:
+    if options.dynamic:
         raise PlanError(
-            f"dynamic tables {sorted(dynamic)}: a {kind}'s tables are remapped by its own "
-            "managed-collision modules"
+            f"dynamic tables {sorted(options.dynamic)}: a {kind}'s tables are remapped by its "
+            "own managed-collision modules"
         )
     if module._return_remapped_features:
         raise ValueError(
@@ -148,12 +159,13 @@ def _shard_managed(
         )
     mcc = module._managed_collision_collection
     managed = ManagedCollisions(dict(mcc._managed_collision_modules), mcc.need_preprocess)
-    args = (plan, mesh, optimizer, seed, comm_precision, lookup, None, managed)
+    options = replace(options, managed=managed)
     if isinstance(module, ManagedCollisionEmbeddingCollection):
-        sequences = _shard_sequence(module._embedding_module, *args)
-        return ShardedManagedCollisionEmbeddingCollection(sequences)
+        return ShardedManagedCollisionEmbeddingCollection(
+            _shard_sequence(module._embedding_module, options)
+        )
     return ShardedManagedCollisionEmbeddingBagCollection(
-        _shard_bags(module._embedding_module, *args)
+        _shard_bags(module._embedding_module, options)
     )
 
 
@@ -166,28 +178,11 @@ def _given_weights(tables: nn.ModuleDict) -> dict[str, torch.Tensor] | None:
     return {name: w.detach() for name, w in weights.items()}
 
 
-def _shard_sequence(
-    module: EmbeddingCollection,
-    plan: ShardingPlan,
-    mesh: DeviceMesh,
-    optimizer: FusedOptimizer,
-    seed: int,
-    comm_precision: str | None,
-    lookup: LookupBackend,
-    dynamic: Mapping[str, IdMapSpec] | None,
-    managed: ManagedCollisions | None = None,
-) -> ShardedEmbeddingCollection:
+def _shard_sequence(module: EmbeddingCollection, options: _Options) -> ShardedEmbeddingCollection:
     if module.need_indices():
         raise ValueError("need_indices=True is not supported for an EmbeddingCollection yet")
-    return ShardedEmbeddingCollection(
+    return options.build(
+        ShardedEmbeddingCollection,
         module.embedding_configs(),
-        plan,
-        mesh,
-        optimizer,
-        seed,
         weights=_given_weights(module.embeddings),
-        comm_precision=comm_precision,
-        lookup=lookup,
-        dynamic=dynamic,
-        managed=managed,
     )
