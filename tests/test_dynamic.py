@@ -52,6 +52,9 @@ class Case:
     weighted: bool = False  # every id weighted by ``weight(id)``
     mean: bool = False  # the dynamic table pools by MEAN
     evaluate: bool = False  # after each step, the next step's batch in eval mode
+    # Sharding groups of this many ranks (a 2-D mesh), the copies averaged every step:
+    # with SGD that is the reference's step on the global batch.
+    group: int | None = None
 
     @property
     def rows(self) -> int:
@@ -237,6 +240,7 @@ def _run_case(case: Case) -> dict:
     sharded = embshard.shard(
         ebc,
         ShardingPlan(case.plan),
+        mesh=embshard.sharding_mesh(case.group) if case.group else None,
         optimizer=case.optimizer,
         dynamic={"d": case.spec},
     )
@@ -247,6 +251,7 @@ def _run_case(case: Case) -> dict:
         dyn, stat, upstream = ranks[rank]
         out = sharded(kjt(dyn, stat, case.weighted)).values()
         (out * upstream).sum().backward()
+        sharded.sync_replicas()
         expected = ref.forward_backward(ranks)[rank]
         out_gap = max(out_gap, (out.detach() - expected).abs().max().item() if out.numel() else 0)
         if case.evaluate and following is not None:  # ids not seen yet: looked up only
@@ -322,6 +327,21 @@ CASES = {
         IdMapSpec(4, 3, "lfu", admit_after=2),
         SGD(lr=0.1),
         mean=True,
+    ),
+    "w4_two_groups_row_wise_lru_admit2": Case(
+        4,
+        {"d": row_wise(), "s": table_wise(1)},
+        IdMapSpec(4, 3, "lru", admit_after=2),
+        SGD(lr=0.1),
+        group=2,
+    ),
+    "w4_two_groups_table_wise_lfu_evaluated_between_steps": Case(
+        4,
+        {"d": table_wise(1), "s": row_wise()},
+        IdMapSpec(4, 3, "lfu"),
+        SGD(lr=0.1),
+        evaluate=True,
+        group=2,
     ),
     "w4_uneven_row_wise_lru_adagrad": Case(
         4,

@@ -26,6 +26,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingCollection
 
 import embshard
 from embshard import (
+    SGD,
     Adagrad,
     IdMapSpec,
     RowWiseAdagrad,
@@ -124,7 +125,10 @@ def build(case: Case, plan: dict, spec: IdMapSpec | None = None, kind: Collectio
     module = kind.make(tables=kind.configs(case.rows))
     static = getattr(module, kind.tables)["s"].weight.detach().clone()
     dynamic = {"d": spec or case.spec} if spec is not False else {}
-    sharded = embshard.shard(module, ShardingPlan(plan), optimizer=case.optimizer, dynamic=dynamic)
+    mesh = embshard.sharding_mesh(case.group) if case.group else None
+    sharded = embshard.shard(
+        module, ShardingPlan(plan), mesh=mesh, optimizer=case.optimizer, dynamic=dynamic
+    )
     return sharded, static
 
 
@@ -135,6 +139,7 @@ def train(sharded, ref: RefModel, steps: list, kind: Collection = BAGS) -> float
         dyn, stat, upstream = ranks[rank]
         out = kind.output(sharded(kind.kjt(dyn, stat)))
         (out * upstream).sum().backward()
+        sharded.sync_replicas()
         expected = ref.forward_backward(ranks)[rank]
         gap = max(gap, (out.detach() - expected).abs().max().item() if out.numel() else 0)
     return gap
@@ -144,12 +149,19 @@ def compared(sharded, ref: RefModel) -> dict:
     """Every live row's weights and optimizer state, the static table, and the counts,
     against the reference (collective)."""
     table = gather_table(sharded.weights["d"])
-    state = gather_table(sharded.optimizer_state()[f"{sharded.table_key('d')}.momentum1"])
+    states = sharded.optimizer_state()
+    state = states.get(f"{sharded.table_key('d')}.momentum1")  # None: SGD keeps none
+    state = None if state is None else gather_table(state)
     stats = sharded.dynamic_stats()["d"]
     return {
         "row_gap": max((table[r] - v).abs().max().item() for r, v in ref.rows.items()),
         "state_gap": max(
-            (state[r] - v[: state.shape[1]]).abs().max().item() for r, v in ref.state.items()
+            (
+                (state[r] - v[: state.shape[1]]).abs().max().item()
+                for r, v in ref.state.items()
+                if state is not None
+            ),
+            default=0.0,
         ),
         "static_gap": (gather_table(sharded.weights["s"]) - ref.static).abs().max().item(),
         "stats": (stats.admitted, stats.evicted, stats.overflow, stats.live),
@@ -184,6 +196,30 @@ def assert_matches(result: dict) -> None:
     assert result["row_gap"] < TOL and result["state_gap"] < TOL, result
     assert result["static_gap"] < TOL, result
     assert result["stats"] == result["ref"], result
+
+
+# Two sharding groups of 2 (with SGD the averaged copies step as the reference does),
+# loaded into one world of 2 and into two groups again under other cuts.
+TWO_GROUPS = Case(
+    4, {"d": row_wise(), "s": table_wise(1)}, IdMapSpec(4, 3, "lru"), SGD(lr=0.1), group=2
+)
+
+
+def test_two_sharding_groups_save_load_and_reshard_their_maps(world, tmp_path):
+    for result in world(4).run(train_and_save, TWO_GROUPS, str(tmp_path)):
+        assert result["out_gap"] < TOL, result
+        assert_matches(result)
+    loads = (
+        (2, {"d": table_wise(1), "s": row_wise()}, None),
+        (4, {"d": row_wise([3, 9]), "s": table_wise(0)}, 2),
+    )
+    for size, plan, group in loads:
+        case = replace(TWO_GROUPS, group=group)
+        for result in world(size).run(load_and_continue, case, plan, str(tmp_path)):
+            assert result["step"] == SAVED_AT
+            assert_matches(result["loaded"])
+            assert result["out_gap"] < TOL, result
+            assert_matches(result)
 
 
 @pytest.mark.parametrize("name", list(CASES))

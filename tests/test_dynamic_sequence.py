@@ -98,7 +98,11 @@ def _run_case(case: Case) -> dict:
     static = ec.embeddings["s"].weight.detach().clone()
     rank = torch.distributed.get_rank()
     sharded = embshard.shard(
-        ec, ShardingPlan(case.plan), optimizer=case.optimizer, dynamic={"d": case.spec}
+        ec,
+        ShardingPlan(case.plan),
+        mesh=embshard.sharding_mesh(case.group) if case.group else None,
+        optimizer=case.optimizer,
+        dynamic={"d": case.spec},
     )
     ref = SequenceRef(case, static)
     out_gap, unfound = 0.0, 0
@@ -107,6 +111,7 @@ def _run_case(case: Case) -> dict:
         dyn, stat, upstream = ranks[rank]
         out = values(sharded(kjt(dyn, stat)))
         (out * upstream).sum().backward()
+        sharded.sync_replicas()
         expected = ref.forward_backward(ranks)[rank]
         out_gap = max(out_gap, (out.detach() - expected).abs().max().item() if out.numel() else 0)
         unfound += int((expected.abs().sum(1) == 0).sum())
@@ -154,6 +159,14 @@ CASES = {
         {"d": row_wise([3, 6, 3]), "s": table_wise(2)},
         IdMapSpec(4, 3, "ttl", ttl_steps=2, admit_after=2),
         SGD(lr=0.1),
+    ),
+    "w4_two_groups_row_wise_lru_admit2_sgd_evaluated": Case(
+        4,
+        {"d": row_wise(), "s": table_wise(0)},
+        IdMapSpec(4, 3, "lru", admit_after=2),
+        SGD(lr=0.1),
+        evaluate=True,
+        group=2,
     ),
     "w4_uneven_row_wise_lfu_admit2_adagrad_static_row_wise": Case(
         4,

@@ -135,6 +135,12 @@ def test_the_streamed_mode_reports_the_maps_as_the_full_mode(tmp_path, world):
     assert_the_modes_agree(dynamic_config(tmp_path, world), world)
 
 
+def test_sharding_groups_are_refused_in_one_line(tmp_path):
+    message = "dynamic tables (item, user) are simulated without sharding groups"
+    with pytest.raises(SimulationError, match=re.escape(message)):
+        simulate(dynamic_config(tmp_path, 2), 4, batches=1, group_size=2)
+
+
 def test_check_is_refused_in_one_line(tmp_path):
     path = dynamic_config(tmp_path, 2)
     message = "dynamic tables (item, user) are simulated without --check"

@@ -468,6 +468,11 @@ def simulate(
     buckets = {n: (s.buckets, s.rows_per_bucket) for n, s in dynamic.items()}
     routes = build_routes(configs, tables, group, weighted=False, dynamic=buckets)
     mode = mode or default_mode(group)
+    if dynamic and group < world_size:
+        raise SimulationError(
+            f"dynamic tables ({', '.join(sorted(dynamic))}) are simulated without sharding "
+            f"groups: their maps take every group's keys, and one group of {group} runs here"
+        )
     if dynamic and check:
         raise SimulationError(
             f"dynamic tables ({', '.join(sorted(dynamic))}) are simulated without --check: "

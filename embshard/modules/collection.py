@@ -150,7 +150,7 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
         self._optimizer = optimizer
         self._tables = plan.resolve(self._configs, self._mesh.size)
         dynamic = dict(dynamic or {})
-        check_dynamic(dynamic, self._configs, self._tables, self._mesh.replicas)
+        check_dynamic(dynamic, self._configs, self._tables)
         if managed is not None:
             managed.check(self._configs, self._tables, self._mesh.replicas)
         self._managed_collisions = managed
@@ -200,6 +200,7 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
                 self._routes.slots[self._rank],
                 self._storage.tbe,
                 self._device,
+                self._mesh.replica_group,
             )
             if dynamic
             else None

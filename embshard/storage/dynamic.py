@@ -57,16 +57,15 @@ def check_dynamic(
     dynamic: Mapping[str, IdMapSpec],
     configs: Sequence[BaseEmbeddingConfig],
     tables: Mapping[str, ShardedTable],
-    replicas: int = 1,
 ) -> None:
     """Raise a one-line PlanError unless every dynamic table can be sharded as planned:
     a table of the module whose rows are its buckets' (``buckets * rows_per_bucket``),
     whose features feed it alone, laid out table-wise or row-wise with rows cut on
-    bucket boundaries, on a mesh without replicas. Reads only the plan: the same on
-    every rank, before anything is allocated or sent."""
+    bucket boundaries. Reads only the plan: the same on every rank, before anything
+    is allocated or sent."""
     by_name = {c.name: c for c in configs}
     for name, spec in dynamic.items():
-        problem = _problem(name, spec, by_name, tables, replicas)
+        problem = _problem(name, spec, by_name, tables)
         if problem:
             raise PlanError(f"dynamic table {name!r}: {problem}")
 
@@ -100,7 +99,6 @@ def _problem(
     spec: object,
     configs: Mapping[str, BaseEmbeddingConfig],
     tables: Mapping[str, ShardedTable],
-    replicas: int,
 ) -> str | None:
     if name not in configs:
         return f"not a table of the module (its tables: {sorted(configs)})"
@@ -118,8 +116,6 @@ def _problem(
     cut = next((s.row_offset for s in table.shards if s.row_offset % rows), None)
     if cut is not None:
         return f"the plan cuts its rows at {cut}, not a multiple of rows_per_bucket {rows}"
-    if replicas > 1:
-        return "a mesh with replicas (2-D) is not supported for dynamic tables yet"
     return None
 
 
@@ -168,8 +164,10 @@ class DynamicTables:
         slots: Sequence[Slot],
         lookup: LookupModule | None,
         device: torch.device,
+        replicas: dist.ProcessGroup | None = None,
     ) -> None:
         self.names = sorted(specs)
+        self._replicas = replicas
         self.keys_remapped = 0  # ids of this rank's dynamic shards remapped so far
         self.specs = dict(specs)
         self.step = 0
@@ -222,23 +220,59 @@ class DynamicTables:
         if not self._shards:
             return indices, offsets, weights
         tags = id_tags(self._slot_tags, offsets, batch_size, indices.numel())
-        for shard in self._shards:
-            mine = (tags == shard.tag).nonzero()[:, 0]
-            self.keys_remapped += len(mine)
-            if not learn:
+        selected = [(shard, (tags == shard.tag).nonzero()[:, 0]) for shard in self._shards]
+        if learn:
+            self._learn(indices, selected, step)
+        else:
+            for shard, mine in selected:
+                self.keys_remapped += len(mine)
                 indices[mine] = shard.idmap.lookup(indices[mine])
-                continue
-            result = shard.idmap.remap(indices[mine], step)
-            indices[mine] = result.rows
+        kept = indices >= 0
+        before = torch.cat([kept.new_zeros(1, dtype=torch.int64), torch.cumsum(kept, 0)])
+        offsets = before[offsets]
+        return indices[kept], offsets, None if weights is None else weights[kept]
+
+    def _learn(
+        self, indices: torch.Tensor, selected: list[tuple[_Shard, torch.Tensor]], step: int
+    ) -> None:
+        """Remap each shard's keys (at ``indices[mine]``) at ``step``, admitting and
+        evicting, with its copies' keys on a 2-D mesh; count what the maps did."""
+        shared = self._with_replicas([indices[mine] for _, mine in selected])
+        for (shard, mine), (keys, start) in zip(selected, shared):
+            self.keys_remapped += len(keys)
+            result = shard.idmap.remap(keys, step)
+            indices[mine] = result.rows[start : start + len(mine)]
             shard.admit(result)
             admitted = torch.tensor(len(result.admitted), device=self._device)
             self._counts[shard.stat] += torch.stack([admitted, result.evicted, result.overflow])
             if shard.spec.policy == "none":
                 self._refused[shard.stat] += result.overflow
-        kept = indices >= 0
-        before = torch.cat([kept.new_zeros(1, dtype=torch.int64), torch.cumsum(kept, 0)])
-        offsets = before[offsets]
-        return indices[kept], offsets, None if weights is None else weights[kept]
+
+    def _with_replicas(self, keys: list[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
+        """Each shard's ``keys`` with its copies' in the other sharding groups (the
+        replica group's, in its rank order), and where this rank's start among them:
+        every copy remaps the same keys, so its map stays the others' and a row holds
+        the same id in every copy. Two all-gathers over the replica group and one host
+        read; on a 1-D mesh, the keys as they are."""
+        group = self._replicas
+        if group is None:
+            return [(k, 0) for k in keys]
+        size, me = dist.get_world_size(group), dist.get_rank(group)
+        counts = torch.tensor([len(k) for k in keys], dtype=torch.int64, device=self._device)
+        every = [torch.empty_like(counts) for _ in range(size)]
+        dist.all_gather(every, counts, group=group)
+        table = torch.stack(every).tolist()
+        ours = torch.cat(keys)
+        sent = ours.new_zeros(max(map(sum, table)))
+        sent[: len(ours)] = ours
+        gathered = [torch.empty_like(sent) for _ in range(size)]
+        dist.all_gather(gathered, sent, group=group)
+        shared = []
+        for index in range(len(keys)):
+            firsts = [sum(row[:index]) for row in table]
+            pieces = [gathered[r][f : f + table[r][index]] for r, f in enumerate(firsts)]
+            shared.append((torch.cat(pieces), sum(table[r][index] for r in range(me))))
+        return shared
 
     def fine(self) -> torch.Tensor:
         """No id of a table with policy ``"none"`` found its bucket full (0-dim bool)."""
