@@ -340,11 +340,14 @@ def test_checkpoints_reshard_between_group_sizes_bit_exact(world, tmp_path, save
     assert (groups in inspected.output) == (replicas > 1), inspected.output
 
 
-def train_small(tmp: str, name: str, group_size: int) -> dict:
+def train_small(tmp: str, name: str, group_size: int, dynamic: bool = False) -> dict:
     """``configs/small.yaml`` trained a few steps with SGD on sharding groups of
-    ``group_size``, checkpointed at the end."""
+    ``group_size``, checkpointed at the end; with ``dynamic``, its user table dynamic
+    and small (its buckets fill and evict)."""
     data = yaml.safe_load((ROOT / "configs" / "small.yaml").read_text())
     data.update(steps=4, batch_size=32, sharding_group_size=group_size)
+    if dynamic:
+        data["tables"][0].update(num_embeddings=64, dynamic={"buckets": 8})
     data["sparse_optimizer"] = {"type": "sgd", "lr": 5.0}
     data["dense_optimizer"] = {"type": "sgd", "lr": 0.1}
     data["eval"] = {"every": 0}
@@ -357,12 +360,17 @@ def train_small(tmp: str, name: str, group_size: int) -> dict:
     return train(load_config(path))
 
 
-def test_training_on_sharding_groups_with_sgd_takes_the_1d_steps(world, tmp_path):
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_training_on_sharding_groups_with_sgd_takes_the_1d_steps(world, tmp_path, dynamic):
     """With SGD the groups' averaged step is the step on the global batch: the 2-D job
-    ends where the 1-D one does, dense layers and tables alike."""
-    one_d = world(WORLD).run(train_small, str(tmp_path), "one_d", WORLD)[0]
-    two_d = world(WORLD).run(train_small, str(tmp_path), "two_d", 2)[0]
+    ends where the 1-D one does, dense layers and tables alike, and a dynamic table's
+    id map with them (every copy remaps its replica group's keys)."""
+    one_d = world(WORLD).run(train_small, str(tmp_path), "one_d", WORLD, dynamic)[0]
+    two_d = world(WORLD).run(train_small, str(tmp_path), "two_d", 2, dynamic)[0]
     assert two_d["steps"] == one_d["steps"] == 4
+    assert two_d.get("dynamic") == one_d.get("dynamic")
+    if dynamic:
+        assert one_d["dynamic"]["user"]["evicted"] > 0
     assert abs(two_d["loss"] - one_d["loss"]) < 1e-5
     for step in ("step_00000002", "step_00000004"):
         expected = ckpt.read_tensors(tmp_path / "one_d" / step)
@@ -371,6 +379,9 @@ def test_training_on_sharding_groups_with_sgd_takes_the_1d_steps(world, tmp_path
         for key, value in expected.items():
             if value.is_floating_point():
                 assert max_diff(got[key], value) < 1e-5, (step, key)
+            else:
+                assert torch.equal(got[key], value), (step, key)
+        assert any(k.startswith("dynamic.") for k in got) == dynamic
     before = ckpt.read_tensors(tmp_path / "two_d" / "step_00000002")
     tables = [k for k in got if k.startswith("model.") and ".embedding_bags." in k]
     assert len(tables) == 5
