@@ -27,8 +27,11 @@ from embshard import (
     RowWiseAdagrad,
     ShardingPlan,
     column_wise,
+    data_parallel,
+    grid,
     row_wise,
     serving,
+    sharding_mesh,
     table_wise,
 )
 from embshard.storage.shards import gather_table
@@ -137,6 +140,9 @@ class RefModel:
         self.step = 0
         bound = math.sqrt(1 / case.rows)
         self.bounds = (-bound, bound)
+        # Each table's column blocks' widths: row-wise Adagrad keeps an accumulator a
+        # row and block.
+        self.widths = {name: column_widths(spec) for name, spec in case.plan.items()}
 
     def row(self, key: int) -> int:
         """The key's row in the map now, -1 for none."""
@@ -205,16 +211,16 @@ class RefModel:
             for row, param in live.items():
                 if param.grad is not None:
                     self.rows[row], self.state[row] = self._update(
-                        param, param.grad, self.state[row]
+                        param, param.grad, self.state[row], self.widths["d"]
                     )
             if static.grad is not None:
                 touched = static.grad.abs().sum(1) > 0
-                new, state = self._update(static, static.grad, self.static_state)
+                new, state = self._update(static, static.grad, self.static_state, self.widths["s"])
                 self.static = torch.where(touched[:, None], new, self.static)
                 self.static_state = torch.where(touched[:, None], state, self.static_state)
         return outs
 
-    def _update(self, weight, grad, state):
+    def _update(self, weight, grad, state, widths: tuple[int, ...]):
         opt = self.case.optimizer
         weight = weight.detach()
         if isinstance(opt, SGD):
@@ -222,9 +228,17 @@ class RefModel:
         if isinstance(opt, Adagrad):
             state = state + grad**2
             return weight - opt.lr * grad / (state.sqrt() + opt.eps), state
-        # Row-wise Adagrad: one accumulator per row, the mean of the squared gradient.
-        state = state + (grad**2).mean(-1, keepdim=True).expand_as(grad)
+        # Row-wise Adagrad: one accumulator per row and column block, the mean of the
+        # squared gradient over the block's columns.
+        squares = [(g**2).mean(-1, keepdim=True).expand_as(g) for g in grad.split(widths, -1)]
+        state = state + torch.cat(squares, -1)
         return weight - opt.lr * grad / (state.sqrt() + opt.eps), state
+
+
+def column_widths(spec) -> tuple[int, ...]:
+    """The widths of a table's column blocks under ``spec`` (one block of DIM unless it
+    splits columns)."""
+    return spec.column_widths(DIM) if spec.SPLITS_COLUMNS else (DIM,)
 
 
 def _run_case(case: Case) -> dict:
@@ -328,6 +342,41 @@ CASES = {
         {"d": row_wise([3, 0, 6, 3]), "s": table_wise(2)},
         IdMapSpec(4, 3, "lru"),
         Adagrad(lr=0.1),
+    ),
+    # Column blocks: every block's owner remaps the same keys with a map of its own.
+    "w2_column_wise_lru_admit2_rowwise_adagrad": Case(
+        2,
+        {"d": column_wise([1, 0]), "s": row_wise()},
+        IdMapSpec(4, 3, "lru", admit_after=2, seed=5),
+        RowWiseAdagrad(lr=0.1),
+    ),
+    "w3_column_wise_two_blocks_on_a_rank_lfu_sgd_evaluated": Case(
+        3,
+        {"d": column_wise([2, 2]), "s": column_wise([0, 1])},
+        IdMapSpec(4, 3, "lfu"),
+        SGD(lr=0.1),
+        evaluate=True,
+    ),
+    "w2_grid_lru_adagrad_evaluated": Case(
+        2,
+        {"d": grid(2, [[0, 1], [1, 0]]), "s": table_wise(1)},
+        IdMapSpec(4, 3, "lru"),
+        Adagrad(lr=0.1),
+        evaluate=True,
+    ),
+    # Row blocks cut differently in each column block; the static table column-wise.
+    "w3_grid_lru_admit2_rowwise_adagrad": Case(
+        3,
+        {"d": grid(2, [[0, 1, 2], [2, 0]], [[3, 6, 3], [9, 3]]), "s": column_wise([1, 2])},
+        IdMapSpec(4, 3, "lru", admit_after=2),
+        RowWiseAdagrad(lr=0.1),
+    ),
+    "w4_weighted_grid_ttl_adagrad": Case(
+        4,
+        {"d": grid([4, 4], [[3, 1, 0], [0, 2]], [[6, 0, 6], [3, 9]]), "s": row_wise()},
+        IdMapSpec(4, 3, "ttl", ttl_steps=2),
+        Adagrad(lr=0.1),
+        weighted=True,
     ),
 }
 
@@ -445,28 +494,36 @@ BAD_PLANS = {
     "rows": (13, {"d": table_wise(0)}, {"d": IdMapSpec(4, 3)}, "num_embeddings 13 is not"),
     "cut": (12, {"d": row_wise([4, 8])}, {"d": IdMapSpec(4, 3)}, "cuts its rows at 4"),
     "unknown": (12, {"d": table_wise(0)}, {"x": IdMapSpec(4, 3)}, "'x': not a table"),
-    "column_wise": (
+    "data_parallel": (
         12,
-        {"d": column_wise([0, 1])},
+        {"d": data_parallel()},
         {"d": IdMapSpec(4, 3)},
-        "its column_wise layout is refused",
+        "data-parallel is refused: each rank's copy of the id map would need every rank's ids",
     ),
     "hot_rows": (
         12,
         {"d": row_wise(hot_rows=3)},
         {"d": IdMapSpec(4, 3)},
-        "its row_wise layout is refused",
+        "hot rows copy fixed row numbers to every rank, and a dynamic table's rows change ids",
+    ),
+    "grid_cut": (
+        12,
+        {"d": grid(2, [[0, 1], [1, 0]], [[6, 6], [4, 8]])},
+        {"d": IdMapSpec(4, 3)},
+        "cuts its rows at 4",
     ),
     "spec": (12, {"d": table_wise(0)}, {"d": 3}, "expected an IdMapSpec"),
 }
 
 
-def _bad_plan(rows: int, plan: dict, dynamic: dict) -> str:
+def _bad_plan(rows: int, plan: dict, dynamic: dict, group_size: int | None = None) -> str:
+    """``shard``'s error, over sharding groups of ``group_size`` ranks if given."""
     plan = {"s": table_wise(0), **plan}
     return _raises(
         lambda: embshard.shard(
             EmbeddingBagCollection(tables=configs(rows), device=torch.device("meta")),
             ShardingPlan(plan),
+            mesh=sharding_mesh(group_size) if group_size else None,
             dynamic=dynamic,
         )
     )
@@ -479,6 +536,19 @@ def test_bad_dynamic_plans_are_one_line_plan_errors_on_every_rank(world, name: s
     assert messages[0] == messages[1]
     assert messages[0].startswith("PlanError: dynamic table"), messages[0]
     assert expected in messages[0] and "\n" not in messages[0]
+
+
+def test_a_mesh_with_replicas_is_refused_on_every_rank(world) -> None:
+    plan, dynamic = {"d": row_wise()}, {"d": IdMapSpec(4, 3)}
+    messages = world(2).run(_bad_plan, 12, plan, dynamic, 1)
+    assert (
+        messages[0]
+        == messages[1]
+        == (
+            "PlanError: dynamic table 'd': a mesh with replicas (2-D) is refused: each replica "
+            "group's id maps would need the other groups' ids to stay equal"
+        )
+    )
 
 
 def _other_refusals() -> list[str]:
