@@ -463,12 +463,13 @@ def test_negative_raw_ids_are_refused_on_every_rank(world) -> None:
     check_negative_raw_ids_refused(world(2).run(_negative_raw_id))
 
 
-def _overflow_without_eviction(module=bag_module) -> list[str]:
-    """Policy "none": 2 buckets of 2 rows; step 0 brings 12 distinct ids."""
+def _overflow_without_eviction(module=bag_module, layout=None) -> list[str]:
+    """Policy "none": 2 buckets of 2 rows, ``layout`` (row-wise if None); step 0 brings
+    12 distinct ids."""
     rank = torch.distributed.get_rank()
     sharded = embshard.shard(
         module(4),
-        ShardingPlan({"d": row_wise(), "s": table_wise(0)}),
+        ShardingPlan({"d": layout or row_wise(), "s": table_wise(0)}),
         dynamic={"d": IdMapSpec(2, 2, "none")},
     )
     ids = [[list(range(rank * 6, rank * 6 + 6))], [[]]]
@@ -488,6 +489,15 @@ def check_overflow_raised_at_the_next_step(results: list[list[str]]) -> None:
 
 def test_overflow_with_no_eviction_raises_on_every_rank_at_the_next_step(world) -> None:
     check_overflow_raised_at_the_next_step(world(2).run(_overflow_without_eviction))
+
+
+def test_a_column_wise_tables_overflow_raises_on_every_rank_counted_once(world) -> None:
+    """Its first column block (on rank 1) holds the overflow against the next step;
+    the other block's equal map adds nothing."""
+    results = world(2).run(_overflow_without_eviction, bag_module, column_wise([1, 0]))
+    check_overflow_raised_at_the_next_step(results)
+    assert "rank 1: dynamic table 'd': 8 ids found their bucket full" in results[0][1]
+    assert "rank 0" not in results[0][1], results[0][1]
 
 
 BAD_PLANS = {
