@@ -360,7 +360,13 @@ def _simulate_rank(
         if rank == 0:
             progress(world)
     report.dynamic = maps.local_stats()
-    report.dynamic_rows = {n: s.rows for n, s in shards if n in dynamic}
+    # A table's counts are its first column block's: the rows they cover. Every column
+    # block holds a map of its rows.
+    report.dynamic_rows = {n: s.rows for n, s in shards if n in dynamic and not s.col_offset}
+    for name, shard in shards:
+        if name in dynamic:
+            held = report.id_maps.get(name, 0)
+            report.id_maps[name] = held + shard.rows * dynamic[name].bytes_per_row()
     report.dynamic_ids = maps.keys_remapped
     return report
 
@@ -396,16 +402,14 @@ def _fill_memory(
     plan: ShardingPlan,
     config: TrainConfig,
     topology: Topology,
-    dynamic: Mapping[str, IdMapSpec],
 ) -> None:
-    """Weights, optimizer state and id maps by the planner's memory model (SGD keeps
-    no state; a map holds ``IdMapSpec.bytes_per_row`` a row)."""
+    """Weights and optimizer state by the planner's memory model (SGD keeps no state);
+    the id maps (``IdMapSpec.bytes_per_row`` a row) are the rank's own count."""
     optimizer, tables, batch = config.sparse_optimizer.type, config.tables, config.batch_size
     weights = plan_loads(plan, tables, topology, batch, "sgd")
     total = plan_loads(plan, tables, topology, batch, optimizer)
     for r, w, t in zip(ranks, weights, total):
         r.weights, r.optimizer_state, r.shards = w.memory, t.memory - w.memory, t.shards
-        r.id_maps = {n: rows * dynamic[n].bytes_per_row() for n, rows in r.dynamic_rows.items()}
 
 
 def _price_sync(
@@ -497,7 +501,7 @@ def simulate(
         )
         taken = time.perf_counter() - start
         checked = _check(config, plan, group, batches) if check else None
-    _fill_memory(ranks, plan, config, topology, dynamic)
+    _fill_memory(ranks, plan, config, topology)
     for r in ranks:
         _estimate(r, topology, batches)
     if group < world_size:
