@@ -116,9 +116,9 @@ def broken(change) -> dict:
             r"\['device'\] do",
         ),
         (
-            lambda d: d["tables"][3].update(dynamic={"buckets": 50}, shardings=["column_wise"]),
-            r"tables\[3\].shardings: a dynamic table is table_wise or row_wise, got "
-            r"\[.column_wise.\]",
+            lambda d: d["tables"][3].update(dynamic={"buckets": 50}, shardings=["data_parallel"]),
+            r"tables\[3\].shardings: a dynamic table is table_wise, row_wise or column_wise, "
+            r"got \[.data_parallel.\]",
         ),
         (
             lambda d: d.update(data={"drift": {"turnover_steps": 0}}),

@@ -27,6 +27,8 @@ from embshard import (
     RowWiseAdagrad,
     ShardingPlan,
     column_wise,
+    data_parallel,
+    grid,
     row_wise,
     serving,
     table_wise,
@@ -140,6 +142,9 @@ class RefModel:
         self.step = 0
         bound = math.sqrt(1 / case.rows)
         self.bounds = (-bound, bound)
+        # Each table's column blocks' widths: row-wise Adagrad keeps an accumulator a
+        # row and block.
+        self.widths = {name: column_widths(spec) for name, spec in case.plan.items()}
 
     def row(self, key: int) -> int:
         """The key's row in the map now, -1 for none."""
@@ -208,16 +213,16 @@ class RefModel:
             for row, param in live.items():
                 if param.grad is not None:
                     self.rows[row], self.state[row] = self._update(
-                        param, param.grad, self.state[row]
+                        param, param.grad, self.state[row], self.widths["d"]
                     )
             if static.grad is not None:
                 touched = static.grad.abs().sum(1) > 0
-                new, state = self._update(static, static.grad, self.static_state)
+                new, state = self._update(static, static.grad, self.static_state, self.widths["s"])
                 self.static = torch.where(touched[:, None], new, self.static)
                 self.static_state = torch.where(touched[:, None], state, self.static_state)
         return outs
 
-    def _update(self, weight, grad, state):
+    def _update(self, weight, grad, state, widths: tuple[int, ...]):
         opt = self.case.optimizer
         weight = weight.detach()
         if isinstance(opt, SGD):
@@ -225,9 +230,17 @@ class RefModel:
         if isinstance(opt, Adagrad):
             state = state + grad**2
             return weight - opt.lr * grad / (state.sqrt() + opt.eps), state
-        # Row-wise Adagrad: one accumulator per row, the mean of the squared gradient.
-        state = state + (grad**2).mean(-1, keepdim=True).expand_as(grad)
+        # Row-wise Adagrad: one accumulator per row and column block, the mean of the
+        # squared gradient over the block's columns.
+        squares = [(g**2).mean(-1, keepdim=True).expand_as(g) for g in grad.split(widths, -1)]
+        state = state + torch.cat(squares, -1)
         return weight - opt.lr * grad / (state.sqrt() + opt.eps), state
+
+
+def column_widths(spec) -> tuple[int, ...]:
+    """The widths of a table's column blocks under ``spec`` (one block of DIM unless it
+    splits columns)."""
+    return spec.column_widths(DIM) if spec.SPLITS_COLUMNS else (DIM,)
 
 
 def _run_case(case: Case) -> dict:
@@ -335,6 +348,13 @@ CASES = {
         SGD(lr=0.1),
         group=2,
     ),
+    "w4_two_groups_column_wise_lru": Case(
+        4,
+        {"d": column_wise([0, 1]), "s": row_wise()},
+        IdMapSpec(4, 3, "lru"),
+        SGD(lr=0.1),
+        group=2,
+    ),
     "w4_two_groups_table_wise_lfu_evaluated_between_steps": Case(
         4,
         {"d": table_wise(1), "s": row_wise()},
@@ -348,6 +368,41 @@ CASES = {
         {"d": row_wise([3, 0, 6, 3]), "s": table_wise(2)},
         IdMapSpec(4, 3, "lru"),
         Adagrad(lr=0.1),
+    ),
+    # Column blocks: every block's owner remaps the same keys with a map of its own.
+    "w2_column_wise_lru_admit2_rowwise_adagrad": Case(
+        2,
+        {"d": column_wise([1, 0]), "s": row_wise()},
+        IdMapSpec(4, 3, "lru", admit_after=2, seed=5),
+        RowWiseAdagrad(lr=0.1),
+    ),
+    "w3_column_wise_two_blocks_on_a_rank_lfu_sgd_evaluated": Case(
+        3,
+        {"d": column_wise([2, 2]), "s": column_wise([0, 1])},
+        IdMapSpec(4, 3, "lfu"),
+        SGD(lr=0.1),
+        evaluate=True,
+    ),
+    "w2_grid_lru_adagrad_evaluated": Case(
+        2,
+        {"d": grid(2, [[0, 1], [1, 0]]), "s": table_wise(1)},
+        IdMapSpec(4, 3, "lru"),
+        Adagrad(lr=0.1),
+        evaluate=True,
+    ),
+    # Row blocks cut differently in each column block; the static table column-wise.
+    "w3_grid_lru_admit2_rowwise_adagrad": Case(
+        3,
+        {"d": grid(2, [[0, 1, 2], [2, 0]], [[3, 6, 3], [9, 3]]), "s": column_wise([1, 2])},
+        IdMapSpec(4, 3, "lru", admit_after=2),
+        RowWiseAdagrad(lr=0.1),
+    ),
+    "w4_weighted_grid_ttl_adagrad": Case(
+        4,
+        {"d": grid([4, 4], [[3, 1, 0], [0, 2]], [[6, 0, 6], [3, 9]]), "s": row_wise()},
+        IdMapSpec(4, 3, "ttl", ttl_steps=2),
+        Adagrad(lr=0.1),
+        weighted=True,
     ),
 }
 
@@ -434,12 +489,13 @@ def test_negative_raw_ids_are_refused_on_every_rank(world) -> None:
     check_negative_raw_ids_refused(world(2).run(_negative_raw_id))
 
 
-def _overflow_without_eviction(module=bag_module) -> list[str]:
-    """Policy "none": 2 buckets of 2 rows; step 0 brings 12 distinct ids."""
+def _overflow_without_eviction(module=bag_module, layout=None) -> list[str]:
+    """Policy "none": 2 buckets of 2 rows, ``layout`` (row-wise if None); step 0 brings
+    12 distinct ids."""
     rank = torch.distributed.get_rank()
     sharded = embshard.shard(
         module(4),
-        ShardingPlan({"d": row_wise(), "s": table_wise(0)}),
+        ShardingPlan({"d": layout or row_wise(), "s": table_wise(0)}),
         dynamic={"d": IdMapSpec(2, 2, "none")},
     )
     ids = [[list(range(rank * 6, rank * 6 + 6))], [[]]]
@@ -461,21 +517,36 @@ def test_overflow_with_no_eviction_raises_on_every_rank_at_the_next_step(world) 
     check_overflow_raised_at_the_next_step(world(2).run(_overflow_without_eviction))
 
 
+def test_a_column_wise_tables_overflow_raises_on_every_rank_counted_once(world) -> None:
+    """Its first column block (on rank 1) holds the overflow against the next step;
+    the other block's equal map adds nothing."""
+    results = world(2).run(_overflow_without_eviction, bag_module, column_wise([1, 0]))
+    check_overflow_raised_at_the_next_step(results)
+    assert "rank 1: dynamic table 'd': 8 ids found their bucket full" in results[0][1]
+    assert "rank 0" not in results[0][1], results[0][1]
+
+
 BAD_PLANS = {
     "rows": (13, {"d": table_wise(0)}, {"d": IdMapSpec(4, 3)}, "num_embeddings 13 is not"),
     "cut": (12, {"d": row_wise([4, 8])}, {"d": IdMapSpec(4, 3)}, "cuts its rows at 4"),
     "unknown": (12, {"d": table_wise(0)}, {"x": IdMapSpec(4, 3)}, "'x': not a table"),
-    "column_wise": (
+    "data_parallel": (
         12,
-        {"d": column_wise([0, 1])},
+        {"d": data_parallel()},
         {"d": IdMapSpec(4, 3)},
-        "its column_wise layout is refused",
+        "data-parallel is refused: each rank's copy of the id map would need every rank's ids",
     ),
     "hot_rows": (
         12,
         {"d": row_wise(hot_rows=3)},
         {"d": IdMapSpec(4, 3)},
-        "its row_wise layout is refused",
+        "hot rows copy fixed row numbers to every rank, and a dynamic table's rows change ids",
+    ),
+    "grid_cut": (
+        12,
+        {"d": grid(2, [[0, 1], [1, 0]], [[6, 6], [4, 8]])},
+        {"d": IdMapSpec(4, 3)},
+        "cuts its rows at 4",
     ),
     "spec": (12, {"d": table_wise(0)}, {"d": 3}, "expected an IdMapSpec"),
 }

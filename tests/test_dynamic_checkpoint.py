@@ -32,6 +32,7 @@ from embshard import (
     RowWiseAdagrad,
     ShardingPlan,
     column_wise,
+    grid,
     row_wise,
     table_wise,
 )
@@ -108,6 +109,35 @@ CASES = {
         ),
         {
             3: {"d": row_wise([6, 0, 6]), "s": column_wise([0, 2])},
+            1: {"d": table_wise(0), "s": table_wise(0)},
+        },
+    ),
+    # Column blocks: their maps saved once, loaded into every block of the other plans.
+    "admit2_adagrad_column_wise_to_grid_and_row_wise": (
+        BAGS,
+        Case(
+            2,
+            {"d": column_wise([1, 0]), "s": row_wise()},
+            IdMapSpec(4, 3, "lru", admit_after=2),
+            Adagrad(lr=0.1),
+            seed=4,
+        ),
+        {
+            3: {"d": grid(2, [[2, 0, 1], [1, 2]], [[3, 6, 3], [9, 3]]), "s": table_wise(0)},
+            1: {"d": row_wise([12]), "s": table_wise(0)},
+        },
+    ),
+    "sequence_lfu_adagrad_grid_to_column_wise_and_table_wise": (
+        SEQUENCES,
+        Case(
+            2,
+            {"d": grid(2, [[0, 1], [0, 1]], [[3, 9], [6, 6]]), "s": table_wise(1)},
+            IdMapSpec(4, 3, "lfu"),
+            Adagrad(lr=0.1),
+            seed=3,
+        ),
+        {
+            3: {"d": column_wise([2, 2]), "s": row_wise()},
             1: {"d": table_wise(0), "s": table_wise(0)},
         },
     ),

@@ -1,6 +1,7 @@
 """The planner's dynamic tables: row cuts on bucket boundaries at any world size (with
-and without measured traffic, and for ``--balance-lookups``), table-wise or row-wise
-only, and each rank's memory with the id maps it holds, counted from real maps."""
+and without measured traffic, and for ``--balance-lookups``), table-wise, row-wise or
+column-wise only, and each rank's memory with the id maps it holds, counted from real
+maps (a whole map for each column block)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from embshard.app.config import load_config
 from embshard.app.data import build_data
 from embshard.app.planning import count_traffic, lookup_balanced_plan, plan_config, topology_for
 from embshard.errors import PlanningError
-from embshard.plan.specs import Kind, row_wise, table_wise
+from embshard.plan.specs import Kind, column_wise, row_wise, table_wise
 from embshard.planner.search import (
     CPU_REMAP_RATE,
     GPU_REMAP_RATE,
@@ -202,6 +203,47 @@ def test_a_dynamic_tables_blocks_cost_their_remaps_and_hold_their_maps():
     assert [m.cost - p.cost for m, p in zip(mapped, plain)] == pytest.approx(remaps, rel=1e-9)
 
 
+def test_a_column_wise_dynamic_tables_blocks_each_hold_and_remap_the_whole_map():
+    """Every column block's rank holds a map of all the table's buckets and remaps
+    every id of the batch (3 ranks x 64 samples x 1 id): the map and its remap are
+    priced once per block, two blocks on rank 0 twice."""
+    buckets, rows_per_bucket = 90, 4
+    tables = [_config(buckets, rows_per_bucket), _config(30, 10, "static")]
+    spec = IdMapSpec(buckets, rows_per_bucket, admit_after=2)
+    plan = ShardingPlan({"items": column_wise([0, 2, 0, 2], [4] * 4), "static": table_wise(1)})
+    topology = Topology.cpu(3, remap_rate=2.5e5)
+    plain = plan_loads(plan, tables, topology, 64)
+    mapped = plan_loads(plan, tables, topology, 64, dynamic={"items": spec})
+    whole = _map_bytes(spec, buckets * rows_per_bucket)
+    assert [m.memory - p.memory for m, p in zip(mapped, plain)] == [2 * whole, 0, 2 * whole]
+    remap = 3 * 64 / 2.5e5
+    costs = [m.cost - p.cost for m, p in zip(mapped, plain)]
+    assert costs == pytest.approx([2 * remap, 0, 2 * remap], rel=1e-9)
+
+
+def test_the_planner_may_cut_a_dynamic_table_into_column_blocks():
+    """Constrained to column blocks, the planner's plan of a dynamic table is
+    column-wise (what ``shard`` takes), each rank's memory its block's weights and
+    row-wise Adagrad state and a whole map, counted from a real ``IdMap``."""
+    buckets, rows_per_bucket = 50, 8
+    spec = IdMapSpec(buckets, rows_per_bucket)
+    rows = buckets * rows_per_bucket
+    constraint = TableConstraint(types=("column_wise",), column_blocks=2)
+    plan, report = plan_tables(
+        [_config(buckets, rows_per_bucket)],
+        Topology.cpu(2),
+        256,
+        {"items": constraint},
+        dynamic={"items": spec},
+    )
+    assert plan.tables["items"].KIND == Kind.COLUMN_WISE, plan.tables["items"]
+    resolved = plan.resolve([_config(buckets, rows_per_bucket)], 2)["items"]
+    expected = [0, 0]
+    for shard in resolved.shards:
+        expected[shard.rank] += rows * shard.cols * 4 + rows * 4 + _map_bytes(spec, rows)
+    assert [load.memory for load in report.ranks] == expected
+
+
 def test_a_configs_topology_sets_the_remap_rate(tmp_path):
     data = yaml.safe_load(Path("configs/dynamic.yaml").read_text())
     data["topology"] = {"remap_rate": 3e5}
@@ -255,12 +297,13 @@ def test_bad_dynamic_input_is_refused_in_one_line():
     for message, dynamic in cases.items():
         with pytest.raises(PlanningError, match=message.replace("[", r"\[")):
             plan_tables([config], topology, 64, dynamic=dynamic)
-    with pytest.raises(PlanningError, match="a dynamic table is table_wise or row_wise only"):
+    only = "a dynamic table is table_wise, row_wise or column_wise only"
+    with pytest.raises(PlanningError, match=only):
         plan_tables(
             [config],
             topology,
             64,
-            {"items": TableConstraint(types=("column_wise",))},
+            {"items": TableConstraint(types=("data_parallel",))},
             dynamic={"items": IdMapSpec(10, 4)},
         )
 

@@ -31,7 +31,18 @@ from test_id_map import ref_key
 from torchrec import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 
 import embshard
-from embshard import SGD, Adagrad, IdMapSpec, ShardingPlan, column_wise, row_wise, table_wise
+from embshard import (
+    SGD,
+    Adagrad,
+    IdMapSpec,
+    RowWiseAdagrad,
+    ShardingPlan,
+    column_wise,
+    data_parallel,
+    grid,
+    row_wise,
+    table_wise,
+)
 
 FEATURES = (*DYN_FEATURES, "f_s")
 
@@ -174,6 +185,20 @@ CASES = {
         IdMapSpec(4, 3, "lfu", admit_after=2, seed=3),
         Adagrad(lr=0.1),
     ),
+    # Column blocks: each id's row comes back as its blocks, each block's map equal.
+    "w2_column_wise_lru_admit2_rowwise_adagrad_evaluated": Case(
+        2,
+        {"d": column_wise([1, 0]), "s": row_wise()},
+        IdMapSpec(4, 3, "lru", admit_after=2),
+        RowWiseAdagrad(lr=0.1),
+        evaluate=True,
+    ),
+    "w3_grid_lfu_sgd_static_column_wise": Case(
+        3,
+        {"d": grid(2, [[2, 0], [0, 1, 2]], [[6, 6], [3, 3, 6]]), "s": column_wise([1, 0])},
+        IdMapSpec(4, 3, "lfu"),
+        SGD(lr=0.1),
+    ),
 }
 
 
@@ -274,15 +299,15 @@ def _bad_plan() -> str:
     return _raises(
         lambda: embshard.shard(
             EmbeddingCollection(tables=configs(12), device=torch.device("meta")),
-            ShardingPlan({"d": column_wise([0, 1]), "s": table_wise(0)}),
+            ShardingPlan({"d": data_parallel(), "s": table_wise(0)}),
             dynamic={"d": IdMapSpec(4, 3)},
         )
     )
 
 
-def test_a_column_wise_dynamic_table_is_refused_on_every_rank(world) -> None:
+def test_a_data_parallel_dynamic_table_is_refused_on_every_rank(world) -> None:
     for message in world(2).run(_bad_plan):
-        assert message.startswith("PlanError: dynamic table 'd': its column_wise layout"), message
+        assert message.startswith("PlanError: dynamic table 'd': data-parallel is refused"), message
 
 
 class _Model(torch.nn.Module):

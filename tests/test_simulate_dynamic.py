@@ -23,10 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 BATCHES = 6
 
 
-def dynamic_config(tmp_path: Path, world: int) -> str:
+def dynamic_config(tmp_path: Path, world: int, user_plan: dict | None = None) -> str:
     """configs/dynamic.yaml, small: buckets of 8 rows that fill within the batches,
-    the user table row-wise with uneven bucket-aligned blocks, item table-wise on the
-    last rank, evicting by LRU and by LFU after two sightings."""
+    the user table row-wise with uneven bucket-aligned blocks (or as ``user_plan`` plans it),
+    item table-wise on the last rank, evicting by LRU and by LFU after two sightings."""
     data = yaml.safe_load((ROOT / "configs" / "dynamic.yaml").read_text())
     data.update(batch_size=48)
     user, item = data["tables"][0], data["tables"][1]
@@ -35,7 +35,7 @@ def dynamic_config(tmp_path: Path, world: int) -> str:
     data["data"]["drift"] = {"live_per_row": 2.0, "turnover_steps": 3}
     sizes = [64] * (world - 1) + [256 - 64 * (world - 1)]
     data["plan"] = {
-        "user": {"type": "row_wise", "sizes": sizes},
+        "user": user_plan or {"type": "row_wise", "sizes": sizes},
         "item": {"type": "table_wise", "rank": world - 1},
         **{t["name"]: {"type": "table_wise", "rank": 0} for t in data["tables"][2:]},
     }
@@ -45,17 +45,17 @@ def dynamic_config(tmp_path: Path, world: int) -> str:
 
 
 def reference_counts(
-    path: str, world: int
+    path: str, world: int, user: list[int] | None = None
 ) -> tuple[dict[tuple[int, str], tuple[int, int, int, int]], dict[tuple[int, str], int]]:
     """Per (rank, table held): admitted, evicted, overflow and live ids of plain
-    reference maps of the rank's buckets, fed every rank's ids of each batch; and the
-    ids each remapped."""
+    reference maps of the rank's buckets (the user table's: ``user``, its rows a rank,
+    if given), fed every rank's ids of each batch; and the ids each remapped."""
     config = load_config(path, use="simulate")
     feeds = [Feed(build_data(config, rank, world)) for rank in range(world)]
     for feed in feeds:
         feed.next_epoch()
     batches = [[feed.take().sparse for _ in range(BATCHES)] for feed in feeds]
-    blocks = {"user": [64] * (world - 1) + [256 - 64 * (world - 1)], "item": None}
+    blocks = {"user": user or [64] * (world - 1) + [256 - 64 * (world - 1)], "item": None}
     found, remapped = {}, {}
     for table in config.tables[:2]:
         spec = table.id_map(config.seed)
@@ -121,6 +121,29 @@ def test_ranks_report_their_dynamic_tables_as_the_reference_maps(tmp_path, world
         f"table user: {totals[3]} ids live of 256 rows, {totals[0]} admitted, "
         f"{totals[1]} evicted, {totals[2]} overflowing"
     ) in text
+
+
+def test_a_column_wise_table_counts_once_and_holds_a_map_a_block(tmp_path):
+    """The user table in column blocks on ranks 1 and 0: rank 1's (the first block's)
+    counts are those of one reference map of every bucket; each rank holds and
+    remaps a whole map."""
+    user = {"type": "column_wise", "ranks": [1, 0]}
+    result = simulate(dynamic_config(tmp_path, 2, user), 2, batches=BATCHES)
+    expected, remapped = reference_counts(dynamic_config(tmp_path, 2, user), 2, [0, 256])
+    ranks = result.ranks
+    assert [r.dynamic_rows for r in ranks] == [{}, {"user": 256, "item": 128}]
+    counted = ranks[1].dynamic["user"]
+    assert (counted.admitted, counted.evicted, counted.overflow, counted.live) == expected[
+        (1, "user")
+    ]
+    assert ranks[0].dynamic["user"].live == 0  # its equal map counts nothing
+    assert [r.id_maps["user"] for r in ranks] == [256 * 41, 256 * 41]
+    rate = Topology.cpu(2).remap_rate
+    assert ranks[0].remap_seconds == pytest.approx(
+        remapped[(1, "user")] / rate / BATCHES, rel=1e-12
+    )
+    live = expected[(1, "user")][3]
+    assert f"table user: {live} ids live of 256 rows" in result.to_text()
 
 
 def test_the_id_maps_are_priced_per_rank(tmp_path):

@@ -450,8 +450,8 @@ def _check_dynamic(config: TrainConfig, where: str, use: Use) -> None:
         others = sorted(set(t.shardings or ()) - set(DYNAMIC_KINDS))
         if others:
             raise ConfigError(
-                f"{where}.tables[{i}].shardings: a dynamic table is table_wise or "
-                f"row_wise, got {others}"
+                f"{where}.tables[{i}].shardings: a dynamic table is table_wise, "
+                f"row_wise or column_wise, got {others}"
             )
         if t.dynamic.buckets < 1 or t.num_embeddings % t.dynamic.buckets:
             raise ConfigError(

@@ -80,7 +80,8 @@ class RankReport:
     sync_across: bool = False
     sync_seconds: float = 0.0
     # Its dynamic tables' ids over the batches (live: at the end), and per table it
-    # holds, its rows and their id map's bytes.
+    # holds, the rows those counts cover (a column-wise or grid table's first column
+    # block's) and the bytes of its id maps (every column block's).
     dynamic: dict[str, DynamicStats] = field(default_factory=dict)
     dynamic_rows: dict[str, int] = field(default_factory=dict)
     dynamic_ids: int = 0  # the ids its id maps remapped

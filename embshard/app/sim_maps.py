@@ -46,9 +46,15 @@ def record_maps(
     shards: Sequence[tuple[str, TableShard]],
     dynamic: Mapping[str, IdMapSpec],
 ) -> None:
-    """What ``maps`` did over the batches, into ``report``."""
+    """What ``maps`` did over the batches, and their bytes, into ``report``. A table's
+    counts are its first column block's: the rows they cover. Every column block holds
+    a map of its rows."""
     report.dynamic = maps.local_stats()
-    report.dynamic_rows = {n: s.rows for n, s in shards if n in dynamic}
+    report.dynamic_rows = {n: s.rows for n, s in shards if n in dynamic and not s.col_offset}
+    for name, shard in shards:
+        if name in dynamic:
+            held = report.id_maps.get(name, 0)
+            report.id_maps[name] = held + shard.rows * dynamic[name].bytes_per_row()
     report.dynamic_ids = maps.keys_remapped
 
 

@@ -392,16 +392,14 @@ def _fill_memory(
     plan: ShardingPlan,
     config: TrainConfig,
     topology: Topology,
-    dynamic: Mapping[str, IdMapSpec],
 ) -> None:
-    """Weights, optimizer state and id maps by the planner's memory model (SGD keeps
-    no state; a map holds ``IdMapSpec.bytes_per_row`` a row)."""
+    """Weights and optimizer state by the planner's memory model (SGD keeps no state);
+    the id maps (``IdMapSpec.bytes_per_row`` a row) are the rank's own count."""
     optimizer, tables, batch = config.sparse_optimizer.type, config.tables, config.batch_size
     weights = plan_loads(plan, tables, topology, batch, "sgd")
     total = plan_loads(plan, tables, topology, batch, optimizer)
     for r, w, t in zip(ranks, weights, total):
         r.weights, r.optimizer_state, r.shards = w.memory, t.memory - w.memory, t.shards
-        r.id_maps = {n: rows * dynamic[n].bytes_per_row() for n, rows in r.dynamic_rows.items()}
 
 
 def _price_sync(
@@ -494,7 +492,7 @@ def simulate(
         ranks = run(*args, tables, dynamic)
         taken = time.perf_counter() - start
         checked = _check(config, plan, group, batches) if check else None
-    _fill_memory(ranks, plan, config, topology, dynamic)
+    _fill_memory(ranks, plan, config, topology)
     for r in ranks:
         _estimate(r, topology, batches)
     if group < world_size:

@@ -4,8 +4,10 @@ Each dynamic table's map tensors (``IdMap.state_dict()``: keys, occupied, last s
 seen, sightings, and probation's with ``admit_after`` > 1) are saved as DTensors of
 global shape ``(buckets, rows_per_bucket)``, sharded by bucket range as the table's
 rows are (bucket ``b`` is rows ``[b * rows_per_bucket, +rows_per_bucket)``), so DCP
-reshards them with the rows to any plan whose cuts are bucket-aligned. Beside them,
-under ``dynamic.`` in the checkpoint:
+reshards them with the rows to any plan whose cuts are bucket-aligned. The column blocks
+of a column-wise or grid table hold equal maps: the first block's (``col_offset`` 0) are
+saved, one copy of each bucket range, and a load fills every block's from them. Beside
+them, under ``dynamic.`` in the checkpoint:
 
     dynamic.<module prefix><table key>.<map tensor>   the map, a DTensor
     dynamic.<module prefix><table key>.counts         admitted, evicted, overflow: the
@@ -73,8 +75,8 @@ def load_targets(
         if tables is None:
             continue
         maps = {
-            name: (first, {n: torch.zeros_like(t) for n, t in state.items()})
-            for name, (first, state) in tables.maps().items()
+            name: (first, _empty_map(tables.specs[name], last - first, module.sharding_mesh.device))
+            for name, (first, last) in tables.map_ranges().items()
         }
         counts = {name: torch.zeros(len(STATS), dtype=torch.int64) for name in tables.names}
         step = torch.zeros((), dtype=torch.int64)
@@ -87,7 +89,7 @@ def load_targets(
                 name: c.tolist() if module.rank == 0 else [0] * len(STATS)
                 for name, c in counts.items()
             }
-            tables.restore({name: state for name, (_, state) in maps.items()}, int(step), totals)
+            tables.restore(maps, int(step), totals)
 
     return targets, restore
 
@@ -125,6 +127,14 @@ def _entries(
         entries[f"{key}.{COUNTS}"] = counts[name]
     entries[f"{prefix}{STEP}"] = step
     return entries
+
+
+def _empty_map(spec: IdMapSpec, buckets: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Zeroed map tensors of ``buckets`` buckets of ``spec``: what a load fills."""
+    return {
+        n: torch.zeros(buckets, spec.rows_per_bucket, dtype=dtype, device=device)
+        for n, dtype in _layout(spec).items()
+    }
 
 
 def _layout(spec: IdMapSpec) -> dict[str, torch.dtype]:

@@ -180,9 +180,9 @@ class ShardedEmbeddingCollection(
     """The sharded form of a TorchRec ``EmbeddingCollection``; build it with ``shard()``.
 
     Table-wise, row-wise, column-wise, grid and data-parallel plans of FP32 or FP16
-    tables, and dynamic tables (table-wise or row-wise: docs/dynamic.md), whose ids
-    without a row get zeros, and managed-collision tables (a
-    ManagedCollisionEmbeddingCollection's: ``shard()``). ``state_dict()`` has the
+    tables, and dynamic tables (no copies, rows cut on bucket boundaries:
+    docs/dynamic.md), whose ids without a row get zeros, and managed-collision tables
+    (a ManagedCollisionEmbeddingCollection's: ``shard()``). ``state_dict()`` has the
     unsharded module's keys (``embeddings.<table>.weight``).
     """
 

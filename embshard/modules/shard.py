@@ -74,8 +74,8 @@ def shard(
     ``dynamic`` names the dynamic tables of the module, each with its ``IdMapSpec``:
     their features take raw ids in ``[0, 2**63)``, each remapped to a row it owns alone
     until evicted (docs/dynamic.md). Such a table has ``num_embeddings == buckets *
-    rows_per_bucket`` and a table-wise or row-wise plan cutting rows on bucket
-    boundaries.
+    rows_per_bucket`` and a table-wise, row-wise, column-wise or grid plan cutting
+    rows on bucket boundaries.
 
     A ``ManagedCollisionEmbeddingBagCollection`` (TorchRec's, with
     ``MCHManagedCollisionModule``s) gives a

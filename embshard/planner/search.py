@@ -89,8 +89,9 @@ _SHARDINGS = (*_KINDS, Kind.DATA_PARALLEL)
 _UNCUT = (Kind.TABLE_WISE, Kind.DATA_PARALLEL)  # what _unsplit leaves alone
 _COPY_ONLY = (Kind.DATA_PARALLEL,)
 _ROW_SPLIT = (Kind.ROW_WISE, Kind.GRID)  # kinds whose pieces get the ids of their rows only
-# A dynamic table's layouts: each rank a contiguous range of its buckets, with their map.
-DYNAMIC_KINDS = (Kind.TABLE_WISE, Kind.ROW_WISE)
+# A dynamic table's layouts: each row block a contiguous range of its buckets with their
+# map; each column block has a map of its own (of all the rows), priced on its rank.
+DYNAMIC_KINDS = (Kind.TABLE_WISE, Kind.ROW_WISE, Kind.COLUMN_WISE)
 
 
 def parse_bytes(text: str | int | float) -> int:
@@ -252,7 +253,8 @@ class PlannedTable:
     EmbeddingCollection's table, which returns a row per id, not per bag; the bytes of
     a weight (2 for FP16 tables). A dynamic table (``dynamic``) has ``rows_per_bucket``
     rows a bucket, kept whole by its row cuts, and its id map's ``map_bytes`` a row on
-    the rank holding it; it is table-wise or row-wise only, with no hot rows."""
+    the rank holding it (each column block holds a map of its rows); it is table-wise,
+    row-wise or column-wise, with no hot rows or copies."""
 
     name: str
     num_embeddings: int
@@ -918,8 +920,8 @@ def _check_constraints(
             )
         if blocks is not None and c.types and Kind.COLUMN_WISE not in c.types:
             problems.append(f"{where}: column_blocks needs column_wise among its shardings")
-        if name in dynamic and (blocks or set(c.types or ()) - set(DYNAMIC_KINDS)):
-            problems.append(f"{where}: a dynamic table is table_wise or row_wise only")
+        if name in dynamic and set(c.types or ()) - set(DYNAMIC_KINDS):
+            problems.append(f"{where}: a dynamic table is table_wise, row_wise or column_wise only")
     if problems:
         raise PlanningError("; ".join(problems))
 
@@ -928,7 +930,7 @@ def _kept(
     tables: Sequence[PlannedTable], constraints: Mapping[str, TableConstraint]
 ) -> dict[str, TableConstraint]:
     """Every table's constraint, none where none is given; a dynamic table's shardings
-    are table_wise or row_wise."""
+    are ``DYNAMIC_KINDS``."""
     kept = {t.name: constraints.get(t.name, TableConstraint()) for t in tables}
     for t in tables:
         if t.dynamic and not kept[t.name].types:
@@ -1455,8 +1457,9 @@ def plan_tables(
     (``_copy_hot_rows``) where that lowers the slowest rank; and where the world spans
     two whole hosts or more, the search also tries host grids (``_grid_options``),
     kept where they lower the slowest rank. The ``dynamic`` tables (their id maps by
-    table, as ``shard`` takes them) are table-wise or row-wise in whole buckets, each
-    rank holding its buckets' map, and never get hot rows.
+    table, as ``shard`` takes them) are table-wise, row-wise in whole buckets or
+    column-wise, each rank holding its buckets' map (a column block's rank, the whole
+    table's: it remaps every id), and never get hot rows, copies or host grids.
     """
     specs = planned_tables(tables, mean_pooling, stats, dynamic)
     measured = stats.tables if stats is not None else {}

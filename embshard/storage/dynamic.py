@@ -7,6 +7,13 @@ range owns rows ``[(b - first) * rows_per_bucket, +rows_per_bucket)``. After the
 all-to-all the rank remaps each dynamic shard's keys, writes the initial rows of the ids
 it admitted (and resets their optimizer state), and drops the ids left without a row
 from the lookup's bags: they add nothing to their bag and take no update.
+
+A column-wise or grid table has a shard per column block (and row block): every column
+block's owner gets the keys of its bucket range, as a static column-wise table's ids go
+to every block, and runs its own map over them. The maps of one bucket range see the
+same keys with the same counts, so they stay equal without a collective, and a row holds
+the same id in every column block. The counts and the saved maps are the first column
+block's (``col_offset`` 0): each table counts once.
 """
 
 from __future__ import annotations
@@ -60,14 +67,26 @@ def check_dynamic(
 ) -> None:
     """Raise a one-line PlanError unless every dynamic table can be sharded as planned:
     a table of the module whose rows are its buckets' (``buckets * rows_per_bucket``),
-    whose features feed it alone, laid out table-wise or row-wise with rows cut on
-    bucket boundaries. Reads only the plan: the same on every rank, before anything
-    is allocated or sent."""
+    whose features feed it alone, laid out table-wise, row-wise, column-wise or grid with
+    rows cut on bucket boundaries and no copies of its rows. Reads only the plan: the
+    same on every rank, before anything is allocated or sent."""
     by_name = {c.name: c for c in configs}
     for name, spec in dynamic.items():
         problem = _problem(name, spec, by_name, tables)
         if problem:
             raise PlanError(f"dynamic table {name!r}: {problem}")
+
+
+def shared_feature_problem(
+    config: BaseEmbeddingConfig, configs: Mapping[str, BaseEmbeddingConfig]
+) -> str | None:
+    """A feature of a table whose raw ids are remapped on their owner that feeds another
+    table too: its raw ids are no rows there."""
+    others = {f for c in configs.values() if c is not config for f in c.feature_names}
+    shared = [f for f in config.feature_names if f in others]
+    if shared:
+        return f"its feature {shared[0]!r} feeds another table too (its raw ids are no rows there)"
+    return None
 
 
 def remapped_table_problem(
@@ -76,20 +95,36 @@ def remapped_table_problem(
     configs: Mapping[str, BaseEmbeddingConfig],
     table: ShardedTable,
 ) -> str | None:
-    """What keeps a table whose raw ids are remapped on their owner (``kind``: dynamic,
+    """What keeps a table whose raw ids are remapped on their owner (``kind``:
     managed-collision) from its plan: a feature that feeds another table too, or a
     layout other than table-wise or row-wise (whole rows, a block a rank) without hot
     rows."""
-    others = {f for c in configs.values() if c is not config for f in c.feature_names}
-    shared = [f for f in config.feature_names if f in others]
+    shared = shared_feature_problem(config, configs)
     if shared:
-        return f"its feature {shared[0]!r} feeds another table too (its raw ids are no rows there)"
+        return shared
     ranks = [s.rank for s in table.shards if s.rows]
     whole_rows = all(s.cols == table.embedding_dim and not s.replica for s in table.shards)
     if table.replicated_rows or not whole_rows or len(ranks) != len(set(ranks)):
         return (
             f"its {table.kind} layout is refused: a {kind} table is table-wise or row-wise "
             "without hot rows"
+        )
+    return None
+
+
+def _copies_problem(table: ShardedTable) -> str | None:
+    """Why a dynamic table cannot have copies of its rows on several ranks of a sharding
+    group: each copy's map would have to see every id that any copy's rank looks up, and
+    only the rows' owners do."""
+    if table.replicated:
+        return (
+            "data-parallel is refused: each rank's copy of the id map would need every "
+            "rank's ids to stay equal to the others (an all-gather of the ids a step)"
+        )
+    if table.hot_rows:
+        return (
+            "row_wise hot_rows are refused: hot rows copy fixed row numbers to every rank, "
+            "and a dynamic table's rows change ids"
         )
     return None
 
@@ -110,7 +145,7 @@ def _problem(
             f"num_embeddings {config.num_embeddings} is not buckets x rows_per_bucket "
             f"= {spec.buckets} x {rows} = {spec.buckets * rows}"
         )
-    problem = remapped_table_problem("dynamic", config, configs, table)
+    problem = shared_feature_problem(config, configs) or _copies_problem(table)
     if problem:
         return problem
     cut = next((s.row_offset for s in table.shards if s.row_offset % rows), None)
@@ -121,8 +156,10 @@ def _problem(
 
 @dataclass(frozen=True)
 class _Shard:
-    """A dynamic shard of this rank: its table's index in the stats, its id map, and
-    the views of its rows and optimizer state in the lookup."""
+    """A dynamic shard of this rank: its table's index in the stats, its id map, the
+    views of its rows and optimizer state in the lookup, and its columns of the table's
+    rows (``columns``, of ``dim``); ``counted``: the table's first column block, whose
+    map gives the table's counts and is saved (the other blocks' maps equal it)."""
 
     stat: int
     tag: int  # its slots' tag in DynamicTables' per-id tags
@@ -132,18 +169,20 @@ class _Shard:
     weights: torch.Tensor | None  # None: no rows to write (a simulation counts ids only)
     states: tuple[torch.Tensor, ...]
     bounds: tuple[float, float]
+    dim: int
+    columns: slice
+    counted: bool
 
     def admit(self, result: RemapResult) -> None:
-        """Write the admitted ids' initial rows and reset their rows' optimizer state
-        (FBGEMM's starts at zero): an evicted id's row starts afresh for its new id."""
+        """Write the admitted ids' initial rows (this block's columns of them) and reset
+        their rows' optimizer state (FBGEMM's starts at zero): an evicted id's row starts
+        afresh for its new id."""
         rows = result.admitted
         if not len(rows) or self.weights is None:
             return
-        start = initial_rows(
-            result.admitted_keys, self.weights.shape[1], self.spec.seed, self.name, self.bounds
-        )
+        start = initial_rows(result.admitted_keys, self.dim, self.spec.seed, self.name, self.bounds)
         with torch.no_grad():
-            self.weights.index_copy_(0, rows, start.to(self.weights.dtype))
+            self.weights.index_copy_(0, rows, start[:, self.columns].to(self.weights.dtype))
             for state in self.states:
                 state.index_fill_(0, rows, 0)
 
@@ -173,6 +212,7 @@ class DynamicTables:
         self.step = 0
         self._device = device
         bounds = {c.name: init_bounds(c) for c in configs}
+        dims = {c.name: c.embedding_dim for c in configs}
         weights = lookup.split_embedding_weights() if lookup is not None else [None] * len(shards)
         states = lookup.split_optimizer_states() if lookup is not None else []
         self._shards: list[_Shard] = []
@@ -194,6 +234,9 @@ class DynamicTables:
                     weights=weights[index],
                     states=tuple(s.view(s.shape[0], -1) for s in states[index]) if states else (),
                     bounds=bounds[name],
+                    dim=dims[name],
+                    columns=slice(shard.col_offset, shard.col_offset + shard.cols),
+                    counted=shard.col_offset == 0,
                 )
             )
         self._slot_tags = torch.tensor([tags[s.tbe_table] for s in slots], device=device)
@@ -243,6 +286,8 @@ class DynamicTables:
             result = shard.idmap.remap(keys, step)
             indices[mine] = result.rows[start : start + len(mine)]
             shard.admit(result)
+            if not shard.counted:  # the table's first column block counts it
+                continue
             admitted = torch.tensor(len(result.admitted), device=self._device)
             self._counts[shard.stat] += torch.stack([admitted, result.evicted, result.overflow])
             if shard.spec.policy == "none":
@@ -305,28 +350,42 @@ class DynamicTables:
     def _table(self) -> torch.Tensor:
         live = torch.zeros(len(self.names), 1, dtype=torch.int64, device=self._device)
         for shard in self._shards:
-            live[shard.stat] += shard.idmap.slots.occupied.sum()
+            if shard.counted:
+                live[shard.stat] += shard.idmap.slots.occupied.sum()
         return torch.cat([self._counts, live], 1)
 
     def _by_name(self, table: torch.Tensor) -> dict[str, DynamicStats]:
         return {name: DynamicStats(*row) for name, row in zip(self.names, table.tolist())}
 
     def maps(self) -> dict[str, tuple[int, dict[str, torch.Tensor]]]:
-        """This rank's id maps by table: the first bucket of the map's range and its
-        tensors (``IdMap.state_dict()``), what a checkpoint saves beside the rows."""
-        return {s.name: (s.idmap.first, s.idmap.state_dict()) for s in self._shards}
+        """The id maps this rank saves, by table: the first bucket of the map's range and
+        its tensors (``IdMap.state_dict()``), what a checkpoint saves beside the rows.
+        Only the first column block's: one copy of each bucket range."""
+        return {s.name: (s.idmap.first, s.idmap.state_dict()) for s in self._shards if s.counted}
+
+    def map_ranges(self) -> dict[str, tuple[int, int]]:
+        """The buckets ``[first, last)`` whose maps this rank loads, by table: the range
+        of all its column and row blocks of the table (``restore`` gives each its part)."""
+        ranges: dict[str, tuple[int, int]] = {}
+        for s in self._shards:
+            first, last = ranges.get(s.name, (s.idmap.first, s.idmap.last))
+            ranges[s.name] = (min(first, s.idmap.first), max(last, s.idmap.last))
+        return ranges
 
     def restore(
         self,
-        maps: Mapping[str, Mapping[str, torch.Tensor]],
+        maps: Mapping[str, tuple[int, Mapping[str, torch.Tensor]]],
         step: int,
         counts: Mapping[str, Sequence[int]],
     ) -> None:
-        """Continue from a checkpoint: each shard's map from ``maps`` (by table, as
-        ``maps()`` gives them), the forward count ``step`` (every map last remapped at
-        the step before), and this rank's share of each table's counts (``STATS``)."""
+        """Continue from a checkpoint: each shard's map from its part of ``maps`` (by
+        table: the first bucket and the tensors of the range ``map_ranges()`` gives), the
+        forward count ``step`` (every map last remapped at the step before), and this
+        rank's share of each table's counts (``STATS``)."""
         for shard in self._shards:
-            shard.idmap.load_state_dict(dict(maps[shard.name]))
+            first, state = maps[shard.name]
+            part = slice(shard.idmap.first - first, shard.idmap.last - first)
+            shard.idmap.load_state_dict({n: t[part] for n, t in state.items()})
             shard.idmap.step = step - 1 if step else None
         self.step = step
         for name, values in counts.items():
