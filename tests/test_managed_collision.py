@@ -36,6 +36,7 @@ from torchrec.modules.mc_embedding_modules import (
     ManagedCollisionEmbeddingCollection,
 )
 from torchrec.modules.mc_modules import (
+    DistanceLFU_EvictionPolicy,
     LFU_EvictionPolicy,
     LRU_EvictionPolicy,
     ManagedCollisionCollection,
@@ -71,7 +72,7 @@ def fold(ids: torch.Tensor, size: int) -> torch.Tensor:
 class Case:
     world: int
     plan: dict  # table -> spec
-    policy: str  # "lfu" or "lru"
+    policy: str  # "lfu", "lru" or "dlfu" (DistanceLFU)
     optimizer: object
     steps: int = 14
     interval: int = 2
@@ -84,6 +85,13 @@ class Case:
     evaluate: bool = False  # after each step, the next step's batch in eval mode
     seed: int = 0
     sequence: bool = False  # a ManagedCollisionEmbeddingCollection (a row per id)
+
+
+POLICIES = {
+    "lfu": LFU_EvictionPolicy,
+    "lru": LRU_EvictionPolicy,
+    "dlfu": functools.partial(DistanceLFU_EvictionPolicy, decay_exponent=1.5),
+}
 
 
 def configs(case: Case) -> list[EmbeddingBagConfig] | list[EmbeddingConfig]:
@@ -127,7 +135,7 @@ def mc_ebc(
     """The MC-EBC, or for a sequence case the MC-EC, of the case's tables."""
     tables = configs(case)
     ebc = tables_of(case, device, tables)
-    policy = LFU_EvictionPolicy if case.policy == "lfu" else LRU_EvictionPolicy
+    policy = POLICIES[case.policy]
     modules = {
         c.name: MCHManagedCollisionModule(
             zch_size=c.num_embeddings,
@@ -403,6 +411,30 @@ CASES = {
         RowWiseAdagrad(lr=0.1),
         meta=True,
         input_size=50,
+    ),
+}
+
+# DistanceLFU over many steps of evictions: at one rank TorchRec's unsharded module,
+# at two per row block.
+CASES |= {
+    "w1_table_wise_dlfu_adagrad_many_steps_evaluated": Case(
+        1,
+        {"t": table_wise(0), "u": table_wise(0)},
+        "dlfu",
+        Adagrad(lr=0.1),
+        steps=40,
+        meta=True,
+        evaluate=True,
+    ),
+    "w2_row_wise_dlfu_sgd_many_steps_hashed": Case(
+        2,
+        {"t": row_wise(), "u": row_wise()},
+        "dlfu",
+        SGD(lr=0.1),
+        steps=40,
+        interval=3,
+        hashed=True,
+        init_fn=True,
     ),
 }
 

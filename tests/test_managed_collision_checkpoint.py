@@ -30,6 +30,7 @@ from torchrec import EmbeddingBagCollection
 
 import embshard
 from embshard import (
+    SGD,
     Adagrad,
     CheckpointError,
     RowWiseAdagrad,
@@ -71,6 +72,19 @@ CASES = {
     "w2_row_wise_lfu_rowwise_adagrad_seeded": (
         Case(2, {"t": row_wise(), "u": row_wise()}, "lfu", RowWiseAdagrad(lr=0.1), meta=True),
         3,
+    ),
+    # DistanceLFU's counts and last access iterations, and its pending history.
+    "w2_row_wise_dlfu_sgd_mid_interval": (
+        Case(
+            2,
+            {"t": row_wise(), "u": row_wise()},
+            "dlfu",
+            SGD(lr=0.1),
+            steps=20,
+            interval=3,
+            init_fn=True,
+        ),
+        8,
     ),
     # A ManagedCollisionEmbeddingCollection's modules, saved mid-interval.
     "w2_row_wise_lfu_adagrad_sequence_mid_interval": (
