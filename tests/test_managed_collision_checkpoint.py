@@ -86,6 +86,18 @@ CASES = {
         ),
         8,
     ),
+    # Uneven row blocks, one without rows.
+    "w3_uneven_lfu_adagrad_mid_interval": (
+        Case(
+            3,
+            {"t": row_wise([2, 5, 3], ranks=[1, 2, 0]), "u": row_wise([0, 4, 2])},
+            "lfu",
+            Adagrad(lr=0.1),
+            interval=3,
+            init_fn=True,
+        ),
+        5,
+    ),
     # A ManagedCollisionEmbeddingCollection's modules, saved mid-interval.
     "w2_row_wise_lfu_adagrad_sequence_mid_interval": (
         Case(
@@ -295,11 +307,11 @@ def test_each_block_saves_its_module_whole(world, tmp_path) -> None:
     info = ckpt.describe(ckpt.latest(tmp_path))  # inspect reads it as any other
     assert sorted(info["tables"]) == [f"_embedding_module.embedding_bags.{t}" for t in "tu"]
     t = info["tables"]["_embedding_module.embedding_bags.t"]["managed_collision"]
-    assert (t["policy"], t["row_blocks"], t["rows_per_block"]) == ("LFU_EvictionPolicy", 2, 5)
+    assert (t["policy"], t["block_rows"]) == ("LFU_EvictionPolicy", [5, 5])
     shown = CliRunner().invoke(cli, ["ckpt", "inspect", str(ckpt.latest(tmp_path))])
     assert shown.exit_code == 0, shown.output
     line = (
-        "    managed collisions: TorchRec MCH modules, LFU_EvictionPolicy, input size "
-        f"{t['input_size']}, 2 row blocks of 5 rows"
+        "    managed collisions: TorchRec MCH modules, LFU_EvictionPolicy, 2 row blocks of "
+        f"5 rows over input size {t['input_size']}"
     )
     assert line in shown.output.splitlines(), shown.output

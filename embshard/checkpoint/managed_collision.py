@@ -50,12 +50,12 @@ def record(module: ShardedCollection, name: str) -> dict[str, Any] | None:
     managed = module.managed_collisions
     if managed is None or name not in managed.modules:
         return None
-    input_size, blocks, rows = managed.ranges(module.tables)[name]
+    input_size, firsts = managed.ranges(module.tables)[name]
+    ends = (*firsts[1:], module.tables[name].num_embeddings)
     return {
         "policy": type(managed.modules[name]._eviction_policy).__name__,
         "input_size": input_size,
-        "row_blocks": blocks,
-        "rows_per_block": rows,
+        "block_rows": [end - first for first, end in zip(firsts, ends)],
     }
 
 
@@ -106,17 +106,21 @@ def _mismatch(saved: dict[str, Any] | None, live: dict[str, Any] | None) -> str:
             f"use {live['policy']}"
         )
     return (
-        f"its managed-collision modules were saved for {_shown(saved)}, the model has "
-        f"{_shown(live)}: resharding a managed-collision table (or changing its input "
+        f"its managed-collision modules were saved for {shown(saved)}, the model has "
+        f"{shown(live)}: resharding a managed-collision table (or changing its input "
         "size) is refused, as each row block owns an input range"
     )
 
 
-def _shown(layout: Mapping[str, Any]) -> str:
-    return (
-        f"{plural(layout['row_blocks'], 'row block')} of {layout['rows_per_block']} rows "
-        f"over input size {layout['input_size']}"
+def shown(layout: Mapping[str, Any]) -> str:
+    """A table's record in words: its row blocks' rows and input size."""
+    rows = layout["block_rows"]
+    blocks = (
+        f"{plural(len(rows), 'row block')} of {rows[0]} rows"
+        if len(set(rows)) == 1
+        else f"row blocks of {', '.join(map(str, rows))} rows"
     )
+    return f"{blocks} over input size {layout['input_size']}"
 
 
 def refuse_plain(path: object, collections: Mapping[str, ShardedCollection]) -> None:
