@@ -253,6 +253,13 @@ class ManagedTables:
         """This rank's MCH modules, by table (TorchRec's, rebuilt for its rows)."""
         return {s.name: s.module for s in self._shards}
 
+    def rows(self, name: str) -> tuple[torch.Tensor, ...]:
+        """Table ``name``'s block on this rank: its weights and optimizer states (views
+        into the lookup, a row each, rows local to the block), for a checkpoint's load to
+        move ids' rows within and between blocks."""
+        shard = next(s for s in self._shards if s.name == name)
+        return (shard.weights, *shard.states)
+
     def remap(
         self, indices: torch.Tensor, offsets: torch.Tensor, batch_size: int, learn: bool = True
     ) -> torch.Tensor:
