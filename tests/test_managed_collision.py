@@ -36,6 +36,7 @@ from torchrec.modules.mc_embedding_modules import (
     ManagedCollisionEmbeddingCollection,
 )
 from torchrec.modules.mc_modules import (
+    DistanceLFU_EvictionPolicy,
     LFU_EvictionPolicy,
     LRU_EvictionPolicy,
     ManagedCollisionCollection,
@@ -71,7 +72,7 @@ def fold(ids: torch.Tensor, size: int) -> torch.Tensor:
 class Case:
     world: int
     plan: dict  # table -> spec
-    policy: str  # "lfu" or "lru"
+    policy: str  # "lfu", "lru" or "dlfu" (DistanceLFU)
     optimizer: object
     steps: int = 14
     interval: int = 2
@@ -84,6 +85,13 @@ class Case:
     evaluate: bool = False  # after each step, the next step's batch in eval mode
     seed: int = 0
     sequence: bool = False  # a ManagedCollisionEmbeddingCollection (a row per id)
+
+
+POLICIES = {
+    "lfu": LFU_EvictionPolicy,
+    "lru": LRU_EvictionPolicy,
+    "dlfu": functools.partial(DistanceLFU_EvictionPolicy, decay_exponent=1.5),
+}
 
 
 def configs(case: Case) -> list[EmbeddingBagConfig] | list[EmbeddingConfig]:
@@ -127,7 +135,7 @@ def mc_ebc(
     """The MC-EBC, or for a sequence case the MC-EC, of the case's tables."""
     tables = configs(case)
     ebc = tables_of(case, device, tables)
-    policy = LFU_EvictionPolicy if case.policy == "lfu" else LRU_EvictionPolicy
+    policy = POLICIES[case.policy]
     modules = {
         c.name: MCHManagedCollisionModule(
             zch_size=c.num_embeddings,
@@ -406,6 +414,61 @@ CASES = {
     ),
 }
 
+# Uneven row blocks: each block takes an equal input range whatever its rows, as TorchRec's
+# sharded collection gives its shards (blocks without rows take none).
+CASES |= {
+    "w2_uneven_lfu_adagrad_evaluated": Case(
+        2,
+        {"t": row_wise([3, 7]), "u": row_wise([4, 2])},
+        "lfu",
+        Adagrad(lr=0.1),
+        meta=True,
+        evaluate=True,
+    ),
+    "w3_uneven_lru_sgd_ranks_reordered_hashed": Case(
+        3,
+        {"t": row_wise([2, 5, 3], ranks=[1, 2, 0]), "u": row_wise([0, 4, 2])},
+        "lru",
+        SGD(lr=0.1),
+        interval=3,
+        hashed=True,
+        init_fn=True,
+    ),
+    "w3_uneven_dlfu_rowwise_adagrad_many_steps": Case(
+        3,
+        {"t": row_wise([6, 1, 3]), "u": row_wise([1, 2, 3])},
+        "dlfu",
+        RowWiseAdagrad(lr=0.1),
+        steps=30,
+        meta=True,
+        input_size=50,
+    ),
+}
+
+# DistanceLFU over many steps of evictions: at one rank TorchRec's unsharded module,
+# at two per row block.
+CASES |= {
+    "w1_table_wise_dlfu_adagrad_many_steps_evaluated": Case(
+        1,
+        {"t": table_wise(0), "u": table_wise(0)},
+        "dlfu",
+        Adagrad(lr=0.1),
+        steps=40,
+        meta=True,
+        evaluate=True,
+    ),
+    "w2_row_wise_dlfu_sgd_many_steps_hashed": Case(
+        2,
+        {"t": row_wise(), "u": row_wise()},
+        "dlfu",
+        SGD(lr=0.1),
+        steps=40,
+        interval=3,
+        hashed=True,
+        init_fn=True,
+    ),
+}
+
 # The same cases for a ManagedCollisionEmbeddingCollection, and many steps of evictions.
 SEQUENCE_CASES = {
     **{name: dataclasses.replace(case, sequence=True) for name, case in CASES.items()},
@@ -486,17 +549,11 @@ def _refusals() -> dict[str, str]:
         "trained": with_module(trained),
         "remapped": with_module(remapped),
         "hot_rows": bad_plan({"t": row_wise(hot_rows=2), "u": row_wise()}),
-        "uneven": bad_plan({"t": row_wise([3, 7]), "u": row_wise()}),
         "dynamic": _raises(
             lambda: embshard.shard(mc_ebc(case), plan, dynamic={"t": embshard.IdMapSpec(2, 5)})
         ),
         "outside": _raises(lambda: sharded(outside)),
         "mc_ec_remapped": _raises(lambda: embshard.shard(mc_ec, plan)),
-        "mc_ec_uneven": _raises(
-            lambda: embshard.shard(
-                mc_ebc(sequence), ShardingPlan({"t": row_wise([3, 7]), "u": row_wise()})
-            )
-        ),
         "mc_ec_dynamic": _raises(
             lambda: embshard.shard(mc_ebc(sequence), plan, dynamic={"u": embshard.IdMapSpec(2, 3)})
         ),
@@ -518,7 +575,6 @@ def test_refusals_are_one_line_on_every_rank(world) -> None:
     assert "table 'u': its module has trained already" in r["trained"]
     assert "return_remapped_features=True is not supported" in r["remapped"]
     assert "its row_wise layout is refused" in r["hot_rows"]
-    assert "its row blocks [3, 7] are not equal" in r["uneven"]
     assert r["dynamic"].startswith("PlanError: dynamic tables ['t']")
     assert r["outside"].startswith("InputError")
     assert "rank 1: feature 'f2' (table 't'): id 48 is outside [0, 48)" in r["outside"]
@@ -526,7 +582,6 @@ def test_refusals_are_one_line_on_every_rank(world) -> None:
         "ValueError: return_remapped_features=True is not supported: the sharded "
         "ManagedCollisionEmbeddingCollection returns (embeddings, None)"
     ) in r["mc_ec_remapped"]
-    assert "table 't': its row blocks [3, 7] are not equal" in r["mc_ec_uneven"]
     assert ("PlanError: dynamic tables ['u']: a ManagedCollisionEmbeddingCollection's tables") in r[
         "mc_ec_dynamic"
     ]

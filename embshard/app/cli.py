@@ -289,6 +289,7 @@ def inspect(directory: str, as_json: bool) -> None:
     """
     import json
 
+    from embshard.checkpoint import managed_collision
     from embshard.checkpoint.store import describe
     from embshard.errors import CheckpointError
     from embshard.plan.specs import Kind, plural
@@ -323,9 +324,8 @@ def inspect(directory: str, as_json: bool) -> None:
             click.echo(f"    id map: {_occupancy(table['dynamic'])}")
         if (managed := table.get("managed_collision")) is not None:
             click.echo(
-                f"    managed collisions: TorchRec MCH modules, {managed['policy']}, input size "
-                f"{managed['input_size']}, {plural(managed['row_blocks'], 'row block')} of "
-                f"{managed['rows_per_block']} rows"
+                f"    managed collisions: TorchRec MCH modules, {managed['policy']}, "
+                f"{managed_collision.shown(managed)}"
             )
         if table["layout"] == Kind.DATA_PARALLEL:
             ranks = plural(len(table["shards"]), "rank")

@@ -507,10 +507,14 @@ def load(
     if dynamic:
         targets[DYNAMIC] = dynamic
         commits.append(restore)
-    managed, restore_managed = mc.load_targets(metadata, _sharded(model))
-    if managed:
-        targets[mc.MANAGED] = managed
-        commits.append(restore_managed)
+
+    def read_first(state: dict[str, Any]) -> None:
+        _verify_reads(path, metadata, recorded, state)
+        _read(path, state)
+
+    managed = mc.load(path, metadata, saved["tables"], _sharded(model), read_first)
+    if managed is not None:
+        commits.append(managed)
     _check(path, metadata, targets, "model." if strict else None)
     _verify_reads(path, metadata, recorded, targets)
     _read(path, targets)

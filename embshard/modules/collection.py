@@ -386,6 +386,12 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
         without): the same on every rank, what checkpoints record and check."""
         return self._managed_collisions
 
+    @property
+    def managed_tables(self) -> ManagedTables | None:
+        """This rank's managed-collision shards (None without managed-collision tables
+        on this rank)."""
+        return self._managed
+
     def managed_collision_modules(self) -> dict[str, MCHManagedCollisionModule]:
         """This rank's managed-collision modules, by table (``storage.managed_collision``);
         empty without managed-collision tables or where the rank holds none."""

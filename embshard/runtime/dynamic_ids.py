@@ -8,8 +8,8 @@ key's bucket in place of the key, sends it where a static table's row would go. 
 keys then take the place of those stand-ins in the bucketized ids.
 
 A managed-collision table's raw ids (``Routes.feature_ranges``) are routed the same way,
-unhashed: by input range, each range's ids to one row block, as TorchRec's sharded
-managed-collision modules route them.
+unhashed: by input range, each range's ids to one row block (its first row the stand-in,
+blocks of any sizes), as TorchRec's sharded managed-collision modules route them.
 """
 
 from __future__ import annotations
@@ -26,17 +26,24 @@ from embshard.runtime.routes import Routes
 class DynamicIds:
     """Per feature, the width of its id ranges, its last range, the rows of a range's
     block (1, 0 and 0 for a feature of a static table), and whether its raw ids travel
-    as keys (a dynamic table's), on ``device``."""
+    as keys (a dynamic table's), on ``device``. A managed-collision table's blocks may
+    differ in rows: its ranges' first rows are looked up (``_firsts`` from ``_base``)."""
 
     def __init__(self, routes: Routes, device: torch.device) -> None:
-        ranges = routes.feature_ranges or (None,) * len(routes.features)
-        specs = [_routing(b, r) for b, r in zip(routes.buckets_or_none, ranges)]
+        specs = [_routing(b, r) for b, r in zip(routes.buckets_or_none, routes.ranges_or_none)]
         self._width = torch.tensor([s[0] for s in specs], dtype=torch.int64, device=device)
         self._last = torch.tensor([s[1] for s in specs], device=device)
         self._rows = torch.tensor([s[2] for s in specs], device=device)
         self._hashed = torch.tensor([s[3] for s in specs], device=device)
         self._any_hashed = any(s[3] for s in specs)
         self._features = torch.arange(len(specs), device=device)
+        firsts = [r[1] if r is not None else () for r in routes.ranges_or_none]
+        self._ranged = torch.tensor([bool(f) for f in firsts], device=device)
+        self._firsts = torch.tensor([0, *(r for f in firsts for r in f)], device=device)
+        # Where each feature's first rows begin in _firsts (0, its leading 0, for none).
+        starts = torch.tensor([0, *(len(f) for f in firsts)]).cumsum(0)[:-1] + 1
+        self._base = torch.where(self._ranged.cpu(), starts, 0).to(device)
+        self._any_ranged = any(firsts)
 
     def keyed(self, batch: LocalBatch) -> LocalBatch:
         """``batch``'s ids as int64, its dynamic features' raw ids replaced by their keys.
@@ -54,10 +61,15 @@ class DynamicIds:
         """What the bucketizer routes by: each key's bucket's first row in place of the
         key (other ids as they are), and which ids are keys."""
         feature = self._feature_of(lengths, keys)
-        rows = self._rows[feature]
         bucket = torch.minimum(keys // self._width[feature], self._last[feature])
-        is_key = rows > 0
-        return torch.where(is_key, bucket * rows, keys), is_key
+        first = bucket * self._rows[feature]
+        is_key = self._rows[feature] > 0
+        if self._any_ranged:  # a negative id's bucket is flagged; any row stands in
+            ranged = self._ranged[feature]
+            at = self._base[feature] + torch.where(ranged, bucket.clamp(min=0), 0)
+            first = torch.where(ranged, self._firsts[at], first)
+            is_key = is_key | ranged
+        return torch.where(is_key, first, keys), is_key
 
     @staticmethod
     def put_back(
@@ -75,14 +87,15 @@ class DynamicIds:
 
 
 def _routing(
-    buckets: tuple[int, int] | None, ranges: tuple[int, int, int] | None
+    buckets: tuple[int, int] | None, ranges: tuple[int, tuple[int, ...]] | None
 ) -> tuple[int, int, int, bool]:
-    """A feature's (range width, last range, rows a range's block, hashed)."""
+    """A feature's (range width, last range, rows a range's block (0 where its blocks'
+    first rows are looked up), hashed)."""
     if buckets is not None:
         # One bucket's width is 2**63, no int64: any width of 2**63 - 1 or more puts
         # every key in bucket 0 once clamped to the last bucket.
         return min(bucket_width(buckets[0]), KEY_LIMIT - 1), buckets[0] - 1, buckets[1], True
     if ranges is not None:
-        size, blocks, rows = ranges
-        return -(-size // blocks), blocks - 1, rows, False
+        size, firsts = ranges
+        return -(-size // len(firsts)), len(firsts) - 1, 0, False
     return 1, 0, 0, False

@@ -88,11 +88,11 @@ class Routes:
     # Per feature: (buckets, rows per bucket) of the dynamic table it feeds (which it
     # alone feeds), or None. Its raw ids travel as keys (``hash_ids``), routed by bucket.
     feature_buckets: tuple[tuple[int, int] | None, ...] = ()
-    # Per feature: (input size, row blocks, rows a block) of the managed-collision table
-    # it feeds (storage.managed_collision), or None. Its raw ids travel as they are,
-    # routed by input range: ids ``[k * ceil(size / blocks), +ceil(size / blocks))`` to
-    # the k-th row block in row order, whose first row is ``k * rows``.
-    feature_ranges: tuple[tuple[int, int, int] | None, ...] = ()
+    # Per feature: (input size, first row of each row block in row order) of the
+    # managed-collision table it feeds (storage.managed_collision), or None. Its raw ids
+    # travel as they are, routed by input range: with ``n`` blocks, ids
+    # ``[k * ceil(size / n), +ceil(size / n))`` to the k-th block, whatever its rows.
+    feature_ranges: tuple[tuple[int, tuple[int, ...]] | None, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -131,7 +131,7 @@ class Routes:
         return self.feature_buckets or (None,) * len(self.features)
 
     @property
-    def ranges_or_none(self) -> tuple[tuple[int, int, int] | None, ...]:
+    def ranges_or_none(self) -> tuple[tuple[int, tuple[int, ...]] | None, ...]:
         """``feature_ranges`` for every feature (None where no table is managed)."""
         return self.feature_ranges or (None,) * len(self.features)
 
@@ -269,7 +269,7 @@ def build_routes(
     world_size: int,
     weighted: bool,
     dynamic: Mapping[str, tuple[int, int]] | None = None,
-    ranges: Mapping[str, tuple[int, int, int]] | None = None,
+    ranges: Mapping[str, tuple[int, tuple[int, ...]]] | None = None,
 ) -> Routes:
     """The routes of ``configs`` sharded as ``tables``; ``dynamic``: the dynamic tables'
     (buckets, rows per bucket), their plans checked (``storage.dynamic.check_dynamic``);
@@ -347,7 +347,7 @@ def build_routes(
 def _per_feature(
     configs: Sequence[BaseEmbeddingConfig],
     features: Sequence[str],
-    by_table: Mapping[str, tuple[int, ...]],
+    by_table: Mapping[str, tuple],
 ) -> tuple:
     """Per feature, its table's entry in ``by_table`` or None (``Routes.feature_buckets``,
     ``feature_ranges``); empty when ``by_table`` is."""

@@ -5,7 +5,8 @@ A ``ManagedCollisionEmbeddingBagCollection``'s tables are sharded as any others;
 runs them. The sender applies a module's ``input_hash_func``; the raw ids then travel
 whole, by input range: with a table's row blocks (those with rows, in row order)
 ``0..n-1``, ids ``[k * ceil(input_size / n), +ceil(input_size / n))`` go to block
-``k`` (``Routes.feature_ranges``). The owner of a block holds the module rebuilt for its
+``k``, whatever its rows (``Routes.feature_ranges``), as TorchRec's sharded collection
+routes them to its shards, even or not. The owner of a block holds the module rebuilt for its
 rows (``rebuild_with_output_id_range``, TorchRec's own method): it profiles the ids
 (training only) and remaps them into its rows, misses to its last row. Rows the
 module evicts go back to their initial value and their optimizer state to zero,
@@ -53,8 +54,8 @@ class ManagedCollisions:
     ) -> None:
         """Raise a one-line error unless every table's module can run sharded as
         planned: a fresh MCH module of the table's rows, the table's features feeding it
-        alone, laid out table-wise or row-wise in equal row blocks (the last may be
-        smaller: TorchRec's even split), on a mesh without replicas. Reads only the
+        alone, laid out table-wise or row-wise (a block a rank, of any rows), on a mesh
+        without replicas. Reads only the
         modules and the plan: the same on every rank, before anything is allocated."""
         by_name = {c.name: c for c in configs}
         for name, module in self.modules.items():
@@ -62,13 +63,12 @@ class ManagedCollisions:
             if problem:
                 raise PlanError(f"managed-collision table {name!r}: {problem}")
 
-    def ranges(self, tables: Mapping[str, ShardedTable]) -> dict[str, tuple[int, int, int]]:
-        """Per table, (input size, row blocks, rows a block): ``Routes.feature_ranges``."""
-        ranges = {}
-        for name, module in self.modules.items():
-            blocks = _blocks(tables[name])
-            ranges[name] = (module.input_size(), len(blocks), blocks[0].rows)
-        return ranges
+    def ranges(self, tables: Mapping[str, ShardedTable]) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """Per table, (input size, its row blocks' first rows): ``Routes.feature_ranges``."""
+        return {
+            name: (module.input_size(), tuple(s.row_offset for s in _blocks(tables[name])))
+            for name, module in self.modules.items()
+        }
 
     def preprocess(self, features: KeyedJaggedTensor, feature_table: Mapping[str, str]) -> object:
         """``features`` with each module's ``input_hash_func`` applied to its table's
@@ -129,14 +129,6 @@ def _problem(
     problem = remapped_table_problem("managed-collision", config, configs, table)
     if problem:
         return problem
-    blocks = _blocks(table)
-    size = blocks[0].rows
-    starts = [s.row_offset for s in blocks]
-    if starts != [k * size for k in range(len(blocks))] or blocks[-1].rows > size:
-        return (
-            f"its row blocks {[s.rows for s in blocks]} are not equal (the last may be "
-            "smaller): ids are routed by equal input ranges"
-        )
     if replicas > 1:
         return "a mesh with replicas (2-D) is not supported for managed-collision tables"
     return None
@@ -260,6 +252,13 @@ class ManagedTables:
     def modules(self) -> dict[str, MCHManagedCollisionModule]:
         """This rank's MCH modules, by table (TorchRec's, rebuilt for its rows)."""
         return {s.name: s.module for s in self._shards}
+
+    def rows(self, name: str) -> tuple[torch.Tensor, ...]:
+        """Table ``name``'s block on this rank: its weights and optimizer states (views
+        into the lookup, a row each, rows local to the block), for a checkpoint's load to
+        move ids' rows within and between blocks."""
+        shard = next(s for s in self._shards if s.name == name)
+        return (shard.weights, *shard.states)
 
     def remap(
         self, indices: torch.Tensor, offsets: torch.Tensor, batch_size: int, learn: bool = True
