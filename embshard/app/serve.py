@@ -84,8 +84,11 @@ def export_checkpoint(
         bad = ", ".join(str(c) for c in found.bad)
         raise CheckpointError(f"{path}: corrupt checkpoint, not matching its checksums: {bad}")
     config, text = job_config(path, config_path)
-    if dynamic := sorted(config.id_maps()):
-        raise ConfigError(f"dynamic tables cannot be exported yet: {dynamic} are")
+    if world_size is not None and (dynamic := sorted(config.id_maps())):
+        raise ConfigError(
+            f"dynamic tables {dynamic} are exported for one host only: drop --world-size "
+            "(serve them sharded with serving.shard_quantized)"
+        )
     model = build_model(config)
     extra = {"checkpoint": str(path), "step": checkpoint.describe(path)["step"]}
     dense_in = config.dense_in_features

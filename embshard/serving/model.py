@@ -10,10 +10,12 @@ from pathlib import Path
 import torch
 from torch import nn
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
 
 from embshard import checkpoint
-from embshard.errors import CheckpointError
+from embshard.errors import CheckpointError, ConfigError
 from embshard.serving.collection import QuantizedEmbeddingBagCollection
+from embshard.serving.id_maps import ServedIdMap, checkpoint_id_maps
 from embshard.serving.precision import Precision
 
 
@@ -35,13 +37,16 @@ def quantize_model(
     model: nn.Module,
     precision: Precision | str,
     weights: Mapping[str, torch.Tensor] | None = None,
+    id_maps: Mapping[str, ServedIdMap] | None = None,
 ) -> nn.Module:
     """``model`` with every EmbeddingBagCollection replaced, in place, by a quantized
     one, in eval mode without gradients. Table weights come from ``weights`` (by their
-    state dict key) where given, else from the collections themselves."""
+    state dict key) where given, else from the collections themselves. The tables in
+    ``id_maps`` (by the same keys) are dynamic: their features take raw ids."""
     found = collections_of(model)
     if not found:
         raise ValueError("the model has no TorchRec EmbeddingBagCollection to quantize")
+    _refuse_managed(model)
     for path, ebc in found.items():
         configs = ebc.embedding_bag_configs()
         source = weights
@@ -55,6 +60,11 @@ def quantize_model(
             precision,
             is_weighted=ebc.is_weighted(),
             device=device,
+            id_maps={
+                t.name: id_maps[k]
+                for t in configs
+                if id_maps and (k := table_key(path, t.name)) in id_maps
+            },
         )
         if path:
             parent, _, name = path.rpartition(".")
@@ -62,6 +72,16 @@ def quantize_model(
         else:
             model = quantized
     return model.eval().requires_grad_(False)
+
+
+def _refuse_managed(model: nn.Module) -> None:
+    """One line for TorchRec's managed-collision collections, served sharded only."""
+    for path, module in model.named_modules():
+        if isinstance(module, BaseManagedCollisionEmbeddingCollection):
+            raise ConfigError(
+                f"{path or 'the model'} is a TorchRec {type(module).__name__}: managed-collision "
+                "tables are served sharded only (serving.quantize_sharded, shard_quantized)"
+            )
 
 
 def checkpoint_weights(
@@ -93,8 +113,14 @@ def checkpoint_weights(
 def from_checkpoint(path: str | Path, model: nn.Module, precision: Precision | str) -> nn.Module:
     """``model`` (its tables may be on ``meta``) as a serving model with the weights of
     the checkpoint at ``path`` (see ``checkpoint_weights``): its dense tensors loaded
-    as they are, its tables quantized."""
+    as they are, its tables quantized, its dynamic tables' id maps made lookup-only
+    (``ServedIdMap``)."""
     tables, dense = checkpoint_weights(path, model)
-    model = quantize_model(model, precision, tables)
+    maps = checkpoint_id_maps(checkpoint.resolve(path))
+    if odd := sorted(set(maps) - set(tables)):
+        raise CheckpointError(
+            f"{path}: the checkpoint's dynamic table {odd[0]!r} is no table of the model"
+        )
+    model = quantize_model(model, precision, tables, maps)
     model.load_state_dict(dense, strict=False)
     return model

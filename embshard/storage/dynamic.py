@@ -11,6 +11,7 @@ from the lookup's bags: they add nothing to their bag and take no update.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -239,6 +240,11 @@ class DynamicTables:
         before = torch.cat([kept.new_zeros(1, dtype=torch.int64), torch.cumsum(kept, 0)])
         offsets = before[offsets]
         return indices[kept], offsets, None if weights is None else weights[kept]
+
+    def serve(self) -> None:
+        """Drop the views of the rows and optimizer state: the lookup was replaced by a
+        serving one, which only looks ids up (``remap`` without ``learn``)."""
+        self._shards = [dataclasses.replace(s, weights=None, states=()) for s in self._shards]
 
     def fine(self) -> torch.Tensor:
         """No id of a table with policy ``"none"`` found its bucket full (0-dim bool)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
@@ -152,7 +152,7 @@ class _Shard:
     shard: TableShard
     module: MCHManagedCollisionModule
     config: BaseEmbeddingConfig
-    weights: torch.Tensor
+    weights: torch.Tensor | None  # None: served, remapped only
     states: tuple[torch.Tensor, ...]
     seed: int
 
@@ -260,6 +260,11 @@ class ManagedTables:
     def modules(self) -> dict[str, MCHManagedCollisionModule]:
         """This rank's MCH modules, by table (TorchRec's, rebuilt for its rows)."""
         return {s.name: s.module for s in self._shards}
+
+    def serve(self) -> None:
+        """Drop the views of the rows and optimizer state: the lookup was replaced by a
+        serving one, which only remaps ids (``remap`` without ``learn``)."""
+        self._shards = [replace(s, weights=None, states=()) for s in self._shards]
 
     def remap(
         self, indices: torch.Tensor, offsets: torch.Tensor, batch_size: int, learn: bool = True

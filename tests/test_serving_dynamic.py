@@ -1,0 +1,340 @@
+"""Serving dynamic tables and TorchRec's managed-collision collections.
+
+The oracle of a served dynamic table is written here: raw id -> key (test_id_map's
+plain splitmix64) -> a dict of the live keys' rows read off the map's state tensors,
+then TorchRec's own quantized collection (``torchrec.quant``'s ``from_float``) on the
+batch so remapped, the ids without a row dropped from their bags (they add nothing).
+Sharded serving is held to the trained sharded module in eval mode."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+from test_dynamic import configs
+from test_id_map import ref_key
+from test_managed_collision import Case as MCCase
+from test_managed_collision import mc_ebc
+from test_serving import (
+    CLEAN_PROCESS,
+    PRECISIONS,
+    ROOT,
+    torchrec_quantized,
+)
+from torchrec.models.dlrm import DLRM
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+import embshard
+from embshard import SGD, IdMapSpec, ShardingPlan, row_wise, serving, table_wise
+from embshard import checkpoint as ckpt
+from embshard.app.cli import main as cli
+from embshard.app.config import load_config
+from embshard.app.data import SyntheticData
+from embshard.app.train import train
+from embshard.errors import CheckpointError, ConfigError, InputError
+from embshard.runtime.keys import hash_ids
+from embshard.serving.collection import QuantizedEmbeddingBagCollection
+from embshard.serving.id_maps import ServedIdMap
+from embshard.storage.id_map import IdMap
+
+SPEC = IdMapSpec(buckets=4, rows_per_bucket=3, policy="lru")
+UNKNOWN = [3, 10**12, 2**63 - 1, 2**40 + 7]  # never given to the map below
+
+
+def ref_rows(state: dict[str, torch.Tensor]) -> dict[int, int]:
+    """The live keys' rows (bucket * rows_per_bucket + slot), off the state tensors."""
+    keys, occupied = state["keys"].tolist(), state["occupied"].tolist()
+    return {
+        key: bucket * len(row) + slot
+        for bucket, row in enumerate(keys)
+        for slot, key in enumerate(row)
+        if occupied[bucket][slot]
+    }
+
+
+def trained_map() -> tuple[IdMap, list[int]]:
+    """A map of SPEC after a few steps of 30 raw ids (4 buckets of 3 rows: ids are
+    evicted), and the raw ids it was given."""
+    given = [5 + 97 * i for i in range(30)] + [0, 2**62]
+    idmap = IdMap(SPEC)
+    for step in range(4):
+        ids = given[step * 8 : step * 8 + 12]
+        idmap.remap(hash_ids(torch.tensor(ids)), step)
+    return idmap, given
+
+
+def test_the_served_map_finds_the_rows_the_id_map_holds():
+    idmap, given = trained_map()
+    state = idmap.state_dict()
+    served = ServedIdMap.from_state("d", SPEC, state)
+    rows = ref_rows(state)
+    raw = torch.tensor(given + UNKNOWN)
+    want = [rows.get(ref_key(i), -1) for i in raw.tolist()]
+    assert 0 < sum(r >= 0 for r in want) < len(given)  # some ids hold rows, some were evicted
+    assert served(raw).tolist() == want
+    assert served(raw).tolist() == idmap.lookup(hash_ids(raw)).tolist()
+    assert served.live == len(rows)
+    assert served(torch.tensor([-1, -5])).tolist() == [-1, -1]  # no key: a miss
+    empty = ServedIdMap.from_state("d", SPEC, IdMap(SPEC).state_dict())
+    assert empty(raw).tolist() == [-1] * len(raw)
+
+
+def _float_ebc() -> EmbeddingBagCollection:
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(tables=configs(SPEC.buckets * SPEC.rows_per_bucket))
+    for bag in ebc.embedding_bags.values():
+        bag.weight.data = torch.randn_like(bag.weight) * torch.rand(bag.weight.shape[0], 1) * 3
+    return ebc
+
+
+def _bags(given: list[int], size: int, seed: int) -> list[list[list[int]]]:
+    """Bags of 0 to 4 raw ids, known and unknown, for f_d1, f_d2; static ids for f_s."""
+    g = torch.Generator().manual_seed(seed)
+    pool = given + UNKNOWN
+
+    def bag(ids: list[int]) -> list[int]:
+        return [
+            ids[int(i)]
+            for i in torch.randint(
+                0, len(ids), (int(torch.randint(0, 5, (1,), generator=g)),), generator=g
+            )
+        ]
+
+    dyn = [[bag(pool) for _ in range(size)] for _ in range(2)]
+    static = [[bag(list(range(10))) for _ in range(size)]]
+    return [*dyn, *static]
+
+
+def _kjt(bags: list[list[list[int]]], features=("f_d1", "f_d2", "f_s")) -> KeyedJaggedTensor:
+    return KeyedJaggedTensor(
+        keys=list(features),
+        values=torch.tensor([i for f in bags for b in f for i in b], dtype=torch.long),
+        lengths=torch.tensor([len(b) for f in bags for b in f], dtype=torch.long),
+    )
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_dynamic_bags_equal_torchrec_quantized_on_the_remapped_batch(precision: str):
+    idmap, given = trained_map()
+    rows = ref_rows(idmap.state_dict())
+    ebc = _float_ebc()
+    weights = {n: b.weight for n, b in ebc.embedding_bags.items()}
+    served = QuantizedEmbeddingBagCollection(
+        ebc.embedding_bag_configs(),
+        weights,
+        precision,
+        id_maps={"d": ServedIdMap.from_state("d", SPEC, idmap.state_dict())},
+    )
+    oracle = torchrec_quantized(ebc, precision)
+    for size, seed in ((1, 0), (9, 1), (40, 2)):
+        bags = _bags(given, size, seed)
+        remapped = [
+            [[rows[ref_key(i)] for i in b if ref_key(i) in rows] for b in f] for f in bags[:2]
+        ]
+        got, want = served(_kjt(bags)).to_dict(), oracle(_kjt([*remapped, bags[2]])).to_dict()
+        for feature, value in want.items():
+            assert torch.equal(got[feature], value), (precision, size, feature)
+    unknown = [[UNKNOWN[:3]], [[]], [[1]]]  # a bag of unknown ids only adds nothing
+    assert not served(_kjt(unknown)).to_dict()["f_d1"].any()
+
+
+def test_bad_ids_and_maps_are_one_line_errors():
+    idmap, _ = trained_map()
+    ebc = _float_ebc()
+    weights = {n: b.weight for n, b in ebc.embedding_bags.items()}
+    served_map = ServedIdMap.from_state("d", SPEC, idmap.state_dict())
+    served = QuantizedEmbeddingBagCollection(
+        ebc.embedding_bag_configs(), weights, "int8", id_maps={"d": served_map}
+    )
+    with pytest.raises(InputError, match=r"^feature 'f_d2' \(table 'd'\): raw id -5 is negative$"):
+        served(_kjt([[[7]], [[-5]], [[1]]]))
+    with pytest.raises(
+        InputError, match=r"^feature 'f_s' \(table 's'\): id 10 is out of range \[0, 10\)$"
+    ):
+        served(_kjt([[[7]], [[2**63 - 1]], [[10]]]))
+    with pytest.raises(ConfigError, match=r"^an id map for 'x', which is no table here"):
+        QuantizedEmbeddingBagCollection(
+            ebc.embedding_bag_configs(), weights, "int8", id_maps={"x": served_map}
+        )
+    small = IdMapSpec(buckets=2, rows_per_bucket=3)
+    with pytest.raises(
+        CheckpointError,
+        match=r"^table 'd': id map keys of shape \(4, 3\), its spec needs \(2, 3\)$",
+    ):
+        ServedIdMap.from_state("d", small, idmap.state_dict())
+
+
+def test_a_managed_collision_model_is_refused_on_one_host():
+    module = mc_ebc(MCCase(1, {}, "lru", SGD(lr=0.1)))
+    with pytest.raises(
+        ConfigError,
+        match=r"^the model is a TorchRec ManagedCollisionEmbeddingBagCollection: "
+        r"managed-collision tables are served sharded only",
+    ):
+        serving.quantize_model(module, "int8")
+
+
+# --- A dynamic training job exported and run in a fresh process ------------------------
+
+
+def _train(path: str) -> dict:
+    return train(load_config(path))
+
+
+@pytest.fixture(scope="module")
+def dynamic_job(world, tmp_path_factory) -> dict:
+    """configs/dynamic.yaml, smaller, trained 6 steps by 2 ranks, checkpointed."""
+    tmp = tmp_path_factory.mktemp("dynamic_job")
+    data = yaml.safe_load((ROOT / "configs" / "dynamic.yaml").read_text())
+    for table in data["tables"]:
+        table["num_embeddings"] = min(table["num_embeddings"], 2048)
+        if "dynamic" in table:
+            table["dynamic"]["buckets"] = 64
+    data.update(steps=6, batch_size=128)
+    data["data"]["drift"]["turnover_steps"] = 4
+    data["eval"] = {"every": 0, "batches": 3}
+    data["logging"] = {"progress": False}
+    data["checkpoint"] = {"dir": str(tmp / "ckpt")}
+    config = tmp / "dynamic.yaml"
+    config.write_text(yaml.safe_dump(data))
+    world(2).run(_train, str(config))
+    return {"config": config, "ckpt": tmp / "ckpt", "tmp": tmp}
+
+
+def _oracle(job: dict, precision: str):
+    """TorchRec's DLRM with the checkpoint's whole tensors, its collection TorchRec's
+    quantized one; and each dynamic feature's raw id -> row, from the saved maps."""
+    config = load_config(job["config"], check_files=False)
+    m = config.model
+    ebc = EmbeddingBagCollection(tables=config.embedding_bag_configs())
+    model = DLRM(ebc, m.dense_in_features, m.dense_arch_layer_sizes, m.over_arch_layer_sizes)
+    step = ckpt.latest(job["ckpt"])
+    model.load_state_dict(ckpt.read_tensors(step, "model."))
+    model.sparse_arch.embedding_bag_collection = torchrec_quantized(ebc, precision)
+    prefix = "dynamic.sparse_arch.embedding_bag_collection.embedding_bags."
+    maps = {
+        f: ref_rows(ckpt.read_tensors(step, f"{prefix}{t.name}."))
+        for t in config.tables
+        if t.dynamic is not None
+        for f in t.features
+    }
+    return model.eval(), maps
+
+
+def _remapped(sparse: KeyedJaggedTensor, maps: dict[str, dict[int, int]]) -> KeyedJaggedTensor:
+    """The batch with each dynamic feature's raw ids replaced by their rows, the ids
+    without one dropped; and how many ids hit."""
+    values, lengths = [], []
+    for feature, jt in sparse.to_dict().items():
+        for bag in jt.to_dense():
+            ids = bag.tolist()
+            if feature in maps:
+                ids = [maps[feature][ref_key(i)] for i in ids if ref_key(i) in maps[feature]]
+            values += ids
+            lengths.append(len(ids))
+    return KeyedJaggedTensor(
+        keys=sparse.keys(), values=torch.tensor(values), lengths=torch.tensor(lengths)
+    )
+
+
+def test_an_exported_dynamic_job_runs_in_a_fresh_process_as_the_oracle(dynamic_job):
+    out = dynamic_job["tmp"] / "int8"
+    args = ["export", str(dynamic_job["ckpt"]), str(out), "--quantize", "int8"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    config = load_config(dynamic_job["config"], check_files=False)
+    data = SyntheticData(config.tables, config.dense_in_features, 128, config.seed, 0)
+    batches = [data.batch(i, "eval") for i in range(3)]
+    inputs = [(b.dense, b.sparse.values(), b.sparse.lengths()) for b in batches]
+    torch.save(inputs, dynamic_job["tmp"] / "inputs.pt")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    files = [out / "model.pt2", dynamic_job["tmp"] / "inputs.pt", dynamic_job["tmp"] / "out.pt"]
+    run = subprocess.run(
+        [sys.executable, "-c", CLEAN_PROCESS, *map(str, files)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=dynamic_job["tmp"],
+    )
+    assert run.returncode == 0, run.stderr
+    outputs = torch.load(files[2])
+    oracle, maps = _oracle(dynamic_job, "int8")
+    hits = misses = 0
+    for batch, got in zip(batches, outputs, strict=True):
+        with torch.no_grad():
+            want = oracle(batch.dense, _remapped(batch.sparse, maps))
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        for feature, table in maps.items():
+            ids = batch.sparse[feature].values().tolist()
+            hits += sum(ref_key(i) in table for i in ids)
+            misses += sum(ref_key(i) not in table for i in ids)
+    assert hits and misses  # the eval batches hold known and unknown raw ids
+    manifest = json.loads((out / "serving.json").read_text())
+    user = ckpt.describe(ckpt.latest(dynamic_job["ckpt"]))["tables"]
+    saved = {k.rpartition(".")[2]: v["dynamic"]["live"] for k, v in user.items() if v["dynamic"]}
+    assert {t: m["live"] for t, m in manifest["id_maps"].items()} == saved
+    assert all(m["bytes"] == 16 * (m["live"] + 1) for m in manifest["id_maps"].values())
+    scored = CliRunner().invoke(cli, ["predict", str(out), "synthetic", "--json"])
+    assert scored.exit_code == 0, scored.output
+
+
+def test_a_dynamic_job_is_not_exported_sharded(dynamic_job):
+    out = dynamic_job["tmp"] / "never"
+    args = ["export", str(dynamic_job["ckpt"]), str(out), "--quantize", "int8"]
+    result = CliRunner().invoke(cli, [*args, "--world-size", "2"])
+    assert result.exit_code == 1
+    assert result.output == (
+        "Error: dynamic tables ['item', 'user'] are exported for one host only: drop "
+        "--world-size (serve them sharded with serving.shard_quantized)\n"
+    )
+    assert not out.exists()
+
+
+# --- Sharded serving: the trained sharded module in eval mode ---------------------------
+
+
+def _served_sharded(kind: str, precision: str) -> list:
+    """A collection sharded over this world and trained 4 steps, then this rank's eval
+    output of a batch, by the float module in eval mode and by the quantized one."""
+    rank = torch.distributed.get_rank()
+    if kind == "dynamic":
+        module = EmbeddingBagCollection(tables=configs(12), device=torch.device("meta"))
+        plan = ShardingPlan({"d": row_wise(), "s": table_wise(0)})
+        sharded = embshard.shard(module, plan, optimizer=SGD(lr=0.5), dynamic={"d": SPEC})
+        features = ("f_d1", "f_d2", "f_s")
+    else:
+        module = mc_ebc(MCCase(2, {}, "lru", SGD(lr=0.1)), "meta")
+        plan = ShardingPlan({"t": row_wise(), "u": table_wise(1)})
+        sharded = embshard.shard(module, plan, optimizer=SGD(lr=0.5))
+        features = ("f1", "f2", "g")
+    _, given = trained_map()
+    ids = given if kind == "dynamic" else list(range(48))
+    for step in range(4):
+        bags = [[[ids[(step * 7 + rank * 3 + j) % len(ids)] for j in range(3)]] for _ in range(2)]
+        batch = _kjt([*bags, [[1, 2]]], features)
+        pooled = sharded(batch)
+        (pooled[0] if isinstance(pooled, tuple) else pooled).values().sum().backward()
+    unknown = UNKNOWN[:2] if kind == "dynamic" else [47, 46]
+    batch = _kjt([[ids[rank:6], unknown], [ids[4:9], []], [[1], [3]]], features)
+    sharded.eval()
+    with torch.no_grad():
+        want = sharded(batch)
+    served = serving.quantize_sharded(sharded, precision)
+    got = served(batch)
+    pick = (lambda out: out[0].values()) if kind != "dynamic" else (lambda out: out.values())
+    return [pick(got), pick(want)]
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "managed"])
+def test_sharded_serving_looks_ids_up_as_the_trained_module_in_eval_mode(world, kind: str):
+    for precision, tolerance in (("fp16", 1e-2), ("int8", 0.05)):
+        for got, want in world(2).run(_served_sharded, kind, precision):
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=0, atol=tolerance)
