@@ -250,8 +250,10 @@ def test_an_exported_dynamic_job_runs_in_a_fresh_process_as_the_oracle(dynamic_j
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     config = load_config(dynamic_job["config"], check_files=False)
-    data = SyntheticData(config.tables, config.dense_in_features, 128, config.seed, 0)
-    batches = [data.batch(i, "eval") for i in range(3)]
+    data = SyntheticData(
+        config.tables, config.dense_in_features, 128, config.seed, 0, config.data.drift
+    )
+    batches = data.eval_batches(3, step=6)  # the stream at the checkpoint's step
     inputs = [(b.dense, b.sparse.values(), b.sparse.lengths()) for b in batches]
     torch.save(inputs, dynamic_job["tmp"] / "inputs.pt")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -281,8 +283,13 @@ def test_an_exported_dynamic_job_runs_in_a_fresh_process_as_the_oracle(dynamic_j
     saved = {k.rpartition(".")[2]: v["dynamic"]["live"] for k, v in user.items() if v["dynamic"]}
     assert {t: m["live"] for t, m in manifest["id_maps"].items()} == saved
     assert all(m["bytes"] == 16 * (m["live"] + 1) for m in manifest["id_maps"].values())
-    scored = CliRunner().invoke(cli, ["predict", str(out), "synthetic", "--json"])
+    # predict scores the job's held-out batches as they were at the checkpoint's step
+    logits = dynamic_job["tmp"] / "logits.txt"
+    args = ["predict", str(out), "synthetic", "--json", "--out", str(logits)]
+    scored = CliRunner().invoke(cli, args)
     assert scored.exit_code == 0, scored.output
+    written = torch.tensor([float(v) for v in logits.read_text().split()])
+    torch.testing.assert_close(written, torch.cat(outputs).reshape(-1), rtol=1e-5, atol=1e-6)
 
 
 def test_a_dynamic_job_is_not_exported_sharded(dynamic_job):

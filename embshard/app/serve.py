@@ -149,7 +149,8 @@ def artifact_batches(
 ) -> Iterator[Batch]:
     """Batches of ``data`` for the artifact: a Criteo TSV file, read whole, or
     ``synthetic``: the training job's synthetic held-out batches (``batches`` of them,
-    default the config's ``eval.batches``)."""
+    default the config's ``eval.batches``; with drifting ids, as the stream is at the
+    checkpoint's step, as the job's evaluation draws them)."""
     config = load_config(Path(artifact) / CONFIG, check_files=False)
     size = batch_size or config.batch_size
     if (data == SYNTHETIC) != (config.data.type == SYNTHETIC):
@@ -158,8 +159,12 @@ def artifact_batches(
             f"{artifact}'s model was trained on {config.data.type} data: DATA must be {wanted}"
         )
     if data == SYNTHETIC:
-        source = SyntheticData(config.tables, config.dense_in_features, size, config.seed, 0)
-        return (source.batch(i, "eval") for i in range(batches or config.eval.batches))
+        source = SyntheticData(
+            config.tables, config.dense_in_features, size, config.seed, 0, config.data.drift
+        )
+        # Drifting ids: the held-out batches of the stream at the checkpoint's step.
+        step = Manifest.read(artifact).extra.get("step") if source.drifts else None
+        return (source.batch(i, "eval", step) for i in range(batches or config.eval.batches))
     criteo = CriteoData(data, None, config.tables, size, 0, 1, epochs=1)
     batches_read = criteo.epoch_batches()
     return batches_read if batches is None else (b for _, b in zip(range(batches), batches_read))
