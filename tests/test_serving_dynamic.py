@@ -345,3 +345,35 @@ def test_sharded_serving_looks_ids_up_as_the_trained_module_in_eval_mode(world, 
         for got, want in world(2).run(_served_sharded, kind, precision):
             assert got.shape == want.shape
             torch.testing.assert_close(got, want, rtol=0, atol=tolerance)
+
+
+@pytest.mark.parametrize(
+    "change, said",
+    [
+        (
+            lambda user: user["dynamic"].update(buckets=32),
+            "the checkpoint's id map is IdMapSpec(buckets=64, rows_per_bucket=32, "
+            "policy='lru', ttl_steps=None, admit_after=1, seed=0), the config's "
+            "IdMapSpec(buckets=32, rows_per_bucket=64, policy='lru', ttl_steps=None, "
+            "admit_after=1, seed=0)",
+        ),
+        (
+            lambda user: user.pop("dynamic"),
+            "static in the config, but the checkpoint holds its id map",
+        ),
+    ],
+)
+def test_a_config_whose_dynamic_tables_differ_from_the_checkpoint_is_named(
+    dynamic_job, change, said: str
+):
+    data = yaml.safe_load(dynamic_job["config"].read_text())
+    change(next(t for t in data["tables"] if t["name"] == "user"))
+    config = dynamic_job["tmp"] / "changed.yaml"
+    config.write_text(yaml.safe_dump(data))
+    out = dynamic_job["tmp"] / "never_changed"
+    args = ["export", str(dynamic_job["ckpt"]), str(out), "--quantize", "int8"]
+    result = CliRunner().invoke(cli, [*args, "--config", str(config)])
+    assert result.exit_code == 1
+    step = ckpt.latest(dynamic_job["ckpt"])
+    assert result.output == f"Error: {step}: table 'user': {said}\n"
+    assert not out.exists()

@@ -46,7 +46,7 @@ SYNTHETIC = "synthetic"  # DATA that names the config's synthetic held-out batch
 
 def serving_model(path: str | Path, config: TrainConfig, precision: str) -> torch.nn.Module:
     """The config's model with the checkpoint's weights, its tables quantized."""
-    return from_checkpoint(path, build_model(config), precision)
+    return from_checkpoint(path, build_model(config), precision, config.id_maps())
 
 
 def job_config(path: Path, config_path: str | Path | None) -> tuple[TrainConfig, str]:
@@ -93,7 +93,8 @@ def export_checkpoint(
     extra = {"checkpoint": str(path), "step": checkpoint.describe(path)["step"]}
     dense_in = config.dense_in_features
     if world_size is None:
-        manifest = export_model(from_checkpoint(path, model, precision), out, dense_in, extra)
+        served = from_checkpoint(path, model, precision, config.id_maps())
+        manifest = export_model(served, out, dense_in, extra)
     else:
         tables = config.embedding_bag_configs()
         if plan_path is not None:

@@ -62,20 +62,41 @@ class ServedIdMap(nn.Module):
         return torch.where(hit, self.rows.gather(0, at), -1)
 
 
-def checkpoint_id_maps(path: str | Path) -> dict[str, ServedIdMap]:
+def saved_specs(path: str | Path) -> dict[str, IdMapSpec]:
+    """The dynamic tables of the embshard checkpoint at ``path`` (a step) and their
+    specs, by the table's weight key in the model's state dict (``...<table>.weight``)."""
+    if checkpoint.META not in checkpoint.read_metadata(path).state_dict_metadata:
+        return {}  # a plain DCP checkpoint: no description, no id maps
+    tables = checkpoint.read_description(path)["tables"]
+    return {f"{fqn}.weight": IdMapSpec(**t[DYNAMIC]) for fqn, t in tables.items() if DYNAMIC in t}
+
+
+def checkpoint_id_maps(
+    path: str | Path, expected: Mapping[str, IdMapSpec] | None = None
+) -> dict[str, ServedIdMap]:
     """Every dynamic table's served map from the embshard checkpoint at ``path`` (a
-    step), by the table's weight key in the model's state dict (``...<table>.weight``);
-    empty for a checkpoint without dynamic tables."""
-    tables = checkpoint.read_description(path)["tables"] if _described(path) else {}
+    step), by the table's weight key. ``expected``: the specs the model's dynamic
+    tables have, by table name, where known (a training config's): a table dynamic in
+    one and not the other, or of another spec, is a one-line CheckpointError."""
+    specs = saved_specs(path)
+    if expected is not None:
+        saved = {key.rpartition(".")[0].rpartition(".")[2]: s for key, s in specs.items()}
+        for name in sorted(set(saved) | set(expected)):
+            if saved.get(name) != expected.get(name):
+                raise CheckpointError(
+                    f"{path}: table {name!r}: {_mismatch(saved.get(name), expected.get(name))}"
+                )
     maps = {}
-    for fqn, table in tables.items():
-        if DYNAMIC not in table:
-            continue
-        spec = IdMapSpec(**table[DYNAMIC])
+    for key, spec in specs.items():
+        fqn = key.removesuffix(".weight")
         state = checkpoint.read_tensors(path, f"{DYNAMIC}.{fqn}.")
-        maps[f"{fqn}.weight"] = ServedIdMap.from_state(fqn.rpartition(".")[2], spec, state)
+        maps[key] = ServedIdMap.from_state(fqn.rpartition(".")[2], spec, state)
     return maps
 
 
-def _described(path: str | Path) -> bool:
-    return checkpoint.META in checkpoint.read_metadata(path).state_dict_metadata
+def _mismatch(saved: IdMapSpec | None, expected: IdMapSpec | None) -> str:
+    if saved is None:
+        return "dynamic in the config, but the checkpoint holds no id map for it"
+    if expected is None:
+        return "static in the config, but the checkpoint holds its id map"
+    return f"the checkpoint's id map is {saved}, the config's {expected}"

@@ -17,6 +17,7 @@ from embshard.errors import CheckpointError, ConfigError
 from embshard.serving.collection import QuantizedEmbeddingBagCollection
 from embshard.serving.id_maps import ServedIdMap, checkpoint_id_maps
 from embshard.serving.precision import Precision
+from embshard.storage.id_map import IdMapSpec
 
 
 def collections_of(model: nn.Module) -> dict[str, EmbeddingBagCollection]:
@@ -47,6 +48,9 @@ def quantize_model(
     if not found:
         raise ValueError("the model has no TorchRec EmbeddingBagCollection to quantize")
     _refuse_managed(model)
+    known = {table_key(p, t.name) for p, e in found.items() for t in e.embedding_bag_configs()}
+    if odd := sorted(set(id_maps or {}) - known):
+        raise ConfigError(f"an id map for {odd[0]!r}, which is no table of the model")
     for path, ebc in found.items():
         configs = ebc.embedding_bag_configs()
         source = weights
@@ -110,17 +114,19 @@ def checkpoint_weights(
     return {k: saved[k] for k in tables}, {k: saved[k] for k in dense}
 
 
-def from_checkpoint(path: str | Path, model: nn.Module, precision: Precision | str) -> nn.Module:
+def from_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    precision: Precision | str,
+    dynamic: Mapping[str, IdMapSpec] | None = None,
+) -> nn.Module:
     """``model`` (its tables may be on ``meta``) as a serving model with the weights of
     the checkpoint at ``path`` (see ``checkpoint_weights``): its dense tensors loaded
     as they are, its tables quantized, its dynamic tables' id maps made lookup-only
-    (``ServedIdMap``)."""
+    (``ServedIdMap``). ``dynamic``: the specs of the tables the model means to be
+    dynamic, by name, checked against the checkpoint's where given."""
     tables, dense = checkpoint_weights(path, model)
-    maps = checkpoint_id_maps(checkpoint.resolve(path))
-    if odd := sorted(set(maps) - set(tables)):
-        raise CheckpointError(
-            f"{path}: the checkpoint's dynamic table {odd[0]!r} is no table of the model"
-        )
+    maps = checkpoint_id_maps(checkpoint.resolve(path), dynamic)
     model = quantize_model(model, precision, tables, maps)
     model.load_state_dict(dense, strict=False)
     return model
