@@ -8,6 +8,7 @@ Sharded serving is held to the trained sharded module in eval mode."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -17,18 +18,15 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
-from test_dynamic import configs
+from test_dynamic import DIM, configs
 from test_id_map import ref_key
 from test_managed_collision import Case as MCCase
+from test_managed_collision import kjt as mc_kjt
 from test_managed_collision import mc_ebc
-from test_serving import (
-    CLEAN_PROCESS,
-    PRECISIONS,
-    ROOT,
-    torchrec_quantized,
-)
+from test_serving import CLEAN_PROCESS, PRECISIONS, ROOT, TorchRecQuantEC, torchrec_quantized
 from torchrec.models.dlrm import DLRM
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_configs import EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import embshard
@@ -40,7 +38,10 @@ from embshard.app.data import SyntheticData
 from embshard.app.train import train
 from embshard.errors import CheckpointError, ConfigError, InputError
 from embshard.runtime.keys import hash_ids
-from embshard.serving.collection import QuantizedEmbeddingBagCollection
+from embshard.serving.collection import (
+    QuantizedEmbeddingBagCollection,
+    QuantizedEmbeddingCollection,
+)
 from embshard.serving.id_maps import ServedIdMap
 from embshard.storage.id_map import IdMap
 
@@ -171,14 +172,113 @@ def test_bad_ids_and_maps_are_one_line_errors():
         ServedIdMap.from_state("d", small, idmap.state_dict())
 
 
-def test_a_managed_collision_model_is_refused_on_one_host():
-    module = mc_ebc(MCCase(1, {}, "lru", SGD(lr=0.1)))
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_dynamic_sequence_rows_equal_torchrec_quantized_or_zeros(precision: str):
+    idmap, given = trained_map()
+    rows = ref_rows(idmap.state_dict())
+    tables = [
+        EmbeddingConfig(
+            name=c.name,
+            num_embeddings=c.num_embeddings,
+            embedding_dim=DIM,
+            feature_names=c.feature_names,
+        )
+        for c in configs(SPEC.buckets * SPEC.rows_per_bucket)
+    ]
+    torch.manual_seed(1)
+    ec = EmbeddingCollection(tables=tables)
+    weights = {n: e.weight for n, e in ec.embeddings.items()}
+    served = QuantizedEmbeddingCollection(
+        tables,
+        weights,
+        precision,
+        id_maps={"d": ServedIdMap.from_state("d", SPEC, idmap.state_dict())},
+    )
+    oracle = torchrec_quantized(ec, precision, TorchRecQuantEC)
+    bags = _bags(given, 12, 3)
+    # The oracle looks every hit up at its row and every miss at row 0, then zeros it.
+    remapped = [[[rows.get(ref_key(i), 0) for i in b] for b in f] for f in bags[:2]]
+    got, want = served(_kjt(bags)), oracle(_kjt([*remapped, bags[2]]))
+    for f, feature in enumerate(("f_d1", "f_d2", "f_s")):
+        expected = want[feature].values()
+        if f < 2:
+            hit = torch.tensor([ref_key(i) in rows for b in bags[f] for i in b], dtype=torch.bool)
+            assert hit.any() and not hit.all()
+            expected = torch.where(hit[:, None], expected, torch.zeros_like(expected))
+        assert torch.equal(got[feature].values(), expected), (precision, feature)
+        assert torch.equal(got[feature].lengths(), want[feature].lengths())
+
+
+class _MCModel(torch.nn.Module):
+    """A TorchRec managed-collision bag collection and a dense layer on its output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sparse = mc_ebc(MCCase(1, {}, "lru", SGD(lr=0.1)))
+        self.over = torch.nn.Linear(3 + 3 * 4, 1)
+
+    def forward(self, dense: torch.Tensor, features: KeyedJaggedTensor) -> torch.Tensor:
+        pooled, _ = self.sparse(features)
+        return self.over(torch.cat([dense, pooled.values()], 1))
+
+
+def _mc_batches() -> list[tuple[torch.Tensor, KeyedJaggedTensor]]:
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for size in (1, 6, 17):
+        bags = [
+            [
+                torch.randint(0, 48, (int(n),), generator=g).tolist()
+                for n in torch.randint(0, 4, (size,), generator=g)
+            ]
+            for _ in range(3)
+        ]
+        out.append((torch.randn(size, 3, generator=g), mc_kjt(bags)))
+    return out
+
+
+def test_a_managed_collision_model_quantized_and_exported_equals_torchrec_pieces(tmp_path):
+    """TorchRec's MC-EBC trained a few steps (its modules admit and evict), then served:
+    against TorchRec's managed-collision collection in eval mode (remap only) feeding
+    TorchRec's quantized EBC of the same weights, and the exported program in a fresh
+    process against that."""
+    torch.manual_seed(0)
+    model = _MCModel()
+    for dense, features in _mc_batches() * 3:  # training mode: profile, evict every 2
+        model(dense, features).sum().backward()
+    model.eval()
+    mc = model.sparse
+    oracle_ebc = torchrec_quantized(copy.deepcopy(mc._embedding_module), "int8")
+    served = serving.quantize_model(copy.deepcopy(model), "int8")
+    serving.export_model(served, tmp_path, dense_in=3)
+    batches = _mc_batches()
+    inputs = [(d, f.values(), f.lengths().long()) for d, f in batches]
+    torch.save(inputs, tmp_path / "inputs.pt")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    files = [tmp_path / "model.pt2", tmp_path / "inputs.pt", tmp_path / "out.pt"]
+    run = subprocess.run(
+        [sys.executable, "-c", CLEAN_PROCESS, *map(str, files)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stderr
+    with torch.no_grad():
+        for (dense, features), exported in zip(batches, torch.load(files[2]), strict=True):
+            pooled = oracle_ebc(mc._managed_collision_collection(features)).values()
+            want = model.over(torch.cat([dense, pooled], 1))
+            assert torch.equal(served(dense, features), want)
+            assert torch.equal(exported, want)
+
+
+def test_a_managed_collision_model_from_a_checkpoint_is_refused(tmp_path):
     with pytest.raises(
         ConfigError,
-        match=r"^the model is a TorchRec ManagedCollisionEmbeddingBagCollection: "
-        r"managed-collision tables are served sharded only",
+        match=r"^.*: sparse is a TorchRec ManagedCollisionEmbeddingBagCollection, whose "
+        r"modules the checkpoint holds per row block: serve it sharded",
     ):
-        serving.quantize_model(module, "int8")
+        serving.from_checkpoint(tmp_path, _MCModel(), "int8")
 
 
 # --- A dynamic training job exported and run in a fresh process ------------------------

@@ -99,8 +99,10 @@ def export_model(
     wrapped = TensorInputs(model, ebc.features).eval()
     batch = torch.export.Dim("batch", min=1)
     # Size-oblivious tracing: else the batch size derived from ``lengths`` is assumed to
-    # be above 1 and the program refuses a batch of one sample.
-    with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+    # be above 1 and the program refuses a batch of one sample. Without gradients: a
+    # forward that turns them off itself (TorchRec's MCH remap) then records no switch,
+    # which the saved program could not be loaded with.
+    with torch.fx.experimental._config.patch(backed_size_oblivious=True), torch.no_grad():
         program = torch.export.export(
             wrapped,
             example_inputs(len(ebc.features), dense_in),

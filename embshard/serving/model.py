@@ -43,11 +43,12 @@ def quantize_model(
     """``model`` with every EmbeddingBagCollection replaced, in place, by a quantized
     one, in eval mode without gradients. Table weights come from ``weights`` (by their
     state dict key) where given, else from the collections themselves. The tables in
-    ``id_maps`` (by the same keys) are dynamic: their features take raw ids."""
+    ``id_maps`` (by the same keys) are dynamic: their features take raw ids. In a
+    TorchRec managed-collision collection the tables are swapped and its modules kept,
+    in eval mode: they remap ids only (an id they do not hold: its block's last row)."""
     found = collections_of(model)
     if not found:
         raise ValueError("the model has no TorchRec EmbeddingBagCollection to quantize")
-    _refuse_managed(model)
     known = {table_key(p, t.name) for p, e in found.items() for t in e.embedding_bag_configs()}
     if odd := sorted(set(id_maps or {}) - known):
         raise ConfigError(f"an id map for {odd[0]!r}, which is no table of the model")
@@ -78,13 +79,15 @@ def quantize_model(
     return model.eval().requires_grad_(False)
 
 
-def _refuse_managed(model: nn.Module) -> None:
-    """One line for TorchRec's managed-collision collections, served sharded only."""
-    for path, module in model.named_modules():
+def _refuse_managed(path: str | Path, model: nn.Module) -> None:
+    """One line for TorchRec's managed-collision collections: a checkpoint holds their
+    modules per row block, which only the sharded path loads."""
+    for at, module in model.named_modules():
         if isinstance(module, BaseManagedCollisionEmbeddingCollection):
             raise ConfigError(
-                f"{path or 'the model'} is a TorchRec {type(module).__name__}: managed-collision "
-                "tables are served sharded only (serving.quantize_sharded, shard_quantized)"
+                f"{path}: {at or 'the model'} is a TorchRec {type(module).__name__}, whose "
+                "modules the checkpoint holds per row block: serve it sharded "
+                "(serving.shard_quantized with checkpoint_path)"
             )
 
 
@@ -125,6 +128,7 @@ def from_checkpoint(
     as they are, its tables quantized, its dynamic tables' id maps made lookup-only
     (``ServedIdMap``). ``dynamic``: the specs of the tables the model means to be
     dynamic, by name, checked against the checkpoint's where given."""
+    _refuse_managed(path, model)
     tables, dense = checkpoint_weights(path, model)
     maps = checkpoint_id_maps(checkpoint.resolve(path), dynamic)
     model = quantize_model(model, precision, tables, maps)
