@@ -35,7 +35,8 @@ from embshard import checkpoint as ckpt
 from embshard.app.cli import main as cli
 from embshard.app.config import load_config
 from embshard.app.data import SyntheticData
-from embshard.app.train import train
+from embshard.app.serve import serving_model
+from embshard.app.train import build_model, train
 from embshard.errors import CheckpointError, ConfigError, InputError
 from embshard.runtime.keys import hash_ids
 from embshard.serving.collection import (
@@ -477,3 +478,41 @@ def test_a_config_whose_dynamic_tables_differ_from_the_checkpoint_is_named(
     step = ckpt.latest(dynamic_job["ckpt"])
     assert result.output == f"Error: {step}: table 'user': {said}\n"
     assert not out.exists()
+
+
+def _served_from_dynamic_checkpoint(config_path: str, root: str) -> list:
+    """This rank's held-out batch and its logits from the model sharded over this world
+    (the item table's buckets cut 32 / 16 / 16, the user table whole on the last rank),
+    its weights and id maps from the 2-rank checkpoint, int8."""
+    config = load_config(config_path, check_files=False)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    plan = ShardingPlan(
+        {
+            "item": row_wise([1024, 512, 512]),
+            "user": table_wise(world - 1),
+            **{t.name: table_wise(0) for t in config.tables if t.dynamic is None},
+        }
+    )
+    served = serving.shard_quantized(
+        build_model(config), plan, "int8", checkpoint_path=root, dynamic=config.id_maps()
+    )
+    data = SyntheticData(
+        config.tables, config.dense_in_features, 64, config.seed, rank, config.data.drift
+    )
+    batch = data.batch(0, "eval", 6)
+    return [(batch.dense, batch.sparse, served(batch.dense, batch.sparse).reshape(-1))]
+
+
+def test_a_dynamic_job_served_over_3_ranks_equals_the_one_host_model(world, dynamic_job):
+    """The checkpoint layer reshards the 2-rank checkpoint's tables and id maps onto 3
+    ranks by bucket range; every rank's logits are the one-host served model's."""
+    results = world(3).run(
+        _served_from_dynamic_checkpoint, str(dynamic_job["config"]), str(dynamic_job["ckpt"])
+    )
+    config = load_config(dynamic_job["config"], check_files=False)
+    one_host = serving_model(dynamic_job["ckpt"], config, "int8")
+    for batches in results:
+        for dense, sparse, logits in batches:
+            with torch.no_grad():
+                want = one_host(dense, sparse).reshape(-1)
+            torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
