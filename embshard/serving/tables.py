@@ -203,8 +203,10 @@ class QuantizedTables(nn.Module):
         position = torch.arange(len(self.features), device=ids.device)
         feature = torch.repeat_interleave(position, per_feature, output_size=ids.numel())
         for name, first, last, miss in self._dynamic:
-            rows = self.id_maps[name](ids)
             mine = (feature >= first) & (feature < last)
+            # The other features' ids searched as one id (-1, no key): the same path,
+            # in cache, each time; a search of every id costs several times more.
+            rows = self.id_maps[name](torch.where(mine, ids, -1))
             ids = torch.where(mine, torch.where(rows >= 0, rows, miss), ids)
         return ids
 
