@@ -384,6 +384,9 @@ def test_an_exported_dynamic_job_runs_in_a_fresh_process_as_the_oracle(dynamic_j
     saved = {k.rpartition(".")[2]: v["dynamic"]["live"] for k, v in user.items() if v["dynamic"]}
     assert {t: m["live"] for t, m in manifest["id_maps"].items()} == saved
     assert all(m["bytes"] == 16 * (m["live"] + 1) for m in manifest["id_maps"].values())
+    printed = "".join(f", id map {t} {n:,} live ids" for t, n in saved.items())
+    assert result.output.startswith(f"wrote {out}: 6 features, tables int8 ")
+    assert result.output.endswith(f"x float32){printed}\n")
     # predict scores the job's held-out batches as they were at the checkpoint's step
     logits = dynamic_job["tmp"] / "logits.txt"
     args = ["predict", str(out), "synthetic", "--json", "--out", str(logits)]
