@@ -177,15 +177,7 @@ def test_bad_ids_and_maps_are_one_line_errors():
 def test_dynamic_sequence_rows_equal_torchrec_quantized_or_zeros(precision: str):
     idmap, given = trained_map()
     rows = ref_rows(idmap.state_dict())
-    tables = [
-        EmbeddingConfig(
-            name=c.name,
-            num_embeddings=c.num_embeddings,
-            embedding_dim=DIM,
-            feature_names=c.feature_names,
-        )
-        for c in configs(SPEC.buckets * SPEC.rows_per_bucket)
-    ]
+    tables = _sequence_configs()
     torch.manual_seed(1)
     ec = EmbeddingCollection(tables=tables)
     weights = {n: e.weight for n, e in ec.embeddings.items()}
@@ -411,42 +403,65 @@ def test_a_dynamic_job_is_not_exported_sharded(dynamic_job):
 # --- Sharded serving: the trained sharded module in eval mode ---------------------------
 
 
-def _served_sharded(kind: str, precision: str) -> list:
+def _sequence_configs() -> list[EmbeddingConfig]:
+    """test_dynamic's tables as sequence tables."""
+    return [
+        EmbeddingConfig(
+            name=c.name,
+            num_embeddings=c.num_embeddings,
+            embedding_dim=DIM,
+            feature_names=c.feature_names,
+        )
+        for c in configs(SPEC.buckets * SPEC.rows_per_bucket)
+    ]
+
+
+def _values(out) -> torch.Tensor:
+    """A collection's output as one tensor: pooled values, or every feature's rows."""
+    out = out[0] if isinstance(out, tuple) else out  # a managed-collision collection's
+    if isinstance(out, dict):
+        return torch.cat([out[f].values() for f in sorted(out)])
+    return out.values()
+
+
+def _served_sharded(kind: str, sequence: bool, precision: str) -> list:
     """A collection sharded over this world and trained 4 steps, then this rank's eval
-    output of a batch, by the float module in eval mode and by the quantized one."""
+    output of a batch, by the quantized module and by the float one in eval mode."""
     rank = torch.distributed.get_rank()
+    meta = torch.device("meta")
     if kind == "dynamic":
-        module = EmbeddingBagCollection(tables=configs(12), device=torch.device("meta"))
+        module = (
+            EmbeddingCollection(tables=_sequence_configs(), device=meta)
+            if sequence
+            else EmbeddingBagCollection(tables=configs(12), device=meta)
+        )
         plan = ShardingPlan({"d": row_wise(), "s": table_wise(0)})
         sharded = embshard.shard(module, plan, optimizer=SGD(lr=0.5), dynamic={"d": SPEC})
-        features = ("f_d1", "f_d2", "f_s")
+        features, ids, unknown = ("f_d1", "f_d2", "f_s"), trained_map()[1], UNKNOWN[:2]
     else:
-        module = mc_ebc(MCCase(2, {}, "lru", SGD(lr=0.1)), "meta")
+        module = mc_ebc(MCCase(2, {}, "lru", SGD(lr=0.1), sequence=sequence), "meta")
         plan = ShardingPlan({"t": row_wise(), "u": table_wise(1)})
         sharded = embshard.shard(module, plan, optimizer=SGD(lr=0.5))
-        features = ("f1", "f2", "g")
-    _, given = trained_map()
-    ids = given if kind == "dynamic" else list(range(48))
+        features, ids, unknown = ("f1", "f2", "g"), list(range(48)), [47, 46]
     for step in range(4):
         bags = [[[ids[(step * 7 + rank * 3 + j) % len(ids)] for j in range(3)]] for _ in range(2)]
-        batch = _kjt([*bags, [[1, 2]]], features)
-        pooled = sharded(batch)
-        (pooled[0] if isinstance(pooled, tuple) else pooled).values().sum().backward()
-    unknown = UNKNOWN[:2] if kind == "dynamic" else [47, 46]
+        _values(sharded(_kjt([*bags, [[1, 2]]], features))).sum().backward()
     batch = _kjt([[ids[rank:6], unknown], [ids[4:9], []], [[1], [3]]], features)
     sharded.eval()
     with torch.no_grad():
-        want = sharded(batch)
+        want = _values(sharded(batch))
     served = serving.quantize_sharded(sharded, precision)
-    got = served(batch)
-    pick = (lambda out: out[0].values()) if kind != "dynamic" else (lambda out: out.values())
-    return [pick(got), pick(want)]
+    served.train()  # serving stays in eval mode: nothing is admitted or evicted
+    return [_values(served(batch)), want]
 
 
+@pytest.mark.parametrize("sequence", [False, True])
 @pytest.mark.parametrize("kind", ["dynamic", "managed"])
-def test_sharded_serving_looks_ids_up_as_the_trained_module_in_eval_mode(world, kind: str):
+def test_sharded_serving_looks_ids_up_as_the_trained_module_in_eval_mode(
+    world, kind: str, sequence: bool
+):
     for precision, tolerance in (("fp16", 1e-2), ("int8", 0.05)):
-        for got, want in world(2).run(_served_sharded, kind, precision):
+        for got, want in world(2).run(_served_sharded, kind, sequence, precision):
             assert got.shape == want.shape
             torch.testing.assert_close(got, want, rtol=0, atol=tolerance)
 
