@@ -388,16 +388,55 @@ def test_an_exported_dynamic_job_runs_in_a_fresh_process_as_the_oracle(dynamic_j
     torch.testing.assert_close(written, torch.cat(outputs).reshape(-1), rtol=1e-5, atol=1e-6)
 
 
-def test_a_dynamic_job_is_not_exported_sharded(dynamic_job):
-    out = dynamic_job["tmp"] / "never"
-    args = ["export", str(dynamic_job["ckpt"]), str(out), "--quantize", "int8"]
-    result = CliRunner().invoke(cli, [*args, "--world-size", "2"])
-    assert result.exit_code == 1
-    assert result.output == (
-        "Error: dynamic tables ['item', 'user'] are exported for one host only: drop "
-        "--world-size (serve them sharded with serving.shard_quantized)\n"
+def _predict(artifact, *extra: str) -> torch.Tensor:
+    """``embshard predict`` of the job's synthetic held-out batches: the logits."""
+    out = artifact.with_suffix(".logits")
+    args = ["predict", str(artifact), "synthetic", "--out", str(out), *extra]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    return torch.tensor([float(v) for v in out.read_text().split()])
+
+
+def test_a_sharded_artifact_of_a_dynamic_job_scores_as_the_one_host_one(dynamic_job):
+    """Exported for 2 ranks by the planner's plan (each rank's maps: its buckets),
+    scored by 2 processes: the one-host artifact's logits (row blocks quantize as the
+    whole table's rows), up to the float summation order."""
+    one_host, sharded = dynamic_job["tmp"] / "one_int8", dynamic_job["tmp"] / "two_int8"
+    args = ["export", str(dynamic_job["ckpt"]), "--quantize", "int8"]
+    assert CliRunner().invoke(cli, [args[0], args[1], str(one_host), *args[2:]]).exit_code == 0
+    result = CliRunner().invoke(
+        cli, [args[0], args[1], str(sharded), *args[2:], "--world-size", "2"]
     )
-    assert not out.exists()
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((sharded / "serving.json").read_text())
+    assert sorted(manifest["sharded"]["dynamic"]) == ["item", "user"]
+    torch.testing.assert_close(
+        _predict(sharded, "--nproc", "2"), _predict(one_host), rtol=1e-5, atol=1e-5
+    )
+    plan = dynamic_job["tmp"] / "off_buckets.yaml"
+    tables = {
+        "item": {"type": "row_wise", "sizes": [1000, 1048]},
+        **{t: {"type": "table_wise", "rank": 0} for t in ("user", "category", "city", "device")},
+    }
+    plan.write_text(yaml.safe_dump({"tables": tables}))
+    bad = CliRunner().invoke(
+        cli,
+        [
+            args[0],
+            args[1],
+            str(dynamic_job["tmp"] / "never"),
+            *args[2:],
+            "--world-size",
+            "2",
+            "--plan",
+            str(plan),
+        ],
+    )
+    assert bad.exit_code == 1
+    assert bad.output == (
+        "Error: dynamic table 'item': the plan cuts its rows at 1000, not a multiple of "
+        "rows_per_bucket 32\n"
+    )
 
 
 # --- Sharded serving: the trained sharded module in eval mode ---------------------------

@@ -34,10 +34,11 @@ from embshard.app.data import Batch, CriteoData, SyntheticData, empty_batch
 from embshard.app.planning import plan_config
 from embshard.app.train import build_model
 from embshard.checkpoint.store import saved_config
-from embshard.errors import CheckpointError, ConfigError, EmbshardError
+from embshard.errors import CheckpointError, EmbshardError
 from embshard.plan.specs import ShardingPlan
 from embshard.serving.artifact import SHARDS, load_sharded, write_sharded
 from embshard.serving.export import MANIFEST, PROGRAM, Manifest, export_model
+from embshard.serving.id_maps import saved_maps, table_of
 from embshard.serving.model import checkpoint_weights, from_checkpoint
 
 CONFIG = "config.yaml"
@@ -84,11 +85,6 @@ def export_checkpoint(
         bad = ", ".join(str(c) for c in found.bad)
         raise CheckpointError(f"{path}: corrupt checkpoint, not matching its checksums: {bad}")
     config, text = job_config(path, config_path)
-    if world_size is not None and (dynamic := sorted(config.id_maps())):
-        raise ConfigError(
-            f"dynamic tables {dynamic} are exported for one host only: drop --world-size "
-            "(serve them sharded with serving.shard_quantized)"
-        )
     model = build_model(config)
     extra = {"checkpoint": str(path), "step": checkpoint.describe(path)["step"]}
     dense_in = config.dense_in_features
@@ -102,8 +98,10 @@ def export_checkpoint(
         else:
             plan, _ = plan_config(config, world_size)
         weights, dense = checkpoint_weights(path, model)
+        maps = saved_maps(path, config.id_maps())
+        dynamic = {table_of(key): m for key, m in maps.items()}
         manifest = write_sharded(
-            model, weights, dense, plan, world_size, precision, out, dense_in, extra
+            model, weights, dense, plan, world_size, precision, out, dense_in, extra, dynamic
         )
     (Path(out) / CONFIG).write_text(text)
     return manifest

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from embshard import checkpoint
-from embshard.checkpoint.dynamic import DYNAMIC
+from embshard.checkpoint.dynamic import COUNTS, DYNAMIC
 from embshard.errors import CheckpointError
 from embshard.runtime.keys import hash_ids
 from embshard.storage.id_map import IdMapSpec
@@ -71,16 +71,17 @@ def saved_specs(path: str | Path) -> dict[str, IdMapSpec]:
     return {f"{fqn}.weight": IdMapSpec(**t[DYNAMIC]) for fqn, t in tables.items() if DYNAMIC in t}
 
 
-def checkpoint_id_maps(
+def saved_maps(
     path: str | Path, expected: Mapping[str, IdMapSpec] | None = None
-) -> dict[str, ServedIdMap]:
-    """Every dynamic table's served map from the embshard checkpoint at ``path`` (a
-    step), by the table's weight key. ``expected``: the specs the model's dynamic
-    tables have, by table name, where known (a training config's): a table dynamic in
-    one and not the other, or of another spec, is a one-line CheckpointError."""
+) -> dict[str, tuple[IdMapSpec, dict[str, torch.Tensor]]]:
+    """Every dynamic table's spec and whole id map state (``IdMap.state_dict()``, every
+    bucket range joined) in the embshard checkpoint at ``path`` (a step), by the table's
+    name. ``expected``: the specs the model's dynamic tables have, by name, where known
+    (a training config's): a table dynamic in one and not the other, or of another spec,
+    is a one-line CheckpointError."""
     specs = saved_specs(path)
     if expected is not None:
-        saved = {key.rpartition(".")[0].rpartition(".")[2]: s for key, s in specs.items()}
+        saved = {table_of(key): s for key, s in specs.items()}
         for name in sorted(set(saved) | set(expected)):
             if saved.get(name) != expected.get(name):
                 raise CheckpointError(
@@ -88,10 +89,25 @@ def checkpoint_id_maps(
                 )
     maps = {}
     for key, spec in specs.items():
-        fqn = key.removesuffix(".weight")
-        state = checkpoint.read_tensors(path, f"{DYNAMIC}.{fqn}.")
-        maps[key] = ServedIdMap.from_state(fqn.rpartition(".")[2], spec, state)
+        tensors = checkpoint.read_tensors(path, f"{DYNAMIC}.{key.removesuffix('.weight')}.")
+        maps[key] = (spec, {k: v for k, v in tensors.items() if k != COUNTS})
     return maps
+
+
+def checkpoint_id_maps(
+    path: str | Path, expected: Mapping[str, IdMapSpec] | None = None
+) -> dict[str, ServedIdMap]:
+    """Every dynamic table's served map from the embshard checkpoint at ``path`` (a
+    step), by the table's weight key; ``expected`` as ``saved_maps``'."""
+    return {
+        key: ServedIdMap.from_state(table_of(key), spec, state)
+        for key, (spec, state) in saved_maps(path, expected).items()
+    }
+
+
+def table_of(key: str) -> str:
+    """The table of a weight key (``...embedding_bags.<table>.weight``)."""
+    return key.removesuffix(".weight").rpartition(".")[2]
 
 
 def _mismatch(saved: IdMapSpec | None, expected: IdMapSpec | None) -> str:
