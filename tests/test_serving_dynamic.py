@@ -573,3 +573,29 @@ def test_a_dynamic_job_served_over_3_ranks_equals_the_one_host_model(world, dyna
             with torch.no_grad():
                 want = one_host(dense, sparse).reshape(-1)
             torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+
+
+def _mc_served_from_checkpoint(root: str) -> list:
+    """_MCModel sharded over this world and trained 6 steps, checkpointed; then a fresh
+    one on meta served from that checkpoint (its modules loaded per row block): this
+    rank's logits of a batch by both, the trained one in eval mode."""
+    rank = torch.distributed.get_rank()
+    plan = ShardingPlan({"t": row_wise(), "u": table_wise(1)})
+    torch.manual_seed(0)
+    trained = embshard.shard_model(
+        _MCModel(), plan, optimizer=SGD(lr=0.5), data_parallel_wrapper=lambda m: m
+    )
+    for dense, features in [_mc_batches()[rank]] * 6:
+        trained(dense, features).sum().backward()
+    ckpt.save(root, trained, step=6)
+    fresh = _MCModel()
+    fresh.sparse = mc_ebc(MCCase(1, {}, "lru", SGD(lr=0.1)), "meta")
+    served = serving.shard_quantized(fresh, plan, "fp16", checkpoint_path=root)
+    dense, features = _mc_batches()[1]
+    with torch.no_grad():
+        return [served(dense, features), trained.eval()(dense, features)]
+
+
+def test_a_managed_collision_model_is_served_sharded_from_its_checkpoint(world, tmp_path):
+    for got, want in world(2).run(_mc_served_from_checkpoint, str(tmp_path / "ckpt")):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-2)
