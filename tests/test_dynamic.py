@@ -30,7 +30,6 @@ from embshard import (
     data_parallel,
     grid,
     row_wise,
-    serving,
     table_wise,
 )
 from embshard.storage.shards import gather_table
@@ -572,41 +571,25 @@ def test_bad_dynamic_plans_are_one_line_plan_errors_on_every_rank(world, name: s
     assert expected in messages[0] and "\n" not in messages[0]
 
 
-def _other_refusals() -> list[str]:
-    """A feature feeding the dynamic table and a static one; a quantized copy."""
+def _shared_feature() -> str:
+    """A feature feeding the dynamic table and a static one."""
     shared = [
         *configs(12),
         EmbeddingBagConfig(name="t", embedding_dim=DIM, num_embeddings=5, feature_names=["f_d2"]),
     ]
     plan = ShardingPlan({"d": table_wise(0), "s": table_wise(0), "t": table_wise(1)})
-    return [
-        _raises(
-            lambda: embshard.shard(
-                EmbeddingBagCollection(tables=shared, device=torch.device("meta")),
-                plan,
-                dynamic={"d": IdMapSpec(4, 3)},
-            )
-        ),
-        _raises(
-            lambda: serving.quantize_sharded(
-                embshard.shard(
-                    EmbeddingBagCollection(tables=configs(12), device=torch.device("meta")),
-                    ShardingPlan({"d": row_wise(), "s": table_wise(0)}),
-                    dynamic={"d": IdMapSpec(4, 3)},
-                ),
-                "int8",
-            )
-        ),
-    ]
-
-
-def test_shared_features_and_serving_are_refused(world) -> None:
-    for shared, served in world(2).run(_other_refusals):
-        assert shared.startswith("PlanError: dynamic table 'd': its feature 'f_d2' feeds another")
-        assert served == (
-            "ValueError: dynamic tables ['d'] cannot be served yet: their id maps "
-            "would admit ids into the quantized rows"
+    return _raises(
+        lambda: embshard.shard(
+            EmbeddingBagCollection(tables=shared, device=torch.device("meta")),
+            plan,
+            dynamic={"d": IdMapSpec(4, 3)},
         )
+    )
+
+
+def test_shared_features_are_refused(world) -> None:
+    for shared in world(2).run(_shared_feature):
+        assert shared.startswith("PlanError: dynamic table 'd': its feature 'f_d2' feeds another")
 
 
 class _Model(torch.nn.Module):

@@ -557,9 +557,6 @@ def _refusals() -> dict[str, str]:
         "mc_ec_dynamic": _raises(
             lambda: embshard.shard(mc_ebc(sequence), plan, dynamic={"u": embshard.IdMapSpec(2, 3)})
         ),
-        "served": _raises(
-            lambda: sharded.embedding_bag_collection.replace_lookup(lambda tables, fmap: None)
-        ),
     }
 
 
@@ -585,7 +582,6 @@ def test_refusals_are_one_line_on_every_rank(world) -> None:
     assert ("PlanError: dynamic tables ['u']: a ManagedCollisionEmbeddingCollection's tables") in r[
         "mc_ec_dynamic"
     ]
-    assert "managed-collision tables ['t', 'u'] cannot be served" in r["served"]
 
 
 class _Model(nn.Module):

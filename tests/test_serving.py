@@ -423,14 +423,17 @@ def test_a_checkpoint_without_a_table_of_the_config_is_named(trained):
     )
 
 
-def test_a_config_with_dynamic_tables_is_not_exported(trained):
+def test_a_config_with_a_dynamic_table_the_checkpoint_has_no_map_of_is_named(trained):
     def dynamic(data: dict) -> None:
         data["tables"][2]["dynamic"] = {"buckets": 1}
         data.pop("checkpoint")
 
     output = _refused_export(trained, "dynamic", dynamic)
     name = yaml.safe_load(trained["config"].read_text())["tables"][2]["name"]
-    assert output == f"Error: dynamic tables cannot be exported yet: ['{name}'] are\n"
+    assert output == (
+        f"Error: {ckpt.latest(trained['ckpt'])}: table '{name}': dynamic in the config, but "
+        "the checkpoint holds no id map for it\n"
+    )
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process

@@ -450,9 +450,12 @@ def export_serving(
         raise click.ClickException(str(e)) from None
     ratio = manifest.table_bytes / manifest.float32_bytes
     ranks = f" over {world_size} ranks" if world_size else ""
+    maps = "".join(
+        f", id map {name} {m['live']:,} live ids" for name, m in (manifest.id_maps or {}).items()
+    )
     click.echo(
         f"wrote {out}: {len(manifest.features)} features, tables {quantize}{ranks} "
-        f"{manifest.table_bytes / 2**20:.1f} MiB ({ratio:.3f}x float32)"
+        f"{manifest.table_bytes / 2**20:.1f} MiB ({ratio:.3f}x float32){maps}"
     )
 
 

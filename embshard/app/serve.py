@@ -34,10 +34,11 @@ from embshard.app.data import Batch, CriteoData, SyntheticData, empty_batch
 from embshard.app.planning import plan_config
 from embshard.app.train import build_model
 from embshard.checkpoint.store import saved_config
-from embshard.errors import CheckpointError, ConfigError, EmbshardError
+from embshard.errors import CheckpointError, EmbshardError
 from embshard.plan.specs import ShardingPlan
 from embshard.serving.artifact import SHARDS, load_sharded, write_sharded
 from embshard.serving.export import MANIFEST, PROGRAM, Manifest, export_model
+from embshard.serving.id_maps import saved_maps, table_of
 from embshard.serving.model import checkpoint_weights, from_checkpoint
 
 CONFIG = "config.yaml"
@@ -46,7 +47,7 @@ SYNTHETIC = "synthetic"  # DATA that names the config's synthetic held-out batch
 
 def serving_model(path: str | Path, config: TrainConfig, precision: str) -> torch.nn.Module:
     """The config's model with the checkpoint's weights, its tables quantized."""
-    return from_checkpoint(path, build_model(config), precision)
+    return from_checkpoint(path, build_model(config), precision, config.id_maps())
 
 
 def job_config(path: Path, config_path: str | Path | None) -> tuple[TrainConfig, str]:
@@ -84,13 +85,12 @@ def export_checkpoint(
         bad = ", ".join(str(c) for c in found.bad)
         raise CheckpointError(f"{path}: corrupt checkpoint, not matching its checksums: {bad}")
     config, text = job_config(path, config_path)
-    if dynamic := sorted(config.id_maps()):
-        raise ConfigError(f"dynamic tables cannot be exported yet: {dynamic} are")
     model = build_model(config)
     extra = {"checkpoint": str(path), "step": checkpoint.describe(path)["step"]}
     dense_in = config.dense_in_features
     if world_size is None:
-        manifest = export_model(from_checkpoint(path, model, precision), out, dense_in, extra)
+        served = from_checkpoint(path, model, precision, config.id_maps())
+        manifest = export_model(served, out, dense_in, extra)
     else:
         tables = config.embedding_bag_configs()
         if plan_path is not None:
@@ -98,8 +98,10 @@ def export_checkpoint(
         else:
             plan, _ = plan_config(config, world_size)
         weights, dense = checkpoint_weights(path, model)
+        maps = saved_maps(path, config.id_maps())
+        dynamic = {table_of(key): m for key, m in maps.items()}
         manifest = write_sharded(
-            model, weights, dense, plan, world_size, precision, out, dense_in, extra
+            model, weights, dense, plan, world_size, precision, out, dense_in, extra, dynamic
         )
     (Path(out) / CONFIG).write_text(text)
     return manifest
@@ -146,7 +148,8 @@ def artifact_batches(
 ) -> Iterator[Batch]:
     """Batches of ``data`` for the artifact: a Criteo TSV file, read whole, or
     ``synthetic``: the training job's synthetic held-out batches (``batches`` of them,
-    default the config's ``eval.batches``)."""
+    default the config's ``eval.batches``; with drifting ids, as the stream is at the
+    checkpoint's step, as the job's evaluation draws them)."""
     config = load_config(Path(artifact) / CONFIG, check_files=False)
     size = batch_size or config.batch_size
     if (data == SYNTHETIC) != (config.data.type == SYNTHETIC):
@@ -155,8 +158,12 @@ def artifact_batches(
             f"{artifact}'s model was trained on {config.data.type} data: DATA must be {wanted}"
         )
     if data == SYNTHETIC:
-        source = SyntheticData(config.tables, config.dense_in_features, size, config.seed, 0)
-        return (source.batch(i, "eval") for i in range(batches or config.eval.batches))
+        source = SyntheticData(
+            config.tables, config.dense_in_features, size, config.seed, 0, config.data.drift
+        )
+        # Drifting ids: the held-out batches of the stream at the checkpoint's step.
+        step = Manifest.read(artifact).extra.get("step") if source.drifts else None
+        return (source.batch(i, "eval", step) for i in range(batches or config.eval.batches))
     criteo = CriteoData(data, None, config.tables, size, 0, 1, epochs=1)
     batches_read = criteo.epoch_batches()
     return batches_read if batches is None else (b for _, b in zip(range(batches), batches_read))

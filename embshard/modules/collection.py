@@ -403,17 +403,12 @@ class ShardedCollection(nn.Module, Generic[KeptT, LookedUpT, OutputT]):
         """Look up from what ``build(tables, feature_table_map)`` makes from now on, for
         the sharded tables and then the copies: ``tables`` are a lookup's tables in
         order, each ``(name, float weights)``. The float tables, their views and the
-        optimizer state go: the module then serves only."""
+        optimizer state go: the module then serves only (its dynamic and
+        managed-collision tables' maps stay, to look ids up in eval mode)."""
         if self._dynamic is not None:
-            raise ValueError(
-                f"dynamic tables {self._dynamic.names} cannot be served yet: their id maps "
-                "would admit ids into the quantized rows"
-            )
-        if self._managed_collisions is not None:
-            raise ValueError(
-                f"managed-collision tables {sorted(self._managed_collisions.modules)} cannot "
-                "be served yet"
-            )
+            self._dynamic.serve()
+        if self._managed is not None:
+            self._managed.serve()
         storage = self._storage
 
         def rebuilt(lookup: LookupModule, shards: list, feature_table_map: list[int]):

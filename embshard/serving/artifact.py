@@ -2,7 +2,10 @@
 of ranks, as a sharded predictor loads them. A folder:
 
     serving.json          the manifest, its ``sharded`` entry the world size and plan
+                          (and the dynamic tables' specs)
     shards/rank_<r>.pt    rank r's quantized shards and copies, by collection
+    shards/maps_<r>.pt    rank r's id maps of its dynamic shards' bucket ranges, by
+                          table (``IdMap.state_dict()``; none without dynamic tables)
     dense.pt              the dense part's float32 state dict
 
 Written in one process from whole tensors (a checkpoint's, of any world size and
@@ -13,6 +16,7 @@ plain tensors, read with ``torch.load(weights_only=True)``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -23,8 +27,9 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torch import nn
 
 from embshard.errors import ConfigError
+from embshard.modules.collection import ShardedCollection
 from embshard.modules.shard_model import shard_model
-from embshard.plan.specs import ShardingPlan
+from embshard.plan.specs import ShardingPlan, TableShard
 from embshard.serving.export import Manifest, float32_bytes
 from embshard.serving.model import collections_of, table_key
 from embshard.serving.precision import Precision
@@ -36,6 +41,8 @@ from embshard.serving.sharded import (
     served_shards,
 )
 from embshard.serving.tables import PackedRows, QuantizedRows
+from embshard.storage.dynamic import check_dynamic
+from embshard.storage.id_map import IdMapSpec
 
 SHARDS = "shards"
 DENSE = "dense.pt"
@@ -43,6 +50,10 @@ DENSE = "dense.pt"
 
 def rank_file(artifact: str | Path, rank: int) -> Path:
     return Path(artifact) / SHARDS / f"rank_{rank}.pt"
+
+
+def maps_file(artifact: str | Path, rank: int) -> Path:
+    return Path(artifact) / SHARDS / f"maps_{rank}.pt"
 
 
 def write_sharded(
@@ -55,10 +66,13 @@ def write_sharded(
     out: str | Path,
     dense_in: int,
     extra: Mapping | None = None,
+    dynamic: Mapping[str, tuple[IdMapSpec, Mapping[str, torch.Tensor]]] | None = None,
 ) -> Manifest:
     """Write the artifact of ``model`` (holding one EmbeddingBagCollection) sharded by
     ``plan`` over ``world_size`` ranks into the folder ``out``: ``tables`` (whole, by
-    state dict key) quantized shard by shard to ``precision``, ``dense`` as it is."""
+    state dict key) quantized shard by shard to ``precision``, ``dense`` as it is.
+    ``dynamic``: each dynamic table's spec and whole id map state (by name), split by
+    the bucket ranges of its shards (a plan a dynamic table cannot have is refused)."""
     precision = Precision.parse(precision)
     found = collections_of(model)
     if len(found) != 1:
@@ -67,6 +81,9 @@ def write_sharded(
     configs = ebc.embedding_bag_configs()
     resolved = plan.resolve(configs, world_size)
     check_servable(resolved, precision, torch.device("cpu"))
+    dynamic = dict(dynamic or {})
+    specs = {name: spec for name, (spec, _) in dynamic.items()}
+    check_dynamic(specs, configs, resolved)
     (Path(out) / SHARDS).mkdir(parents=True, exist_ok=True)
     rank_bytes = []
     for rank in range(world_size):
@@ -81,6 +98,8 @@ def write_sharded(
             for name, s in served_shards(resolved, rank)
         ]
         torch.save({path: [vars(p) for p in packed]}, rank_file(out, rank))
+        if dynamic:
+            torch.save(_rank_maps(dynamic, served_shards(resolved, rank)), maps_file(out, rank))
         rank_bytes.append(_layout_bytes(packed, precision))
     torch.save(dict(dense), Path(out) / DENSE)
     manifest = Manifest(
@@ -90,7 +109,11 @@ def write_sharded(
         table_bytes=sum(rank_bytes),
         float32_bytes=float32_bytes(configs),
         extra={**(extra or {}), "rank_table_bytes": rank_bytes},
-        sharded={"world_size": world_size, "plan": yaml.safe_load(plan.to_yaml())},
+        sharded={
+            "world_size": world_size,
+            "plan": yaml.safe_load(plan.to_yaml()),
+            **({"dynamic": {n: dataclasses.asdict(s) for n, s in specs.items()}} if specs else {}),
+        },
     )
     manifest.write(out)
     return manifest
@@ -107,7 +130,15 @@ def load_sharded(artifact: str | Path, model: nn.Module) -> nn.Module:
     if world != here:
         raise ConfigError(f"{artifact} is sharded over {world} ranks, this world has {here}")
     plan = ShardingPlan.from_dict(manifest.sharded["plan"])
-    served = shard_model(model, plan, optimizer=NO_OPTIMIZER, data_parallel_wrapper=lambda m: m)
+    specs = {n: IdMapSpec(**s) for n, s in manifest.sharded.get("dynamic", {}).items()}
+    served = shard_model(
+        model, plan, optimizer=NO_OPTIMIZER, data_parallel_wrapper=lambda m: m, dynamic=specs
+    )
+    if specs:
+        maps = torch.load(maps_file(artifact, dist.get_rank()), weights_only=True)
+        for sharded in served.modules():
+            if isinstance(sharded, ShardedCollection) and sharded.dynamic_tables is not None:
+                sharded.dynamic_tables.restore(maps, 0, {})
     saved = torch.load(rank_file(artifact, dist.get_rank()), weights_only=True)
     packed = {path: [PackedRows(**p) for p in rows] for path, rows in saved.items()}
     served = quantize_sharded(served, manifest.precision, packed)
@@ -119,6 +150,21 @@ def load_sharded(artifact: str | Path, model: nn.Module) -> nn.Module:
         raise ConfigError(f"{artifact}: {DENSE} does not hold the model's dense part ({odd[0]!r})")
     served.load_state_dict(dense, strict=False)
     return served
+
+
+def _rank_maps(
+    dynamic: Mapping[str, tuple[IdMapSpec, Mapping[str, torch.Tensor]]],
+    shards: list[tuple[str, TableShard]],
+) -> dict[str, dict[str, torch.Tensor]]:
+    """The id map state of each dynamic shard in ``shards``: its bucket range's rows."""
+    maps = {}
+    for name, shard in shards:
+        if name in dynamic and shard.rows:
+            spec, state = dynamic[name]
+            first, rows = shard.row_offset // spec.rows_per_bucket, shard.rows
+            last = first + rows // spec.rows_per_bucket
+            maps[name] = {k: v[first:last].clone() for k, v in state.items()}
+    return maps
 
 
 def _layout_bytes(packed: list[PackedRows], precision: Precision) -> int:

@@ -19,15 +19,18 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConf
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
+from embshard.serving.id_maps import ServedIdMap
 from embshard.serving.precision import Precision
 from embshard.serving.tables import QuantizedTables, in_order
 
 
 class QuantizedEmbeddingBagCollection(nn.Module):
     """The tables of a TorchRec ``EmbeddingBagCollection``, each row quantized to
-    ``precision``, pooled by FBGEMM's inference kernel. ``forward`` takes and gives what
-    the float collection does (a KeyedJaggedTensor in, a KeyedTensor out, features in
-    table order); ``pooled`` is the same on plain tensors. No autograd, no optimizer."""
+    ``precision``, pooled by FBGEMM's inference kernel; the tables in ``id_maps`` (by
+    name) are dynamic: their features take raw ids (``QuantizedTables``). ``forward``
+    takes and gives what the float collection does (a KeyedJaggedTensor in, a
+    KeyedTensor out, features in table order); ``pooled`` is the same on plain tensors.
+    No autograd, no optimizer."""
 
     def __init__(
         self,
@@ -37,11 +40,14 @@ class QuantizedEmbeddingBagCollection(nn.Module):
         *,
         is_weighted: bool = False,
         device: torch.device | str = "cpu",
+        id_maps: Mapping[str, ServedIdMap] | None = None,
     ) -> None:
         super().__init__()
         self.precision = Precision.parse(precision)
         device = torch.device(device)
-        self.lookup = QuantizedTables(tables, weights, self.precision, device, PoolingMode.SUM)
+        self.lookup = QuantizedTables(
+            tables, weights, self.precision, device, PoolingMode.SUM, id_maps
+        )
         self.features = self.lookup.features
         self.dims = [t.embedding_dim for t in tables for _ in t.feature_names]
         self.is_weighted = is_weighted
@@ -100,8 +106,9 @@ class QuantizedEmbeddingBagCollection(nn.Module):
 class QuantizedEmbeddingCollection(nn.Module):
     """The tables of a TorchRec ``EmbeddingCollection`` (sequence features: one row per
     id, every table of one dim, as TorchRec requires), each row quantized to
-    ``precision``. ``forward`` takes a KeyedJaggedTensor and gives, as the float
-    collection does, each feature's rows as a JaggedTensor."""
+    ``precision`` (those in ``id_maps`` dynamic, as the bag collection's). ``forward``
+    takes a KeyedJaggedTensor and gives, as the float collection does, each feature's
+    rows as a JaggedTensor."""
 
     def __init__(
         self,
@@ -110,11 +117,14 @@ class QuantizedEmbeddingCollection(nn.Module):
         precision: Precision | str,
         *,
         device: torch.device | str = "cpu",
+        id_maps: Mapping[str, ServedIdMap] | None = None,
     ) -> None:
         super().__init__()
         self.precision = Precision.parse(precision)
         device = torch.device(device)
-        self.lookup = QuantizedTables(tables, weights, self.precision, device, PoolingMode.NONE)
+        self.lookup = QuantizedTables(
+            tables, weights, self.precision, device, PoolingMode.NONE, id_maps
+        )
         self.features = self.lookup.features
         self._configs = list(tables)
 

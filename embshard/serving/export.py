@@ -2,12 +2,14 @@
 torch and fbgemm_gpu alone (``import fbgemm_gpu`` registers the lookup ops):
 
     model.pt2       the exported program: (dense, ids, lengths) -> logits
-    serving.json    what its inputs are (feature order, dense width), precision, bytes
+    serving.json    what its inputs are (feature order, dense width), precision, bytes,
+                    each dynamic table's id map (live ids, bytes)
 
 The program takes plain tensors, not a KeyedJaggedTensor, so that loading it needs no
 TorchRec: ``dense`` ``[batch, dense_in]`` float32, ``ids`` int64, ``lengths``
-``[features * batch]`` int64, feature by feature in ``serving.json``'s order. The batch
-size and the number of ids are dynamic.
+``[features * batch]`` int64, feature by feature in ``serving.json``'s order (a dynamic
+table's features take raw ids, which the program maps to rows). The batch size and the
+number of ids are dynamic.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class Manifest:
     format: int = FORMAT
     # A sharded artifact's ``world_size`` and ``plan`` (YAML form); None: one host.
     sharded: dict[str, Any] | None = None
+    # Each dynamic table's served id map: ``live`` ids, the map's ``bytes``.
+    id_maps: dict[str, dict[str, int]] | None = None
 
     def write(self, out: str | Path) -> None:
         (Path(out) / MANIFEST).write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -95,8 +99,10 @@ def export_model(
     wrapped = TensorInputs(model, ebc.features).eval()
     batch = torch.export.Dim("batch", min=1)
     # Size-oblivious tracing: else the batch size derived from ``lengths`` is assumed to
-    # be above 1 and the program refuses a batch of one sample.
-    with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+    # be above 1 and the program refuses a batch of one sample. Without gradients: a
+    # forward that turns them off itself (TorchRec's MCH remap) then records no switch,
+    # which the saved program could not be loaded with.
+    with torch.fx.experimental._config.patch(backed_size_oblivious=True), torch.no_grad():
         program = torch.export.export(
             wrapped,
             example_inputs(len(ebc.features), dense_in),
@@ -116,6 +122,10 @@ def export_model(
         table_bytes=ebc.table_bytes(),
         float32_bytes=float32_bytes(ebc.embedding_bag_configs()),
         extra=dict(extra or {}),
+        id_maps={
+            name: {"live": m.live, "bytes": m.map_bytes()} for name, m in ebc.lookup.id_maps.items()
+        }
+        or None,
     )
     manifest.write(out)
     return manifest

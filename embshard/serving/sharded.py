@@ -5,7 +5,9 @@ rank's shards quantized into FBGEMM's inference TBE where the training TBE was.
 A column block is quantized on its own (its own row scales and biases), as TorchRec's
 sharded quantized column-wise tables are; a row block's rows quantize as the whole
 table's do. Ids are checked on the rank that sends them and a bad one is named on every
-rank, as in training.
+rank, as in training. Dynamic and managed-collision tables keep their maps (id maps,
+MCH modules), split by bucket range or row block as in training, and look ids up as a
+trained module in eval mode does.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from embshard.modules.shard_model import shard_model
 from embshard.plan.specs import ShardedTable, ShardingPlan, TableShard, local_shards
 from embshard.serving.precision import Precision
 from embshard.serving.tables import PackedRows, QuantizedRows
+from embshard.storage.id_map import IdMapSpec
 from embshard.storage.optimizers import SGD
 
 # Sharding for serving builds each rank's float shards first (then quantized): SGD keeps
@@ -76,7 +79,15 @@ class ServedShards(nn.Module):
         sharded.replace_lookup(build)
         if given is not None and next(given, None) is not None:
             raise ConfigError(f"rank {sharded.rank}: more quantized shards than the plan puts here")
-        self.requires_grad_(False)
+        self.requires_grad_(False).eval()
+
+    def train(self, mode: bool = True) -> ServedShards:
+        """Serving never learns: the sharded collection stays in eval mode whatever
+        ``mode``, so a dynamic or managed-collision table's ids are only looked up
+        (no admission, eviction or profiling)."""
+        super().train(mode)
+        self.sharded.eval()
+        return self
 
     def table_bytes(self) -> int:
         """Bytes this rank's quantized rows take (scale, bias, alignment included)."""
@@ -142,19 +153,27 @@ def shard_quantized(
     *,
     mesh: DeviceMesh | None = None,
     checkpoint_path: str | Path | None = None,
+    dynamic: Mapping[str, IdMapSpec] | None = None,
 ) -> nn.Module:
     """``model`` (a TorchRec EmbeddingBagCollection or EmbeddingCollection, or a model
     holding them) sharded by ``plan`` for serving, its tables quantized to
     ``precision`` on each rank. Weights come from ``model`` itself, or, where given,
     from the embshard checkpoint ``checkpoint_path`` (a model's: any world size and
     plan, resharded as it loads; then ``model``'s tables may be on ``meta``).
+    ``dynamic`` names the dynamic tables with their specs, as ``shard``'s: their id
+    maps come from the checkpoint (without one they hold no id: every id misses).
     Collective; ``torch.distributed`` must be initialized."""
     precision = Precision.parse(precision)
     if isinstance(model, EmbeddingBagCollection | EmbeddingCollection):
-        sharded: nn.Module = shard(model, plan, mesh=mesh, optimizer=NO_OPTIMIZER)
+        sharded: nn.Module = shard(model, plan, mesh=mesh, optimizer=NO_OPTIMIZER, dynamic=dynamic)
     else:
         sharded = shard_model(
-            model, plan, mesh=mesh, optimizer=NO_OPTIMIZER, data_parallel_wrapper=lambda m: m
+            model,
+            plan,
+            mesh=mesh,
+            optimizer=NO_OPTIMIZER,
+            data_parallel_wrapper=lambda m: m,
+            dynamic=dynamic,
         )
     if checkpoint_path is not None:
         checkpoint.load(checkpoint_path, sharded)

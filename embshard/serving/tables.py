@@ -27,7 +27,9 @@ from torch import nn
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from embshard.errors import CheckpointError, InputError
+from embshard.errors import CheckpointError, ConfigError, InputError
+from embshard.runtime.keys import KEY_LIMIT
+from embshard.serving.id_maps import ServedIdMap
 from embshard.serving.precision import Precision
 
 # The lookup op's integer arguments, as the TBE computed them for its layout.
@@ -125,7 +127,12 @@ class QuantizedRows(nn.Module):
 class QuantizedTables(nn.Module):
     """Whole ``tables`` (TorchRec configs, ``weights`` by table name) quantized, one
     lookup per feature, in table order: the one-host collections' lookup, which takes a
-    batch's lengths and checks its ids."""
+    batch's lengths and checks its ids.
+
+    A table in ``id_maps`` (by name) is dynamic: its features take raw ids, which its
+    map turns into rows; an id without a row is looked up in a row of zeros after the
+    table's own (so it adds nothing to its bag, and a sequence table gives it zeros), as
+    a trained dynamic table in eval mode does."""
 
     def __init__(
         self,
@@ -134,11 +141,17 @@ class QuantizedTables(nn.Module):
         precision: Precision,
         device: torch.device,
         pooling: PoolingMode,
+        id_maps: Mapping[str, ServedIdMap] | None = None,
     ) -> None:
         super().__init__()
         _check_tables(tables, weights)
+        id_maps = dict(id_maps or {})
+        _check_maps(tables, id_maps)
         self.quantized = QuantizedRows(
-            [PackedRows.of(t.name, weights[t.name], precision) for t in tables],
+            [
+                PackedRows.of(t.name, _with_miss_row(weights[t.name], t.name in id_maps), precision)
+                for t in tables
+            ],
             [i for i, t in enumerate(tables) for _ in t.feature_names],
             precision,
             device,
@@ -146,8 +159,22 @@ class QuantizedTables(nn.Module):
         )
         self.features = [f for t in tables for f in t.feature_names]
         self._table_of = {f: t for t in tables for f in t.feature_names}
-        rows = [self._table_of[f].num_embeddings for f in self.features]
+        configs = [self._table_of[f] for f in self.features]
+        rows = [t.num_embeddings + (t.name in id_maps) for t in configs]
         self.register_buffer("rows", torch.tensor(rows, device=device), persistent=False)
+        # The highest id a feature takes: its table's last row, any raw id if dynamic.
+        highest = [KEY_LIMIT - 1 if t.name in id_maps else t.num_embeddings - 1 for t in configs]
+        self.register_buffer("highest", torch.tensor(highest, device=device), persistent=False)
+        self.id_maps = nn.ModuleDict({n: m.to(device) for n, m in id_maps.items()})
+        # Each dynamic table's features, a range of feature positions, and its miss row.
+        starts = {}
+        for at, f in enumerate(self.features):
+            starts.setdefault(self._table_of[f].name, at)
+        self._dynamic = [
+            (t.name, starts[t.name], starts[t.name] + len(t.feature_names), t.num_embeddings)
+            for t in tables
+            if t.name in id_maps
+        ]
 
     def forward(
         self,
@@ -158,13 +185,30 @@ class QuantizedTables(nn.Module):
         """The rows of a batch laid out feature by feature (``lengths`` is ``[features *
         batch]``) in float32: pooled ``[batch, sum of dims]``, or one row per id. Ids
         are checked: a one-line error names the first bad one, and an exported program
-        runs FBGEMM's own check (which names none)."""
+        runs FBGEMM's own check (which names none) on the rows ids are mapped to."""
         offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
+        if not torch.compiler.is_compiling():
+            self.check(ids, lengths)
+        ids = self._remapped(ids, lengths)
         if torch.compiler.is_compiling():
             self._bounds_check(ids, offsets)
-        else:
-            self.check(ids, lengths)
         return self.quantized(ids, offsets, per_sample_weights)
+
+    def _remapped(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """``ids`` with each dynamic feature's raw ids replaced by their rows (a miss:
+        the table's zero row)."""
+        if not self._dynamic:
+            return ids
+        per_feature = lengths.view(len(self.features), -1).sum(1)
+        position = torch.arange(len(self.features), device=ids.device)
+        feature = torch.repeat_interleave(position, per_feature, output_size=ids.numel())
+        for name, first, last, miss in self._dynamic:
+            mine = (feature >= first) & (feature < last)
+            # The other features' ids searched as one id (-1, no key): the same path,
+            # in cache, each time; a search of every id costs several times more.
+            rows = self.id_maps[name](torch.where(mine, ids, -1))
+            ids = torch.where(mine, torch.where(rows >= 0, rows, miss), ids)
+        return ids
 
     def table_bytes(self) -> int:
         return self.quantized.table_bytes()
@@ -180,15 +224,17 @@ class QuantizedTables(nn.Module):
                 f"{ids.numel()} ids in {count} features of equal batch"
             )
         per_feature = lengths.view(count, -1).sum(1)
-        limit = torch.repeat_interleave(self.rows, per_feature, output_size=ids.numel())
-        bad = (ids < 0) | (ids >= limit)
+        highest = torch.repeat_interleave(self.highest, per_feature, output_size=ids.numel())
+        bad = (ids < 0) | (ids > highest)
         if bool(bad.any()):
             at = int(bad.nonzero()[0])
             name = self.features[int(torch.searchsorted(per_feature.cumsum(0), at, right=True))]
             table = self._table_of[name]
+            where = f"feature {name!r} (table {table.name!r})"
+            if table.name in self.id_maps:
+                raise InputError(f"{where}: raw id {int(ids[at])} is negative")
             raise InputError(
-                f"feature {name!r} (table {table.name!r}): id {int(ids[at])} is out of "
-                f"range [0, {table.num_embeddings})"
+                f"{where}: id {int(ids[at])} is out of range [0, {table.num_embeddings})"
             )
 
     def _bounds_check(self, ids: torch.Tensor, offsets: torch.Tensor) -> None:
@@ -226,6 +272,27 @@ def _check_tables(
                 f"table {t.name!r}: weights of shape {shape}, the model's table is "
                 f"{(t.num_embeddings, t.embedding_dim)}"
             )
+
+
+def _check_maps(tables: Sequence[BaseEmbeddingConfig], id_maps: Mapping[str, ServedIdMap]) -> None:
+    """One-line errors for a map of no table, or rows outside its table."""
+    by_name = {t.name: t for t in tables}
+    for name, served in id_maps.items():
+        if name not in by_name:
+            raise ConfigError(f"an id map for {name!r}, which is no table here ({sorted(by_name)})")
+        top = int(served.rows.max())
+        if top >= by_name[name].num_embeddings:
+            raise CheckpointError(
+                f"table {name!r}: its id map gives row {top}, the table has "
+                f"{by_name[name].num_embeddings}"
+            )
+
+
+def _with_miss_row(weight: torch.Tensor, dynamic: bool) -> torch.Tensor:
+    """A dynamic table's rows and a row of zeros after them: where its misses look up."""
+    if not dynamic:
+        return weight
+    return torch.cat([weight.detach(), weight.new_zeros(1, weight.shape[1])])
 
 
 def _build_tbe(

@@ -18,6 +18,7 @@ block's (``col_offset`` 0): each table counts once.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -318,6 +319,11 @@ class DynamicTables:
             pieces = [gathered[r][f : f + table[r][index]] for r, f in enumerate(firsts)]
             shared.append((torch.cat(pieces), sum(table[r][index] for r in range(me))))
         return shared
+
+    def serve(self) -> None:
+        """Drop the views of the rows and optimizer state: the lookup was replaced by a
+        serving one, which only looks ids up (``remap`` without ``learn``)."""
+        self._shards = [dataclasses.replace(s, weights=None, states=()) for s in self._shards]
 
     def fine(self) -> torch.Tensor:
         """No id of a table with policy ``"none"`` found its bucket full (0-dim bool)."""

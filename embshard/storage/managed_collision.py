@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
@@ -144,7 +144,7 @@ class _Shard:
     shard: TableShard
     module: MCHManagedCollisionModule
     config: BaseEmbeddingConfig
-    weights: torch.Tensor
+    weights: torch.Tensor | None  # None: served, remapped only
     states: tuple[torch.Tensor, ...]
     seed: int
 
@@ -259,6 +259,11 @@ class ManagedTables:
         move ids' rows within and between blocks."""
         shard = next(s for s in self._shards if s.name == name)
         return (shard.weights, *shard.states)
+
+    def serve(self) -> None:
+        """Drop the views of the rows and optimizer state: the lookup was replaced by a
+        serving one, which only remaps ids (``remap`` without ``learn``)."""
+        self._shards = [replace(s, weights=None, states=()) for s in self._shards]
 
     def remap(
         self, indices: torch.Tensor, offsets: torch.Tensor, batch_size: int, learn: bool = True
