@@ -413,6 +413,22 @@ def test_a_sharded_artifact_of_a_dynamic_job_scores_as_the_one_host_one(dynamic_
     torch.testing.assert_close(
         _predict(sharded, "--nproc", "2"), _predict(one_host), rtol=1e-5, atol=1e-5
     )
+    # A grid: each rank holds a row block of each column block, two bucket ranges. A
+    # column block's rows quantize with scales of their own: close, not equal.
+    gridded, grid_plan = dynamic_job["tmp"] / "grid_int8", dynamic_job["tmp"] / "grid.yaml"
+    grid_tables = {
+        "user": {"type": "grid", "column_blocks": 2, "ranks": [[0, 1], [1, 0]]},
+        **{t: {"type": "table_wise", "rank": 1} for t in ("item", "category", "city", "device")},
+    }
+    grid_plan.write_text(yaml.safe_dump({"tables": grid_tables}))
+    exported = CliRunner().invoke(
+        cli,
+        [args[0], args[1], str(gridded), *args[2:], "--world-size", "2", "--plan", str(grid_plan)],
+    )
+    assert exported.exit_code == 0, exported.output
+    torch.testing.assert_close(
+        _predict(gridded, "--nproc", "2"), _predict(one_host), rtol=0, atol=5e-4
+    )
     plan = dynamic_job["tmp"] / "off_buckets.yaml"
     tables = {
         "item": {"type": "row_wise", "sizes": [1000, 1048]},

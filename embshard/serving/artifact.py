@@ -155,16 +155,21 @@ def load_sharded(artifact: str | Path, model: nn.Module) -> nn.Module:
 def _rank_maps(
     dynamic: Mapping[str, tuple[IdMapSpec, Mapping[str, torch.Tensor]]],
     shards: list[tuple[str, TableShard]],
-) -> dict[str, dict[str, torch.Tensor]]:
-    """The id map state of each dynamic shard in ``shards``: its bucket range's rows."""
-    maps = {}
+) -> dict[str, tuple[int, dict[str, torch.Tensor]]]:
+    """The id map state of the dynamic shards in ``shards``, by table: the first bucket
+    of the range covering all of the table's blocks here and that range's rows, what
+    ``DynamicTables.restore`` gives each block its part of."""
+    ranges: dict[str, tuple[int, int]] = {}
     for name, shard in shards:
         if name in dynamic and shard.rows:
-            spec, state = dynamic[name]
-            first, rows = shard.row_offset // spec.rows_per_bucket, shard.rows
-            last = first + rows // spec.rows_per_bucket
-            maps[name] = {k: v[first:last].clone() for k, v in state.items()}
-    return maps
+            rows = dynamic[name][0].rows_per_bucket
+            first, last = shard.row_offset // rows, (shard.row_offset + shard.rows) // rows
+            low, high = ranges.get(name, (first, last))
+            ranges[name] = (min(low, first), max(high, last))
+    return {
+        name: (first, {k: v[first:last].clone() for k, v in dynamic[name][1].items()})
+        for name, (first, last) in ranges.items()
+    }
 
 
 def _layout_bytes(packed: list[PackedRows], precision: Precision) -> int:
