@@ -180,11 +180,17 @@ class _Slots:
     def find(self, ids: torch.Tensor) -> torch.Tensor:
         """The flat slot (``bucket * rows + slot``) of each key ``ids``, -1 where absent:
         a binary search of the index."""
+        return self.search(ids)[0]
+
+    def search(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``find``'s slots, and each key's place in the index (where it is, or would
+        go): what ``write`` would search again."""
+        place = torch.searchsorted(self.index_keys, ids)
         if not len(self.index_keys):
-            return torch.full_like(ids, -1)
-        pos = torch.searchsorted(self.index_keys, ids).clamp_(max=len(self.index_keys) - 1)
+            return torch.full_like(ids, -1), place
+        pos = place.clamp(max=len(self.index_keys) - 1)
         hit = self.index_keys.gather(0, pos) == ids
-        return torch.where(hit, self.index_slots.gather(0, pos), -1)
+        return torch.where(hit, self.index_slots.gather(0, pos), -1), place
 
     def victims(
         self,
@@ -248,16 +254,22 @@ class _Slots:
         return torch.where(rank < free[group], touched[group] * rows + slot, -1)
 
     def write(
-        self, flat: torch.Tensor, keys: torch.Tensor, step: int, hits: torch.Tensor
+        self,
+        flat: torch.Tensor,
+        keys: torch.Tensor,
+        step: int,
+        hits: torch.Tensor,
+        places: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Give the distinct slots ``flat`` to ``keys`` (sorted, none live); returns how
-        many live keys they held (0-d)."""
+        many live keys they held (0-d). ``places``: the keys' places in the index as it
+        is (``search``'s), when known."""
         held = self.occupied.view(-1).gather(0, flat)
         gone = self.keys.view(-1).gather(0, flat)[held]
         self.keys.view(-1).scatter_(0, flat, keys)
         self.occupied.view(-1).scatter_(0, flat, True)
         self.seen(flat, step, hits)
-        self._merge(gone, keys, flat)
+        self._merge(gone, keys, flat, places)
         return held.sum()
 
     def clear(self, flat: torch.Tensor) -> None:
@@ -267,7 +279,13 @@ class _Slots:
         self.packed = self.packed and not len(flat)
         self._merge(gone, gone[:0], flat[:0])
 
-    def _merge(self, gone: torch.Tensor, keys: torch.Tensor, flat: torch.Tensor) -> None:
+    def _merge(
+        self,
+        gone: torch.Tensor,
+        keys: torch.Tensor,
+        flat: torch.Tensor,
+        places: torch.Tensor | None = None,
+    ) -> None:
         """The index without the keys ``gone`` and with ``keys`` (sorted) at ``flat``:
         every entry's new place from one cumulative count, then scatters (linear in
         the live keys, where a sort is not)."""
@@ -276,7 +294,7 @@ class _Slots:
         old, device = self.index_keys, self.index_keys.device
         size = len(old) - len(gone) + len(keys)
         removed = torch.searchsorted(old, gone).sort()[0]
-        inserted = torch.searchsorted(old, keys)
+        inserted = torch.searchsorted(old, keys) if places is None else places
         # Entry j moves up by the keys inserted at or before it and down by the entries
         # removed before it; a new key lands after the kept entries below it and the
         # new keys before it. Removed entries go to a spare last place, then cut.
@@ -389,7 +407,7 @@ class IdMap:
         uniq, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
         slots = self.slots
 
-        found = slots.find(uniq)
+        found, places = slots.search(uniq)
         live = found >= 0
         new, total, waiting = ~live, counts, None
         if self.probation is not None:
@@ -417,7 +435,7 @@ class IdMap:
             by_hits = self.spec.policy == "lfu"
             taken.scatter_(0, due, self._take(slots, by_bucket, seen, evictable, by_hits, *took))
         got = due[taken[due] >= 0]
-        evicted = slots.write(taken[got], uniq[got], step, total[got])
+        evicted = slots.write(taken[got], uniq[got], step, total[got], places[got])
 
         if self.probation is not None and waiting is not None:
             self._wait(uniq, total, waiting, taken >= 0, new, step)
