@@ -68,10 +68,12 @@ def hash_ids(raw_ids: torch.Tensor) -> torch.Tensor:
     (no two ids share a key), and contiguous ranges of keys are the buckets, so ranks
     owning ranges of buckets route keys as they route rows. Negative raw ids have no
     key; the caller refuses them."""
-    z = (raw_ids + (_GAMMA & _MASK63)) & _MASK63
-    z = ((z ^ (z >> 30)) * (_MUL1 & _MASK63)) & _MASK63
-    z = ((z ^ (z >> 27)) * (_MUL2 & _MASK63)) & _MASK63
-    return z ^ (z >> 31)
+    # In place after the first add: no fresh buffer a pass (z stays non-negative, so
+    # torch's arithmetic shifts are logical ones).
+    z = raw_ids.add(_GAMMA & _MASK63).bitwise_and_(_MASK63)
+    z.bitwise_xor_(z >> 30).mul_(_MUL1 & _MASK63).bitwise_and_(_MASK63)
+    z.bitwise_xor_(z >> 27).mul_(_MUL2 & _MASK63).bitwise_and_(_MASK63)
+    return z.bitwise_xor_(z >> 31)
 
 
 def bucket_width(buckets: int) -> int:
