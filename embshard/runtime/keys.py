@@ -29,9 +29,9 @@ _MUL1 = _signed(0xBF58476D1CE4E5B9)
 _MUL2 = _signed(0x94D049BB133111EB)
 
 
-# Values initial_rows works on at a time (a few thousand rows): the dozen passes over
-# its int64 temporaries stay in cache.
-_CHUNK = 1 << 18
+# Values initial_rows works on at a time (a thousand rows of 64): the dozen passes over
+# its two int64 temporaries stay in a core's cache.
+_CHUNK = 1 << 16
 
 
 def _shr(x: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -68,10 +68,12 @@ def hash_ids(raw_ids: torch.Tensor) -> torch.Tensor:
     (no two ids share a key), and contiguous ranges of keys are the buckets, so ranks
     owning ranges of buckets route keys as they route rows. Negative raw ids have no
     key; the caller refuses them."""
-    z = (raw_ids + (_GAMMA & _MASK63)) & _MASK63
-    z = ((z ^ (z >> 30)) * (_MUL1 & _MASK63)) & _MASK63
-    z = ((z ^ (z >> 27)) * (_MUL2 & _MASK63)) & _MASK63
-    return z ^ (z >> 31)
+    # In place after the first add: no fresh buffer a pass (z stays non-negative, so
+    # torch's arithmetic shifts are logical ones).
+    z = raw_ids.add(_GAMMA & _MASK63).bitwise_and_(_MASK63)
+    z.bitwise_xor_(z >> 30).mul_(_MUL1 & _MASK63).bitwise_and_(_MASK63)
+    z.bitwise_xor_(z >> 27).mul_(_MUL2 & _MASK63).bitwise_and_(_MASK63)
+    return z.bitwise_xor_(z >> 31)
 
 
 def bucket_width(buckets: int) -> int:
@@ -107,13 +109,15 @@ def initial_rows(
     start = mix64(keys.to(torch.int64) ^ _table_key(seed, table)).add_(_GAMMA)
     columns = torch.arange(dim, dtype=torch.int64, device=keys.device)
     rows = torch.empty(len(keys), dim, dtype=torch.float32, device=keys.device)
+    # 24 bits, exact in [0, 1): scaling by 2**-24 rounds nothing, so folding it into
+    # (high - low) gives the same float64 values. A float64 0-d tensor makes the
+    # multiply convert the int64 bits and compute in float64 in one pass; the add
+    # computes in float64 and rounds once to the float32 rows.
+    scale = torch.tensor(2.0**-24 * (high - low), dtype=torch.float64, device=keys.device)
     step = max(1, _CHUNK // max(dim, 1))
     for first in range(0, len(keys), step):
         bits = start[first : first + step, None] + columns
         spare = torch.empty_like(bits)
         _scramble(bits, spare)
-        # 24 bits, exact in [0, 1): scaling by 2**-24 rounds nothing, so folding it
-        # into (high - low) gives the same float64 values.
-        unit = _shr(bits, 40, spare).to(torch.float64)
-        rows[first : first + step] = unit.mul_(2.0**-24 * (high - low)).add_(low)
+        torch.add(_shr(bits, 40, spare).mul(scale), low, out=rows[first : first + step])
     return rows

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,19 @@ def id_tags(
     lengths = offsets[1:] - offsets[:-1]
     bag_tags = slot_tags.repeat_interleave(batch_size)
     return bag_tags.repeat_interleave(lengths, output_size=count)
+
+
+def _cut(ids: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """The ids in ``ranges`` (in order): a view of one range."""
+    if len(ranges) == 1:
+        return ids[ranges[0][0] : ranges[0][1]]
+    return torch.cat([ids[start:end] for start, end in ranges])
+
+
+def _paste(ids: torch.Tensor, ranges: list[tuple[int, int]], values: torch.Tensor) -> None:
+    """Write ``values`` over the ids in ``ranges`` (``_cut``'s order)."""
+    for (start, end), part in zip(ranges, values.split([end - start for start, end in ranges])):
+        ids[start:end] = part
 
 
 @dataclass(frozen=True)
@@ -163,7 +177,7 @@ class _Shard:
     map gives the table's counts and is saved (the other blocks' maps equal it)."""
 
     stat: int
-    tag: int  # its slots' tag in DynamicTables' per-id tags
+    tag: int  # its slots' tag in DynamicTables' _slot_tags
     name: str
     spec: IdMapSpec
     idmap: IdMap
@@ -263,29 +277,49 @@ class DynamicTables:
             self.step += 1
         if not self._shards:
             return indices, offsets, weights
-        tags = id_tags(self._slot_tags, offsets, batch_size, indices.numel())
-        selected = [(shard, (tags == shard.tag).nonzero()[:, 0]) for shard in self._shards]
+        # A slot's ids are one range: slices, from one host read of the slots' bounds.
+        slots = len(self._slot_tags)
+        bounds = offsets[::batch_size].tolist() if batch_size else [0] * (slots + 1)
+        selected = [
+            (shard, [(bounds[s], bounds[s + 1]) for s in mine])
+            for shard, mine in zip(self._shards, self._shard_slots)
+        ]
         if learn:
             self._learn(indices, selected, step)
         else:
-            for shard, mine in selected:
-                self.keys_remapped += len(mine)
-                indices[mine] = shard.idmap.lookup(indices[mine])
+            for shard, ranges in selected:
+                keys = _cut(indices, ranges)
+                self.keys_remapped += len(keys)
+                _paste(indices, ranges, shard.idmap.lookup(keys))
         kept = indices >= 0
-        before = torch.cat([kept.new_zeros(1, dtype=torch.int64), torch.cumsum(kept, 0)])
-        offsets = before[offsets]
-        return indices[kept], offsets, None if weights is None else weights[kept]
+        # FBGEMM's cumulative sum: torch's costs several times more on CPU.
+        offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(kept.long())[offsets]
+        return (
+            indices.masked_select(kept),
+            offsets,
+            None if weights is None else weights.masked_select(kept),
+        )
+
+    @cached_property
+    def _shard_slots(self) -> list[list[int]]:
+        """Each dynamic shard's slots of the lookup, from their tags (read once)."""
+        tags = self._slot_tags.tolist()
+        return [[s for s, tag in enumerate(tags) if tag == shard.tag] for shard in self._shards]
 
     def _learn(
-        self, indices: torch.Tensor, selected: list[tuple[_Shard, torch.Tensor]], step: int
+        self,
+        indices: torch.Tensor,
+        selected: list[tuple[_Shard, list[tuple[int, int]]]],
+        step: int,
     ) -> None:
-        """Remap each shard's keys (at ``indices[mine]``) at ``step``, admitting and
-        evicting, with its copies' keys on a 2-D mesh; count what the maps did."""
-        shared = self._with_replicas([indices[mine] for _, mine in selected])
-        for (shard, mine), (keys, start) in zip(selected, shared):
+        """Remap each shard's keys (the ``indices`` of its ranges) at ``step``, admitting
+        and evicting, with its copies' keys on a 2-D mesh; count what the maps did."""
+        shared = self._with_replicas([_cut(indices, ranges) for _, ranges in selected])
+        for (shard, ranges), (keys, start) in zip(selected, shared):
             self.keys_remapped += len(keys)
             result = shard.idmap.remap(keys, step)
-            indices[mine] = result.rows[start : start + len(mine)]
+            mine = sum(last - first for first, last in ranges)
+            _paste(indices, ranges, result.rows[start : start + mine])
             shard.admit(result)
             if not shard.counted:  # the table's first column block counts it
                 continue

@@ -104,6 +104,30 @@ class RemapResult:
     overflow: torch.Tensor
 
 
+@dataclass(frozen=True)
+class _Due:
+    """Keys due a slot (sorted) by bucket: the buckets they touch (local, distinct, in
+    order), each key's bucket among them (``group``) and rank in it, each bucket's
+    count of keys, and its live slots (``live``; None where the slots are not
+    ``packed``, when its next empty slot is not known from it)."""
+
+    touched: torch.Tensor
+    group: torch.Tensor
+    rank: torch.Tensor
+    counts: torch.Tensor
+    live: torch.Tensor | None
+
+    def read(self, rows: int) -> list[torch.Tensor]:
+        """What ``IdMap`` reads on the host before taking slots: the most keys a bucket
+        has, and whether every bucket has room for its keys (rows of ``rows`` slots)."""
+        roomy = (
+            self.counts.new_zeros((), dtype=torch.bool)
+            if self.live is None
+            else (self.live + self.counts <= rows).all()
+        )
+        return [self.counts.max(), roomy]
+
+
 class _Slots:
     """A table of ``(buckets, rows_per_bucket)`` slots: key, occupied, last step seen and
     sightings. Used for the map and for the probation of keys not admitted yet.
@@ -112,7 +136,11 @@ class _Slots:
     with each one's flat slot (``index_slots``), so a key is found by a binary search
     instead of a sort of the slots at every call. ``write`` and ``clear`` keep it up to
     date by a merge, without a sort; whatever changes the slots otherwise calls
-    ``reindex`` (a load)."""
+    ``reindex`` (a load).
+
+    ``packed``: every bucket's live slots are its first ones. New keys take empty slots
+    in slot order, so only ``clear`` undoes it (and a load of such slots); while it
+    holds, a bucket with room for its new keys gives them its next slots, unranked."""
 
     dtypes = (
         ("keys", torch.int64),
@@ -128,6 +156,7 @@ class _Slots:
     index_keys: torch.Tensor
     index_slots: torch.Tensor
     newest: int  # no step seen is later: victims may pack it with a slot
+    packed: bool
 
     def __init__(self, buckets: int, rows: int, device: torch.device) -> None:
         for name, dtype in self.dtypes:
@@ -139,8 +168,11 @@ class _Slots:
         return sum(dtype.itemsize for _, dtype in cls.dtypes)
 
     def reindex(self) -> None:
-        """Rebuild the index of live keys from the slots (one host sync: ``.item()``)."""
-        self.newest = int(self.last_seen.max().item())
+        """Rebuild the index of live keys from the slots (one host sync)."""
+        occupied = self.occupied
+        packed = (occupied[:, 1:] <= occupied[:, :-1]).all()
+        self.newest, packed = _host(self.last_seen.max(), packed)
+        self.packed = bool(packed)
         flat = self.occupied.view(-1).nonzero()[:, 0]
         self.index_keys, order = torch.sort(self.keys.view(-1)[flat])
         self.index_slots = flat[order]
@@ -148,11 +180,17 @@ class _Slots:
     def find(self, ids: torch.Tensor) -> torch.Tensor:
         """The flat slot (``bucket * rows + slot``) of each key ``ids``, -1 where absent:
         a binary search of the index."""
+        return self.search(ids)[0]
+
+    def search(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``find``'s slots, and each key's place in the index (where it is, or would
+        go): what ``write`` would search again."""
+        place = torch.searchsorted(self.index_keys, ids)
         if not len(self.index_keys):
-            return torch.full_like(ids, -1)
-        pos = torch.searchsorted(self.index_keys, ids).clamp_(max=len(self.index_keys) - 1)
+            return torch.full_like(ids, -1), place
+        pos = place.clamp(max=len(self.index_keys) - 1)
         hit = self.index_keys.gather(0, pos) == ids
-        return torch.where(hit, self.index_slots.gather(0, pos), -1)
+        return torch.where(hit, self.index_slots.gather(0, pos), -1), place
 
     def victims(
         self,
@@ -197,41 +235,57 @@ class _Slots:
 
     def take(
         self,
-        touched: torch.Tensor,
+        due: _Due,
         evictable: Callable[[torch.Tensor], torch.Tensor],
         by_hits: bool,
-        group: torch.Tensor,
-        rank: torch.Tensor,
         most: int,
+        roomy: bool,
     ) -> torch.Tensor:
-        """The flat slot each new key takes (-1: none left): the ``rank``-th new key of
-        bucket ``touched[group]`` takes that bucket's ``rank``-th victim; no bucket has
-        over ``most`` new keys."""
+        """The flat slot each new key of ``due`` takes (-1: none left): the r-th new key
+        of a bucket takes that bucket's r-th victim; no bucket has over ``most`` new
+        keys. ``roomy``: the slots are ``packed`` and every bucket has room for its
+        new keys, so its victims are its next empty slots, as ``victims`` would rank."""
+        touched, group, rank, rows = due.touched, due.group, due.rank, self.keys.shape[1]
+        if roomy:
+            assert due.live is not None
+            return (touched * rows + due.live)[group].add_(rank)
         order, free = self.victims(touched, evictable, by_hits, most)
         slot = order.reshape(-1).gather(0, group * most + rank.clamp(max=most - 1))
-        rows = self.keys.shape[1]
         return torch.where(rank < free[group], touched[group] * rows + slot, -1)
 
     def write(
-        self, flat: torch.Tensor, keys: torch.Tensor, step: int, hits: torch.Tensor
+        self,
+        flat: torch.Tensor,
+        keys: torch.Tensor,
+        step: int,
+        hits: torch.Tensor,
+        places: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Give the distinct slots ``flat`` to ``keys`` (sorted, none live); returns how
-        many live keys they held (0-d)."""
+        many live keys they held (0-d). ``places``: the keys' places in the index as it
+        is (``search``'s), when known."""
         held = self.occupied.view(-1).gather(0, flat)
         gone = self.keys.view(-1).gather(0, flat)[held]
         self.keys.view(-1).scatter_(0, flat, keys)
         self.occupied.view(-1).scatter_(0, flat, True)
         self.seen(flat, step, hits)
-        self._merge(gone, keys, flat)
+        self._merge(gone, keys, flat, places)
         return held.sum()
 
     def clear(self, flat: torch.Tensor) -> None:
         """Empty the live slots ``flat``."""
         gone = self.keys.view(-1).gather(0, flat)
         self.occupied.view(-1).scatter_(0, flat, False)
+        self.packed = self.packed and not len(flat)
         self._merge(gone, gone[:0], flat[:0])
 
-    def _merge(self, gone: torch.Tensor, keys: torch.Tensor, flat: torch.Tensor) -> None:
+    def _merge(
+        self,
+        gone: torch.Tensor,
+        keys: torch.Tensor,
+        flat: torch.Tensor,
+        places: torch.Tensor | None = None,
+    ) -> None:
         """The index without the keys ``gone`` and with ``keys`` (sorted) at ``flat``:
         every entry's new place from one cumulative count, then scatters (linear in
         the live keys, where a sort is not)."""
@@ -240,7 +294,7 @@ class _Slots:
         old, device = self.index_keys, self.index_keys.device
         size = len(old) - len(gone) + len(keys)
         removed = torch.searchsorted(old, gone).sort()[0]
-        inserted = torch.searchsorted(old, keys)
+        inserted = torch.searchsorted(old, keys) if places is None else places
         # Entry j moves up by the keys inserted at or before it and down by the entries
         # removed before it; a new key lands after the kept entries below it and the
         # new keys before it. Removed entries go to a spare last place, then cut.
@@ -294,9 +348,10 @@ class IdMap:
             else None
         )
 
-    def _check(self, keys: torch.Tensor, step: int) -> None:
-        """Raises on bad input (one host sync: ``.item()``)."""
-        where = f"IdMap of buckets [{self.first}, {self.last})"
+    def _check(self, keys: torch.Tensor, step: int) -> torch.Tensor:
+        """Raises on a bad type, device or step; the mask of the keys outside the map's
+        buckets, which ``_refuse`` raises on once read (no host sync)."""
+        where = self._where()
         if not isinstance(keys, torch.Tensor) or keys.dtype != torch.int64 or keys.dim() != 1:
             got = (
                 f"{keys.dtype} of {keys.dim()} dims"
@@ -311,19 +366,27 @@ class IdMap:
             raise InputError(f"{where}: step must be an int in [{lowest}, 2**61), got {step!r}")
         width = bucket_width(self.spec.buckets)
         highest = min(self.last * width, KEY_LIMIT) - 1
-        outside = (keys < self.first * width) | (keys > highest)
-        if outside.any().item():
-            bad = keys[outside]
-            raise InputError(
-                f"{where}: {len(bad)} keys are outside its buckets, e.g. key {bad[0].item()} "
-                f"(bucket {bucket_of(bad[:1], self.spec.buckets).item()})"
-            )
+        return (keys < self.first * width) | (keys > highest)
+
+    def _where(self) -> str:
+        return f"IdMap of buckets [{self.first}, {self.last})"
+
+    def _refuse(self, keys: torch.Tensor, outside: torch.Tensor) -> None:
+        """Raise on the keys ``outside`` the map's buckets (``_check``'s mask, some
+        true)."""
+        bad = keys[outside]
+        raise InputError(
+            f"{self._where()}: {len(bad)} keys are outside its buckets, e.g. key "
+            f"{bad[0].item()} (bucket {bucket_of(bad[:1], self.spec.buckets).item()})"
+        )
 
     def lookup(self, keys: torch.Tensor) -> torch.Tensor:
         """Each key's local row, -1 for a key without one, changing nothing (no
         sighting, admission or eviction): what a forward that must not learn reads
         (evaluation, as TorchRec's managed-collision modules outside training)."""
-        self._check(keys, self.step or 0)
+        outside = self._check(keys, self.step or 0)
+        if outside.any().item():
+            self._refuse(keys, outside)
         return self.slots.find(keys)
 
     def remap(self, keys: torch.Tensor, step: int) -> RemapResult:
@@ -335,20 +398,17 @@ class IdMap:
         (k sightings, probation included) take their bucket's victims in key order; live
         keys seen in this call are never victims. Keys due a row that find no victim get -1
         and count as ``overflow``; they wait in probation if there is one."""
-        self._check(keys, step)
-        self.step = step
+        outside = self._check(keys, step)
         empty = keys.new_empty(0)
         if len(keys) == 0:
+            self.step = step
             zero = torch.zeros((), dtype=torch.int64, device=self.device)
             return RemapResult(empty, empty, empty, zero, zero)
         uniq, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
         slots = self.slots
 
-        found = slots.find(uniq)
+        found, places = slots.search(uniq)
         live = found >= 0
-        seen = found[live]
-        slots.seen(seen, step, slots.hits.view(-1)[seen] + counts[live])
-
         new, total, waiting = ~live, counts, None
         if self.probation is not None:
             waiting = self.probation.find(uniq)
@@ -356,15 +416,26 @@ class IdMap:
                 waiting >= 0, self.probation.hits.view(-1)[waiting.clamp(min=0)], 0
             )
         due = (new & (total >= self.spec.admit_after)).nonzero()[:, 0]
+        by_bucket = self._due(slots, uniq[due])
+        # The call's one host read (before anything changes): a key outside the map,
+        # and what taking slots needs.
+        rows = self.spec.rows_per_bucket
+        refused, *took = _host(outside.any(), *(by_bucket.read(rows) if len(due) else []))
+        if refused:
+            self._refuse(keys, outside)
+        self.step = step
+        seen = found[live]
+        slots.seen(seen, step, slots.hits.view(-1)[seen] + counts[live])
 
         def evictable(seen_now: torch.Tensor, last_seen: torch.Tensor) -> torch.Tensor:
             return self.spec.evictable(seen_now, last_seen, step)
 
-        taken = torch.full_like(uniq, -1).scatter_(
-            0, due, self._take(slots, uniq[due], seen, evictable, self.spec.policy == "lfu")
-        )
+        taken = torch.full_like(uniq, -1)
+        if len(due):
+            by_hits = self.spec.policy == "lfu"
+            taken.scatter_(0, due, self._take(slots, by_bucket, seen, evictable, by_hits, *took))
         got = due[taken[due] >= 0]
-        evicted = slots.write(taken[got], uniq[got], step, total[got])
+        evicted = slots.write(taken[got], uniq[got], step, total[got], places[got])
 
         if self.probation is not None and waiting is not None:
             self._wait(uniq, total, waiting, taken >= 0, new, step)
@@ -377,30 +448,42 @@ class IdMap:
             overflow=(taken[due] < 0).sum(),
         )
 
-    def _take(
-        self,
-        slots: _Slots,
-        keys: torch.Tensor,
-        seen: torch.Tensor,
-        evictable: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        by_hits: bool,
-    ) -> torch.Tensor:
-        """The flat slot of ``slots`` each key of ``keys`` (sorted, none there) takes, -1
-        where none is left: a bucket's r-th key takes its r-th victim. Only the buckets
-        of ``keys`` are ranked; ``seen``: the slots seen in this call, which
-        ``evictable(seen_now, last_seen)`` reads as masks of those buckets' slots."""
-        if not len(keys):
-            return keys
+    def _due(self, slots: _Slots, keys: torch.Tensor) -> _Due:
+        """``keys`` (sorted, none in ``slots``) by bucket (no host sync)."""
         touched, group, counts = torch.unique_consecutive(
             bucket_of(keys, self.spec.buckets) - self.first,
             return_inverse=True,
             return_counts=True,
         )
         rank = torch.arange(len(keys), device=keys.device) - (counts.cumsum(0) - counts)[group]
-        seen_now = _marked(touched, self.spec.rows_per_bucket, seen)
-        most = min(self.spec.rows_per_bucket, int(counts.max().item()))
+        live = None
+        if slots.packed:  # clamped: keys outside the map are refused before use
+            live = _of(slots.occupied, touched.clamp(0, len(slots.occupied) - 1)).sum(1)
+        return _Due(touched, group, rank, counts, live)
+
+    def _take(
+        self,
+        slots: _Slots,
+        due: _Due,
+        seen: torch.Tensor,
+        evictable: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        by_hits: bool,
+        most: int,
+        roomy: int,
+    ) -> torch.Tensor:
+        """The flat slot of ``slots`` each key of ``due`` (at least one) takes, -1 where
+        none is left: a bucket's r-th key takes its r-th victim. Only the buckets of
+        ``due`` are ranked (none where it is ``roomy``); ``most``, ``roomy``: its
+        ``read``, on the host; ``seen``: the slots seen in this call, which
+        ``evictable(seen_now, last_seen)`` reads as masks of those buckets' slots."""
+        rows = self.spec.rows_per_bucket
+        seen_now = None if roomy else _marked(due.touched, rows, seen)
         return slots.take(
-            touched, lambda last_seen: evictable(seen_now, last_seen), by_hits, group, rank, most
+            due,
+            lambda last_seen: evictable(seen_now, last_seen),
+            by_hits,
+            min(rows, most),
+            bool(roomy),
         )
 
     def _wait(
@@ -421,7 +504,11 @@ class IdMap:
         seen = waiting[stay]
         probation.seen(seen, step, total[stay])
         enter = (wait & ~known).nonzero()[:, 0]
-        taken = self._take(probation, uniq[enter], seen, lambda seen_now, _: ~seen_now, False)
+        if not len(enter):
+            return
+        due = self._due(probation, uniq[enter])
+        took = _host(*due.read(self.spec.rows_per_bucket))
+        taken = self._take(probation, due, seen, lambda seen_now, _: ~seen_now, False, *took)
         ok = taken >= 0
         probation.write(taken[ok], uniq[enter][ok], step, total[enter][ok])
 
@@ -454,6 +541,11 @@ class IdMap:
         self.slots.reindex()
         if self.probation is not None:
             self.probation.reindex()
+
+
+def _host(*values: torch.Tensor) -> list[int]:
+    """The 0-d ``values`` on the host, read at once: one host sync."""
+    return torch.stack([v.to(torch.int64) for v in values]).tolist()
 
 
 def _of(table: torch.Tensor, touched: torch.Tensor) -> torch.Tensor:
