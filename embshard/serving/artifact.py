@@ -41,7 +41,7 @@ from embshard.serving.sharded import (
     served_shards,
 )
 from embshard.serving.tables import PackedRows, QuantizedRows
-from embshard.storage.dynamic import check_dynamic
+from embshard.storage.dynamic import check_dynamic, map_ranges
 from embshard.storage.id_map import IdMapSpec
 
 SHARDS = "shards"
@@ -159,13 +159,7 @@ def _rank_maps(
     """The id map state of the dynamic shards in ``shards``, by table: the first bucket
     of the range covering all of the table's blocks here and that range's rows, what
     ``DynamicTables.restore`` gives each block its part of."""
-    ranges: dict[str, tuple[int, int]] = {}
-    for name, shard in shards:
-        if name in dynamic and shard.rows:
-            rows = dynamic[name][0].rows_per_bucket
-            first, last = shard.row_offset // rows, (shard.row_offset + shard.rows) // rows
-            low, high = ranges.get(name, (first, last))
-            ranges[name] = (min(low, first), max(high, last))
+    ranges = map_ranges(shards, {name: spec for name, (spec, _) in dynamic.items()})
     return {
         name: (first, {k: v[first:last].clone() for k, v in dynamic[name][1].items()})
         for name, (first, last) in ranges.items()

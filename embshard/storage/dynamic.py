@@ -169,6 +169,27 @@ def _problem(
     return None
 
 
+def bucket_range(spec: IdMapSpec, shard: TableShard) -> tuple[int, int]:
+    """The buckets ``[first, last)`` of a dynamic table's row block ``shard``."""
+    rows = spec.rows_per_bucket
+    return shard.row_offset // rows, (shard.row_offset + shard.rows) // rows
+
+
+def map_ranges(
+    shards: Sequence[tuple[str, TableShard]], specs: Mapping[str, IdMapSpec]
+) -> dict[str, tuple[int, int]]:
+    """Per dynamic table of ``specs`` among a rank's ``shards``, the buckets ``[first,
+    last)`` covering all its row and column blocks there: the one range of its maps a
+    rank saves in an artifact and loads from a checkpoint."""
+    ranges: dict[str, tuple[int, int]] = {}
+    for name, shard in shards:
+        if name in specs and shard.rows:
+            first, last = bucket_range(specs[name], shard)
+            low, high = ranges.get(name, (first, last))
+            ranges[name] = (min(low, first), max(high, last))
+    return ranges
+
+
 @dataclass(frozen=True)
 class _Shard:
     """A dynamic shard of this rank: its table's index in the stats, its id map, the
@@ -235,9 +256,8 @@ class DynamicTables:
         for index, (name, shard) in enumerate(shards):
             if name not in specs:
                 continue
-            spec, rows = specs[name], specs[name].rows_per_bucket
-            first = shard.row_offset // rows
-            idmap = IdMap(spec, first, first + shard.rows // rows, str(device))
+            spec = specs[name]
+            idmap = IdMap(spec, *bucket_range(spec, shard), str(device))
             tags[index] = len(self._shards) + 1
             self._shards.append(
                 _Shard(
@@ -255,6 +275,7 @@ class DynamicTables:
                 )
             )
         self._slot_tags = torch.tensor([tags[s.tbe_table] for s in slots], device=device)
+        self._map_ranges = map_ranges(shards, specs)
         self._counts = torch.zeros(len(self.names), len(STATS), dtype=torch.int64, device=device)
         # Per table: overflow not yet raised of the tables that evict nothing.
         self._refused = torch.zeros(len(self.names), dtype=torch.int64, device=device)
@@ -406,11 +427,7 @@ class DynamicTables:
     def map_ranges(self) -> dict[str, tuple[int, int]]:
         """The buckets ``[first, last)`` whose maps this rank loads, by table: the range
         of all its column and row blocks of the table (``restore`` gives each its part)."""
-        ranges: dict[str, tuple[int, int]] = {}
-        for s in self._shards:
-            first, last = ranges.get(s.name, (s.idmap.first, s.idmap.last))
-            ranges[s.name] = (min(first, s.idmap.first), max(last, s.idmap.last))
-        return ranges
+        return dict(self._map_ranges)
 
     def restore(
         self,
