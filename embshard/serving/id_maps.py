@@ -15,7 +15,7 @@ from embshard import checkpoint
 from embshard.checkpoint.dynamic import COUNTS, DYNAMIC
 from embshard.errors import CheckpointError
 from embshard.runtime.keys import hash_ids
-from embshard.storage.id_map import IdMapSpec
+from embshard.storage.id_map import IdMapSpec, sorted_find
 
 
 class ServedIdMap(nn.Module):
@@ -56,10 +56,8 @@ class ServedIdMap(nn.Module):
         return self.keys.nbytes + self.rows.nbytes
 
     def forward(self, raw_ids: torch.Tensor) -> torch.Tensor:
-        keys = hash_ids(raw_ids)
-        at = torch.searchsorted(self.keys, keys).clamp_(max=len(self.keys) - 1)
-        hit = (self.keys.gather(0, at) == keys) & (raw_ids >= 0)
-        return torch.where(hit, self.rows.gather(0, at), -1)
+        rows = sorted_find(self.keys, self.rows, hash_ids(raw_ids))[0]
+        return torch.where(raw_ids >= 0, rows, -1)
 
 
 def saved_specs(path: str | Path) -> dict[str, IdMapSpec]:

@@ -128,6 +128,20 @@ class _Due:
         return [self.counts.max(), roomy]
 
 
+def sorted_find(
+    keys: torch.Tensor, values: torch.Tensor, ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each of ``ids``' value (``values[i]`` where ``keys[i]`` equals it; ``keys``
+    sorted and distinct), -1 where it is absent, by a binary search; and its place in
+    ``keys`` (where it is, or would go)."""
+    place = torch.searchsorted(keys, ids)
+    if not len(keys):
+        return torch.full_like(ids, -1), place
+    pos = place.clamp(max=len(keys) - 1)
+    hit = keys.gather(0, pos) == ids
+    return torch.where(hit, values.gather(0, pos), -1), place
+
+
 class _Slots:
     """A table of ``(buckets, rows_per_bucket)`` slots: key, occupied, last step seen and
     sightings. Used for the map and for the probation of keys not admitted yet.
@@ -185,12 +199,7 @@ class _Slots:
     def search(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``find``'s slots, and each key's place in the index (where it is, or would
         go): what ``write`` would search again."""
-        place = torch.searchsorted(self.index_keys, ids)
-        if not len(self.index_keys):
-            return torch.full_like(ids, -1), place
-        pos = place.clamp(max=len(self.index_keys) - 1)
-        hit = self.index_keys.gather(0, pos) == ids
-        return torch.where(hit, self.index_slots.gather(0, pos), -1), place
+        return sorted_find(self.index_keys, self.index_slots, ids)
 
     def victims(
         self,
