@@ -8,6 +8,10 @@ another, each through all its steps. So ``StreamedKeys`` keeps what each sender 
 to the dynamic slots, step by step, and the maps run once every sender is done; a
 map's decisions depend on the keys of each step and their counts, not on their order,
 so the result is the full mode's.
+
+A column-wise or grid table has a map in every block. A rank reports the map of the
+first column block it holds; one holding later blocks only reports theirs, which count
+what the first block's maps of the same rows count, and the table's totals skip it.
 """
 
 from __future__ import annotations
@@ -35,15 +39,15 @@ def rank_maps(
     rank: int,
 ) -> tuple[DynamicTables, list[tuple[str, TableShard]]]:
     """``rank``'s id maps, and its lookup's shards. The maps count, per table, the first
-    column block the rank holds (``reported_blocks``)."""
+    column block the rank holds (``_reported_blocks``)."""
     shards = local_shards(tables, rank)
     configs = config.embedding_bag_configs()
     cpu = torch.device("cpu")
-    counted = _counted_first(shards, reported_blocks(shards, dynamic))
+    counted = _counted_first(shards, _reported_blocks(shards, dynamic))
     return DynamicTables(dynamic, configs, counted, routes.slots[rank], None, cpu), shards
 
 
-def reported_blocks(
+def _reported_blocks(
     shards: Sequence[tuple[str, TableShard]], dynamic: Mapping[str, IdMapSpec]
 ) -> dict[str, int]:
     """Per dynamic table among a rank's ``shards``, the column offset of the first column
@@ -92,7 +96,7 @@ def record_maps(
     ``report``: per table, the counts of the first column block the rank holds and the
     rows they cover; the tables where that is a later block (its counts equal to those
     of the first block's ranks) are left out of the table's totals."""
-    reported = reported_blocks(shards, dynamic)
+    reported = _reported_blocks(shards, dynamic)
     report.dynamic = maps.local_stats()
     report.dynamic_rows = {name: 0 for name in reported}
     for name, shard in shards:
