@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from itertools import accumulate
 
 import torch
@@ -43,8 +42,16 @@ def rank_maps(
     shards = local_shards(tables, rank)
     configs = config.embedding_bag_configs()
     cpu = torch.device("cpu")
-    counted = _counted_first(shards, _reported_blocks(shards, dynamic))
-    return DynamicTables(dynamic, configs, counted, routes.slots[rank], None, cpu), shards
+    maps = DynamicTables(
+        dynamic,
+        configs,
+        shards,
+        routes.slots[rank],
+        None,
+        cpu,
+        counted=_reported_blocks(shards, dynamic),
+    )
+    return maps, shards
 
 
 def _reported_blocks(
@@ -59,18 +66,6 @@ def _reported_blocks(
         if name in dynamic:
             first[name] = min(first.get(name, shard.col_offset), shard.col_offset)
     return first
-
-
-def _counted_first(
-    shards: Sequence[tuple[str, TableShard]], reported: Mapping[str, int]
-) -> list[tuple[str, TableShard]]:
-    """``shards`` with each table's reported blocks shown as its first column block
-    (``col_offset`` 0): ``DynamicTables`` counts the first block's maps, and a rank
-    holding later blocks only reports its own. The maps of a simulation write no rows,
-    so their columns matter nowhere else."""
-    return [
-        (n, replace(s, col_offset=0) if reported.get(n) == s.col_offset else s) for n, s in shards
-    ]
 
 
 def id_map_bytes(
