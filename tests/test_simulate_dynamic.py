@@ -16,8 +16,10 @@ from test_simulate import assert_the_modes_agree
 from embshard.app.cli import main as cli
 from embshard.app.config import load_config
 from embshard.app.data import Feed, build_data
+from embshard.app.sim_memory import MODES, MemoryNeed, input_need
 from embshard.app.simulate import SimulationError, simulate
-from embshard.planner.search import Topology
+from embshard.planner.search import Topology, plan_loads
+from embshard.runtime.routes import build_routes
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCHES = 6
@@ -45,27 +47,30 @@ def dynamic_config(tmp_path: Path, world: int, user_plan: dict | None = None) ->
 
 
 def reference_counts(
-    path: str, world: int, user: list[int] | None = None
+    path: str, world: int, user: dict[int, tuple[int, int]] | None = None
 ) -> tuple[dict[tuple[int, str], tuple[int, int, int, int]], dict[tuple[int, str], int]]:
     """Per (rank, table held): admitted, evicted, overflow and live ids of plain
-    reference maps of the rank's buckets (the user table's: ``user``, its rows a rank,
-    if given), fed every rank's ids of each batch; and the ids each remapped."""
+    reference maps of the rank's buckets (the user table's: ``user``, its rows
+    ``[start, end)`` by rank, if given), fed every rank's ids of each batch; and the ids
+    each remapped."""
     config = load_config(path, use="simulate")
     feeds = [Feed(build_data(config, rank, world)) for rank in range(world)]
     for feed in feeds:
         feed.next_epoch()
     batches = [[feed.take().sparse for _ in range(BATCHES)] for feed in feeds]
-    blocks = {"user": user or [64] * (world - 1) + [256 - 64 * (world - 1)], "item": None}
+    starts = [64 * r for r in range(world)]
+    blocks = {
+        "user": user
+        or {r: (s, 64 * (r + 1) if r < world - 1 else 256) for r, s in enumerate(starts)},
+        "item": {world - 1: (0, 128)},
+    }
     found, remapped = {}, {}
     for table in config.tables[:2]:
         spec = table.id_map(config.seed)
         rows = spec.rows_per_bucket
-        sizes = blocks[table.name] or [0] * (world - 1) + [table.num_embeddings]
-        starts = [sum(sizes[:r]) for r in range(world)]
         maps = {
-            r: Reference(spec, starts[r] // rows, (starts[r] + sizes[r]) // rows)
-            for r in range(world)
-            if sizes[r]
+            r: Reference(spec, start // rows, end // rows)
+            for r, (start, end) in blocks[table.name].items()
         }
         counts = {r: [0, 0, 0] for r in maps}
         for step in range(BATCHES):
@@ -123,27 +128,127 @@ def test_ranks_report_their_dynamic_tables_as_the_reference_maps(tmp_path, world
     ) in text
 
 
-def test_a_column_wise_table_counts_once_and_holds_a_map_a_block(tmp_path):
-    """The user table in column blocks on ranks 1 and 0: rank 1's (the first block's)
-    counts are those of one reference map of every bucket; each rank holds and
-    remaps a whole map."""
-    user = {"type": "column_wise", "ranks": [1, 0]}
-    result = simulate(dynamic_config(tmp_path, 2, user), 2, batches=BATCHES)
-    expected, remapped = reference_counts(dynamic_config(tmp_path, 2, user), 2, [0, 256])
-    ranks = result.ranks
-    assert [r.dynamic_rows for r in ranks] == [{}, {"user": 256, "item": 128}]
-    counted = ranks[1].dynamic["user"]
-    assert (counted.admitted, counted.evicted, counted.overflow, counted.live) == expected[
-        (1, "user")
-    ]
-    assert ranks[0].dynamic["user"].live == 0  # its equal map counts nothing
-    assert [r.id_maps["user"] for r in ranks] == [256 * 41, 256 * 41]
-    rate = Topology.cpu(2).remap_rate
-    assert ranks[0].remap_seconds == pytest.approx(
-        remapped[(1, "user")] / rate / BATCHES, rel=1e-12
+# Column blocks of the user table at 3 ranks, each with the blocks every rank holds:
+# (rank, first row, rows, columns), column block by column block.
+COLUMN_WISE = {"type": "column_wise", "ranks": [1, 2, 1], "widths": [8, 4, 4]}
+COLUMN_WISE_BLOCKS = [[(1, 0, 256, 8)], [(2, 0, 256, 4)], [(1, 0, 256, 4)]]
+# Two column blocks, each row-wise over its own ranks, with other row cuts: rank 0 holds
+# the first's top rows and the second's bottom ones, rank 2 the second's top 64 only.
+GRID = {
+    "type": "grid",
+    "column_blocks": 2,
+    "ranks": [[0, 1], [2, 0]],
+    "sizes": [[128, 128], [64, 192]],
+}
+GRID_BLOCKS = [[(0, 0, 128, 8), (1, 128, 128, 8)], [(2, 0, 64, 8), (0, 64, 192, 8)]]
+
+
+@pytest.mark.parametrize("mode", ["full", "streamed"])
+@pytest.mark.parametrize(
+    ("plan", "blocks"), [(COLUMN_WISE, COLUMN_WISE_BLOCKS), (GRID, GRID_BLOCKS)]
+)
+def test_every_rank_holding_a_column_block_reports_its_map_and_the_totals_count_once(
+    tmp_path, mode, plan, blocks
+):
+    """Each rank's line is the map of the first column block it holds, equal to a
+    reference map of that block's rows; a rank holding later blocks only is marked and
+    left out of the totals, which are the first column block's."""
+    path = dynamic_config(tmp_path, 3, plan)
+    result = simulate(path, 3, batches=BATCHES, mode=mode)
+    shown = {}  # rank: (first row, rows, whether a later block's)
+    for column, held in enumerate(blocks):
+        for rank, first, rows, _ in held:
+            shown.setdefault(rank, (first, rows, column > 0))
+    expected, remapped = reference_counts(
+        path, 3, {r: (first, first + rows) for r, (first, rows, _) in shown.items()}
     )
-    live = expected[(1, "user")][3]
-    assert f"table user: {live} ids live of 256 rows" in result.to_text()
+    ranks = result.ranks
+    assert {r.rank: r.dynamic_rows.get("user") for r in ranks if "user" in r.dynamic_rows} == {
+        r: rows for r, (_, rows, _) in shown.items()
+    }
+    assert [r.dynamic_repeats for r in ranks] == [
+        ["user"] if shown.get(r, (0, 0, False))[2] else [] for r in range(3)
+    ]
+    for r in ranks:
+        if "user" in r.dynamic_rows:
+            d = r.dynamic["user"]
+            assert (d.admitted, d.evicted, d.overflow, d.live) == expected[(r.rank, "user")]
+    text = result.to_text()
+    for rank, (_, rows, later) in shown.items():
+        admitted, evicted, overflow, live = expected[(rank, "user")]
+        name = r"user\*" if later else "user "
+        row = rf"\n +{rank} {name} +{live} of {rows} +{admitted} +{evicted} +{overflow} +"
+        assert re.search(row, text), text
+    first = [expected[(r, "user")] for r, (_, _, later) in shown.items() if not later]
+    totals = [sum(v[i] for v in first) for i in range(4)]
+    assert (
+        f"table user: {totals[3]} ids live of 256 rows, {totals[0]} admitted, "
+        f"{totals[1]} evicted, {totals[2]} overflowing"
+    ) in text
+    # Every block's map remaps its rows' keys: a rank's remaps price them all.
+    ids = [remapped[(2, "item")] if r == 2 else 0 for r in range(3)]
+    for held in blocks:
+        _, column = reference_counts(path, 3, {r: (first, first + n) for r, first, n, _ in held})
+        for rank, *_ in held:
+            ids[rank] += column[(rank, "user")]
+    rate = Topology.cpu(3).remap_rate
+    for r in ranks:
+        assert r.remap_seconds == pytest.approx(ids[r.rank] / rate / BATCHES, rel=1e-12)
+
+
+def plain_memory(path: str, blocks: list[list[tuple[int, int, int, int]]]) -> list[int]:
+    """Per rank of 3: 4 bytes a value of its blocks' weights, row-wise Adagrad's float a
+    row, and an id map over each block's rows (the user table's 25 bytes a slot and 16
+    an index entry; item's twice that, with probation), item whole on rank 2 and the
+    static tables on rank 0."""
+    static = [t for t in load_config(path, use="simulate").tables if not t.dynamic]
+    held = [(r, rows, cols, 41) for column in blocks for r, _, rows, cols in column]
+    held += [(2, 128, 16, 82)] + [(0, t.num_embeddings, t.embedding_dim, 0) for t in static]
+    memory = [0, 0, 0]
+    for rank, rows, cols, map_bytes in held:
+        memory[rank] += 4 * rows * cols + 4 * rows + map_bytes * rows
+    return memory
+
+
+def simulation_need(path: str, mode: str) -> MemoryNeed:
+    """``simulate``'s memory estimate for the config's plan at 3 ranks."""
+    config = load_config(path, use="simulate")
+    configs = config.embedding_bag_configs()
+    tables = config.sharding_plan().resolve(configs, 3)
+    buckets = {n: (s.buckets, s.rows_per_bucket) for n, s in config.id_maps().items()}
+    routes = build_routes(configs, tables, 3, weighted=False, dynamic=buckets)
+    return input_need(config, tables, routes, mode, BATCHES)
+
+
+@pytest.mark.parametrize(
+    ("plan", "blocks"), [(COLUMN_WISE, COLUMN_WISE_BLOCKS), (GRID, GRID_BLOCKS)]
+)
+def test_every_rank_holding_a_column_block_holds_a_map_of_its_rows(tmp_path, plan, blocks):
+    """Each rank's memory, and the simulation's own estimate, count an id map on
+    every rank that holds a block, over that block's rows; the planner prices the
+    same bytes."""
+    path = dynamic_config(tmp_path, 3, plan)
+    result = simulate(path, 3, batches=1)
+    memory = [r.weights + r.optimizer_state + sum(r.id_maps.values()) for r in result.ranks]
+    assert memory == plain_memory(path, blocks)
+    config = load_config(path, use="simulate")
+    loads = plan_loads(
+        config.sharding_plan(),
+        config.tables,
+        Topology.cpu(3),
+        config.batch_size,
+        config.sparse_optimizer.type,
+        dynamic=config.id_maps(),
+    )
+    assert [load.memory for load in loads] == memory
+    # Against the user table whole on one rank (one map of its 256 rows), the estimate
+    # adds each further block's map, and as much again for the remap's sorts.
+    (tmp_path / "whole").mkdir()
+    whole = dynamic_config(tmp_path / "whole", 3, {"type": "table_wise", "rank": 0})
+    maps = sum(41 * rows for column in blocks for _, _, rows, _ in column)
+    for mode in MODES:
+        added = simulation_need(path, mode).fixed - simulation_need(whole, mode).fixed
+        assert added == 2 * (maps - 41 * 256), mode
 
 
 def test_the_id_maps_are_priced_per_rank(tmp_path):
@@ -156,6 +261,11 @@ def test_the_id_maps_are_priced_per_rank(tmp_path):
 @pytest.mark.parametrize("world", [2, 4])
 def test_the_streamed_mode_reports_the_maps_as_the_full_mode(tmp_path, world):
     assert_the_modes_agree(dynamic_config(tmp_path, world), world)
+
+
+@pytest.mark.parametrize("plan", [COLUMN_WISE, GRID])
+def test_the_modes_agree_on_a_table_in_column_blocks(tmp_path, plan):
+    assert_the_modes_agree(dynamic_config(tmp_path, 3, plan), 3)
 
 
 def test_sharding_groups_are_refused_in_one_line(tmp_path):

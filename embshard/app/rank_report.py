@@ -80,10 +80,13 @@ class RankReport:
     sync_across: bool = False
     sync_seconds: float = 0.0
     # Its dynamic tables' ids over the batches (live: at the end), and per table it
-    # holds, the rows those counts cover (a column-wise or grid table's first column
-    # block's) and the bytes of its id maps (every column block's).
+    # holds, the rows those counts cover (of a column-wise or grid table, the first
+    # column block it holds) and the bytes of its id maps (every column block's). The
+    # tables it holds later column blocks of only: their counts repeat those of the
+    # first block's ranks, and the table's totals leave them out.
     dynamic: dict[str, DynamicStats] = field(default_factory=dict)
     dynamic_rows: dict[str, int] = field(default_factory=dict)
+    dynamic_repeats: list[str] = field(default_factory=list)
     dynamic_ids: int = 0  # the ids its id maps remapped
     id_maps: dict[str, int] = field(default_factory=dict)
 

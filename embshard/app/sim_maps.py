@@ -8,6 +8,10 @@ another, each through all its steps. So ``StreamedKeys`` keeps what each sender 
 to the dynamic slots, step by step, and the maps run once every sender is done; a
 map's decisions depend on the keys of each step and their counts, not on their order,
 so the result is the full mode's.
+
+A column-wise or grid table has a map in every block. A rank reports the map of the
+first column block it holds; one holding later blocks only reports theirs, which count
+what the first block's maps of the same rows count, and the table's totals skip it.
 """
 
 from __future__ import annotations
@@ -33,11 +37,48 @@ def rank_maps(
     dynamic: Mapping[str, IdMapSpec],
     rank: int,
 ) -> tuple[DynamicTables, list[tuple[str, TableShard]]]:
-    """``rank``'s id maps, and its lookup's shards."""
+    """``rank``'s id maps, and its lookup's shards. The maps count, per table, the first
+    column block the rank holds (``_reported_blocks``)."""
     shards = local_shards(tables, rank)
     configs = config.embedding_bag_configs()
     cpu = torch.device("cpu")
-    return DynamicTables(dynamic, configs, shards, routes.slots[rank], None, cpu), shards
+    maps = DynamicTables(
+        dynamic,
+        configs,
+        shards,
+        routes.slots[rank],
+        None,
+        cpu,
+        counted=_reported_blocks(shards, dynamic),
+    )
+    return maps, shards
+
+
+def _reported_blocks(
+    shards: Sequence[tuple[str, TableShard]], dynamic: Mapping[str, IdMapSpec]
+) -> dict[str, int]:
+    """Per dynamic table among a rank's ``shards``, the column offset of the first column
+    block it holds: its maps there are the ones the rank reports. A later column block's
+    maps see the keys of the first block's, so they count what the first block's maps of
+    the same rows count; 0: the table's first block, whose counts are the table's."""
+    first: dict[str, int] = {}
+    for name, shard in shards:
+        if name in dynamic:
+            first[name] = min(first.get(name, shard.col_offset), shard.col_offset)
+    return first
+
+
+def id_map_bytes(
+    shards: Sequence[tuple[str, TableShard]], dynamic: Mapping[str, IdMapSpec]
+) -> dict[str, int]:
+    """Per dynamic table, the bytes of the id maps a rank holding ``shards`` keeps: one
+    over the rows of each of its blocks, every column block's too
+    (``IdMapSpec.bytes_per_row`` a row, as the planner prices them)."""
+    held: dict[str, int] = {}
+    for name, shard in shards:
+        if name in dynamic:
+            held[name] = held.get(name, 0) + shard.rows * dynamic[name].bytes_per_row()
+    return held
 
 
 def record_maps(
@@ -46,15 +87,18 @@ def record_maps(
     shards: Sequence[tuple[str, TableShard]],
     dynamic: Mapping[str, IdMapSpec],
 ) -> None:
-    """What ``maps`` did over the batches, and their bytes, into ``report``. A table's
-    counts are its first column block's: the rows they cover. Every column block holds
-    a map of its rows."""
+    """What ``maps`` (``rank_maps``') did over the batches, and their bytes, into
+    ``report``: per table, the counts of the first column block the rank holds and the
+    rows they cover; the tables where that is a later block (its counts equal to those
+    of the first block's ranks) are left out of the table's totals."""
+    reported = _reported_blocks(shards, dynamic)
     report.dynamic = maps.local_stats()
-    report.dynamic_rows = {n: s.rows for n, s in shards if n in dynamic and not s.col_offset}
+    report.dynamic_rows = {name: 0 for name in reported}
     for name, shard in shards:
-        if name in dynamic:
-            held = report.id_maps.get(name, 0)
-            report.id_maps[name] = held + shard.rows * dynamic[name].bytes_per_row()
+        if reported.get(name) == shard.col_offset:
+            report.dynamic_rows[name] += shard.rows
+    report.dynamic_repeats = sorted(name for name, offset in reported.items() if offset)
+    report.id_maps = id_map_bytes(shards, dynamic)
     report.dynamic_ids = maps.keys_remapped
 
 

@@ -9,12 +9,14 @@ its slots, and a thread's own allocator arena.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from embshard.app.config import TrainConfig
+from embshard.app.sim_maps import id_map_bytes
 from embshard.app.streamed import WORKERS
+from embshard.plan.specs import ShardedTable, local_shards
 from embshard.runtime.routes import Routes
 
 MODES = ("full", "streamed")
@@ -74,13 +76,20 @@ def default_mode(world_size: int) -> str:
     return "full" if world_size <= FULL_MODE_MAX_RANKS else "streamed"
 
 
-def input_need(config: TrainConfig, routes: Routes, mode: str, batches: int) -> MemoryNeed:
-    """What simulating ``routes``' input stage on ``batches`` of the config's needs: in
-    full mode, every rank's batch, routed lengths table, received ids and bags at once;
-    streamed, a few sending ranks' batches and a few counters per rank and step, and
-    every step's keys of the dynamic tables until their maps run. Ids are counted at
-    the tables' mean pooling, spread evenly over a row-wise table's rows; the id maps
-    at their full size."""
+def input_need(
+    config: TrainConfig,
+    tables: Mapping[str, ShardedTable],
+    routes: Routes,
+    mode: str,
+    batches: int,
+) -> MemoryNeed:
+    """What simulating ``routes``' input stage (of the plan's ``tables``) on ``batches``
+    of the config's needs: in full mode, every rank's batch, routed lengths table,
+    received ids and bags at once; streamed, a few sending ranks' batches and a few
+    counters per rank and step, and every step's keys of the dynamic tables until their
+    maps run. Ids are counted at the tables' mean pooling, spread evenly over a
+    row-wise table's rows; the id maps at their full size, on every rank holding a
+    block."""
     world, batch = routes.world_size, config.batch_size
     pooling = {f: t.mean_pooling for t in config.tables for f in t.features}
     own = batch * sum(pooling[f] for f in routes.features)
@@ -90,7 +99,7 @@ def input_need(config: TrainConfig, routes: Routes, mode: str, batches: int) -> 
             t.mean_pooling * len(t.features) for t in config.tables if t.name in dynamic
         )
         in_flight = WORKERS * _STREAMED_PER_ID * round(own) + _STREAMED_PER_STEP_KEY * keys * world
-        fixed = _PROCESS + in_flight + _maps_need(config)
+        fixed = _PROCESS + in_flight + _maps_need(config, tables, world)
         return MemoryNeed(fixed, 256 + round(_STREAMED_PER_KEY * keys * batches), world)
     rows = {t.name: t.num_embeddings for t in config.tables}
     # Ids a rank receives on average: each slot gets its share of its feature's ids from
@@ -109,16 +118,16 @@ def input_need(config: TrainConfig, routes: Routes, mode: str, batches: int) -> 
         + _PER_BAG * bags
         + _PER_LENGTH * lengths
     )
-    return MemoryNeed(_PROCESS + _maps_need(config), round(per_rank), world)
+    return MemoryNeed(_PROCESS + _maps_need(config, tables, world), round(per_rank), world)
 
 
-def _maps_need(config: TrainConfig) -> int:
-    """The dynamic tables' id maps, every rank's together, and their remap's
-    temporaries (sorts over a rank's slots: as many bytes again at most)."""
-    return sum(
-        2 * spec.buckets * spec.rows_per_bucket * spec.bytes_per_row()
-        for spec in config.id_maps().values()
-    )
+def _maps_need(config: TrainConfig, tables: Mapping[str, ShardedTable], world: int) -> int:
+    """The dynamic tables' id maps, every rank's together (a map over the rows of each
+    block a rank holds, every column block's), and their remap's temporaries (sorts over
+    a rank's slots: as many bytes again at most)."""
+    dynamic = config.id_maps()
+    held = (id_map_bytes(local_shards(tables, rank), dynamic) for rank in range(world))
+    return 2 * sum(sum(maps.values()) for maps in held)
 
 
 def check_need(config: TrainConfig, rows: int, batch: int, world_size: int) -> MemoryNeed:

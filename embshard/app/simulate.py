@@ -266,25 +266,35 @@ class Simulation:
     def _dynamic_lines(self, max_ranks: int) -> list[str]:
         """Per rank and dynamic table it holds: ids live at the end of the batches
         (of its rows), admitted, evicted and overflowing over them; then each table's
-        totals. None without dynamic tables."""
+        totals, every rank of its first column block once. None without dynamic
+        tables."""
         names = sorted({n for r in self.ranks for n in r.dynamic_rows})
         if not names:
             return []
+        repeats = any(r.dynamic_repeats for r in self.ranks)
+        marked = (
+            "; *: later column blocks only, as the first block's (not in the totals)"
+            if repeats
+            else ""
+        )
         lines = [
             f"dynamic tables over the {_batches(self.batches)}: ids live at the end "
-            "(of the rows held), admitted, evicted, overflowing (found their bucket full)",
+            f"(of the rows held), admitted, evicted, overflowing (found their bucket full){marked}",
             f"{'rank':>5} {'table':<16} {'live':>21} {'admitted':>9} {'evicted':>9} "
             f"{'overflow':>9} {'id maps':>10}",
         ]
         for r in self.ranks[:max_ranks]:
             for name, rows in sorted(r.dynamic_rows.items()):
                 d = r.dynamic[name]
+                shown = f"{name}*" if name in r.dynamic_repeats else name
                 lines.append(
-                    f"{r.rank:>5} {name:<16} {f'{d.live} of {rows}':>21} {d.admitted:>9} "
+                    f"{r.rank:>5} {shown:<16} {f'{d.live} of {rows}':>21} {d.admitted:>9} "
                     f"{d.evicted:>9} {d.overflow:>9} {format_bytes(r.id_maps[name]):>10}"
                 )
         for name in names:
-            held = [r for r in self.ranks if name in r.dynamic_rows]
+            held = [
+                r for r in self.ranks if name in r.dynamic_rows and name not in r.dynamic_repeats
+            ]
             total = [sum(getattr(r.dynamic[name], k) for r in held) for k in _DYNAMIC_COUNTS]
             rows = sum(r.dynamic_rows[name] for r in held)
             lines.append(
@@ -476,7 +486,7 @@ def simulate(
             f"dynamic tables ({', '.join(sorted(dynamic))}) are simulated without --check: "
             "its oracle, the unsharded module, has no id maps"
         )
-    _refuse_what_cannot_fit(config, routes, mode, check, batches, memory_limit)
+    _refuse_what_cannot_fit(config, tables, routes, mode, check, batches, memory_limit)
     start = time.perf_counter()
     with _single_threaded_ops():
         # One group of world_size // group runs: each of its steps stands for as many.
@@ -523,7 +533,13 @@ def _ignore(done: int) -> None:
 
 
 def _refuse_what_cannot_fit(
-    config: TrainConfig, routes: Routes, mode: str, check: bool, batches: int, limit: int | None
+    config: TrainConfig,
+    tables: Mapping[str, ShardedTable],
+    routes: Routes,
+    mode: str,
+    check: bool,
+    batches: int,
+    limit: int | None,
 ) -> None:
     """A SimulationError when the estimated memory of the input stage, or of
     ``check``'s threads, exceeds ``limit`` (default: the system's available memory),
@@ -532,11 +548,11 @@ def _refuse_what_cannot_fit(
     if available is None:
         return
     world, have = routes.world_size, format_bytes(available)
-    need = input_need(config, routes, mode, batches)
+    need = input_need(config, tables, routes, mode, batches)
     if need.total > available:
         if mode == "full":  # at this world's need per rank (smaller in smaller worlds)
             full = ranks_that_fit(lambda n: replace(need, world_size=n), available, world)
-            streamed = input_need(config, routes, "streamed", batches).total
+            streamed = input_need(config, tables, routes, "streamed", batches).total
             fits = (
                 f"--mode streamed needs {format_bytes(streamed)}; full mode fits about {full} ranks"
             )

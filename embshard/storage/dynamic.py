@@ -229,7 +229,9 @@ class DynamicTables:
 
     ``specs``: every dynamic table's id map spec; ``shards``: the rank's lookup tables,
     ``slots``: its lookup features (``Routes.slots[rank]``); ``lookup``: their TBE, None
-    where there is none (a rank without shards, or ``embshard simulate``'s maps alone)."""
+    where there is none (a rank without shards, or ``embshard simulate``'s maps alone).
+    ``counted``: per table, the column offset of the blocks whose maps count it (default
+    0, the table's first column block: what ``dynamic_stats`` sums over ranks)."""
 
     def __init__(
         self,
@@ -240,6 +242,7 @@ class DynamicTables:
         lookup: LookupModule | None,
         device: torch.device,
         replicas: dist.ProcessGroup | None = None,
+        counted: Mapping[str, int] | None = None,
     ) -> None:
         self.names = sorted(specs)
         self._replicas = replicas
@@ -271,7 +274,7 @@ class DynamicTables:
                     bounds=bounds[name],
                     dim=dims[name],
                     columns=slice(shard.col_offset, shard.col_offset + shard.cols),
-                    counted=shard.col_offset == 0,
+                    counted=shard.col_offset == (counted or {}).get(name, 0),
                 )
             )
         self._slot_tags = torch.tensor([tags[s.tbe_table] for s in slots], device=device)
