@@ -1,0 +1,391 @@
+// embshard's fused CPU kernels for dynamic tables: an id map's remap in one pass over
+// its keys, and the initial rows of admitted keys. Each does what the torch operations
+// of storage/id_map.py and runtime/keys.py do, bit for bit, without their dozens of
+// passes over small tensors. Plain C entry points over raw buffers (runtime/native.py
+// loads them with ctypes): no torch headers, so building takes a second.
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+namespace {
+
+// One slot table (buckets x rows, flat) of an id map, and its index of live keys
+// (sorted keys, each one's flat slot). The kernel writes the slots in place and the
+// updated index into out_index_*; out_index_size is -1 where the index is unchanged.
+struct Slots {
+  int64_t* keys;
+  uint8_t* occupied;
+  int64_t* last_seen;
+  int64_t* hits;
+  const int64_t* index_keys;
+  const int64_t* index_slots;
+  int64_t index_size;
+  int64_t* out_index_keys;  // room for index_size + the call's keys
+  int64_t* out_index_slots;
+  int64_t out_index_size;
+};
+
+enum Policy : int64_t { kLru = 0, kLfu = 1, kTtl = 2, kNone = 3 };
+
+struct Spec {
+  int64_t buckets;      // the map's buckets
+  int64_t rows;         // rows (slots) a bucket
+  int64_t first;        // the map's first bucket
+  uint64_t width;       // keys a bucket spans
+  int64_t lowest_key;   // the map's keys are [lowest_key, highest_key]
+  int64_t highest_key;
+  int64_t policy;
+  int64_t ttl_steps;
+  int64_t admit_after;
+  int64_t step;
+};
+
+struct Result {
+  int64_t* rows;           // each key's row, -1: none
+  int64_t* admitted;       // rows given a new key, in key order (room for the keys)
+  int64_t* admitted_keys;  // and those keys
+  int64_t admitted_count;
+  int64_t evicted;   // live keys that lost their row
+  int64_t overflow;  // keys due a row that found none
+  int64_t cleared;   // probation slots emptied (their keys were admitted)
+  int64_t outside;   // keys outside the map's buckets: then nothing else is done
+};
+
+// The distinct keys of a call in key order, each one's count, and each key's place
+// among them.
+struct Distinct {
+  std::vector<int64_t> keys;
+  std::vector<int64_t> counts;
+  std::vector<int64_t> inverse;
+};
+
+// An LSD radix sort of (key, payload) pairs on the key's 64 bits, 11 at a time,
+// skipping the digits that every key shares.
+void radix_sort(std::vector<std::pair<uint64_t, int64_t>>& items) {
+  constexpr int kBits = 11, kDigits = 1 << kBits;
+  std::vector<std::pair<uint64_t, int64_t>> spare(items.size());
+  std::vector<int64_t> count(kDigits + 1);
+  for (int shift = 0; shift < 64; shift += kBits) {
+    std::fill(count.begin(), count.end(), 0);
+    for (const auto& item : items) count[((item.first >> shift) & (kDigits - 1)) + 1]++;
+    if (std::find(count.begin() + 1, count.end(), static_cast<int64_t>(items.size())) !=
+        count.end())
+      continue;
+    for (int b = 0; b < kDigits; ++b) count[b + 1] += count[b];
+    for (const auto& item : items) spare[count[(item.first >> shift) & (kDigits - 1)]++] = item;
+    items.swap(spare);
+  }
+}
+
+// The distinct keys by a hash table (keys are below 2**63: all ones marks an empty
+// entry; keys and places apart, so a probe reads one cache line), then sorted.
+Distinct distinct(const int64_t* keys, int64_t n) {
+  constexpr uint64_t kEmpty = ~uint64_t{0};
+  int bits = 4;
+  while ((int64_t{1} << bits) < n + n / 2) ++bits;
+  const uint64_t mask = (uint64_t{1} << bits) - 1;
+  std::vector<uint64_t> table(mask + 1, kEmpty);
+  std::vector<int32_t> place_of(mask + 1);
+  std::vector<std::pair<uint64_t, int64_t>> order;
+  std::vector<int64_t> counts, first_seen(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t key = static_cast<uint64_t>(keys[i]);
+    uint64_t at = (key * 0x9E3779B97F4A7C15ull) >> (64 - bits);
+    while (table[at] != kEmpty && table[at] != key) at = (at + 1) & mask;
+    if (table[at] == kEmpty) {
+      table[at] = key;
+      place_of[at] = static_cast<int32_t>(order.size());
+      order.emplace_back(key, static_cast<int64_t>(order.size()));
+      counts.push_back(0);
+    }
+    first_seen[i] = place_of[at];
+    counts[place_of[at]]++;
+  }
+  radix_sort(order);
+  Distinct out;
+  out.keys.resize(order.size());
+  out.counts.resize(order.size());
+  std::vector<int64_t> place(order.size());
+  for (size_t u = 0; u < order.size(); ++u) {
+    out.keys[u] = static_cast<int64_t>(order[u].first);
+    out.counts[u] = counts[order[u].second];
+    place[order[u].second] = static_cast<int64_t>(u);
+  }
+  out.inverse.resize(n);
+  for (int64_t i = 0; i < n; ++i) out.inverse[i] = place[first_seen[i]];
+  return out;
+}
+
+// The first place at or after `from` in the sorted `keys` whose key is not below `key`:
+// a galloping search, as the keys searched for come in order.
+int64_t gallop(const int64_t* keys, int64_t size, int64_t from, int64_t key) {
+  int64_t low = from, high = from, stride = 1;
+  while (high < size && keys[high] < key) {
+    low = high + 1;
+    high += stride;
+    stride <<= 1;
+  }
+  return std::lower_bound(keys + low, keys + std::min(high, size), key) - keys;
+}
+
+// Each of the sorted distinct `keys`' flat slot in `slots`, -1 where it is not live.
+std::vector<int64_t> find(const Slots& slots, const std::vector<int64_t>& keys) {
+  std::vector<int64_t> found(keys.size(), -1);
+  int64_t at = 0;
+  for (size_t u = 0; u < keys.size(); ++u) {
+    at = gallop(slots.index_keys, slots.index_size, at, keys[u]);
+    if (at < slots.index_size && slots.index_keys[at] == keys[u]) found[u] = slots.index_slots[at];
+  }
+  return found;
+}
+
+// A live slot's place among a bucket's victims: fewer sightings first (LFU only),
+// then seen less recently, then the lower slot.
+struct Victim {
+  int64_t hits;
+  int64_t last_seen;
+  int64_t slot;
+  bool operator<(const Victim& other) const {
+    if (hits != other.hits) return hits < other.hits;
+    return last_seen != other.last_seen ? last_seen < other.last_seen : slot < other.slot;
+  }
+};
+
+// Gives each key of `takers` (places among the distinct keys, in key order) a slot of
+// its bucket: the bucket's r-th taker gets its r-th victim (empty slots in slot order,
+// then the live slots that `evictable` gives up, as `Victim` orders them, sightings
+// counting where `by_hits`), -1 where none is left. Writes the taken slots (key,
+// occupied, step, `total` sightings) and records the keys they held (`gone`) and the
+// new entries of the index (`added`, in key order).
+template <typename Evictable>
+int64_t take(Slots& slots, const Spec& spec, const std::vector<int64_t>& takers,
+             const Distinct& distinct, const std::vector<int64_t>& total, Evictable evictable,
+             bool by_hits, std::vector<int64_t>& taken, std::vector<int64_t>& gone,
+             std::vector<std::pair<int64_t, int64_t>>& added) {
+  int64_t held = 0;
+  std::vector<int64_t> victims;
+  std::vector<Victim> ranked;  // a max-heap of the best victims so far
+  for (size_t a = 0; a < takers.size();) {
+    const uint64_t bucket = static_cast<uint64_t>(distinct.keys[takers[a]]) / spec.width;
+    size_t b = a + 1;
+    while (b < takers.size() &&
+           static_cast<uint64_t>(distinct.keys[takers[b]]) / spec.width == bucket)
+      ++b;
+    const size_t want = b - a;
+    const int64_t base = (static_cast<int64_t>(bucket) - spec.first) * spec.rows;
+    victims.clear();
+    for (int64_t slot = base; slot < base + spec.rows && victims.size() < want; ++slot)
+      if (!slots.occupied[slot]) victims.push_back(slot);
+    // Live slots only where the empty ones run out: a heap keeps the fewest needed.
+    const size_t needed = want - victims.size();
+    ranked.clear();
+    for (int64_t slot = base; needed && slot < base + spec.rows; ++slot) {
+      if (!slots.occupied[slot] || !evictable(slot)) continue;
+      const Victim victim{by_hits ? slots.hits[slot] : 0, slots.last_seen[slot], slot};
+      if (ranked.size() < needed) {
+        ranked.push_back(victim);
+        std::push_heap(ranked.begin(), ranked.end());
+      } else if (victim < ranked.front()) {
+        std::pop_heap(ranked.begin(), ranked.end());
+        ranked.back() = victim;
+        std::push_heap(ranked.begin(), ranked.end());
+      }
+    }
+    std::sort_heap(ranked.begin(), ranked.end());
+    for (const Victim& victim : ranked) victims.push_back(victim.slot);
+    for (size_t r = 0; r < victims.size(); ++r) {
+      const int64_t u = takers[a + r], slot = victims[r];
+      if (slots.occupied[slot]) {
+        gone.push_back(slots.keys[slot]);
+        ++held;
+      }
+      slots.keys[slot] = distinct.keys[u];
+      slots.occupied[slot] = 1;
+      slots.last_seen[slot] = spec.step;
+      slots.hits[slot] = total[u];
+      taken[u] = slot;
+      added.emplace_back(distinct.keys[u], slot);
+    }
+    a = b;
+  }
+  return held;
+}
+
+// A mark for each slot of the map, set at `slots`.
+std::vector<uint8_t> marks(const Spec& spec, const std::vector<int64_t>& slots) {
+  std::vector<uint8_t> marked(spec.buckets * spec.rows, 0);
+  for (int64_t slot : slots) marked[slot] = 1;
+  return marked;
+}
+
+// The index without the keys `gone` and with `added` (key order): the runs of entries
+// between changes copied whole.
+void merge_index(Slots& slots, std::vector<int64_t>& gone,
+                 const std::vector<std::pair<int64_t, int64_t>>& added) {
+  if (gone.empty() && added.empty()) {
+    slots.out_index_size = -1;
+    return;
+  }
+  std::sort(gone.begin(), gone.end());
+  const int64_t size = slots.index_size;
+  int64_t from = 0, out = 0;
+  size_t g = 0, a = 0;
+  const auto copy = [&](int64_t until) {
+    std::copy(slots.index_keys + from, slots.index_keys + until, slots.out_index_keys + out);
+    std::copy(slots.index_slots + from, slots.index_slots + until, slots.out_index_slots + out);
+    out += until - from;
+    from = until;
+  };
+  while (g < gone.size() || a < added.size()) {
+    // The next change: a removal at the gone key's entry, or an insertion before the
+    // first entry above the added key (none is equal: added keys were not live).
+    const int64_t removal =
+        g < gone.size() ? gallop(slots.index_keys, size, from, gone[g]) : size;
+    const int64_t insertion =
+        a < added.size() ? gallop(slots.index_keys, size, from, added[a].first) : size + 1;
+    if (insertion <= removal) {
+      copy(insertion);
+      slots.out_index_keys[out] = added[a].first;
+      slots.out_index_slots[out++] = added[a++].second;
+    } else {
+      copy(removal);
+      ++from;
+      ++g;
+    }
+  }
+  copy(size);
+  slots.out_index_size = out;
+}
+
+}  // namespace
+
+extern "C" {
+
+// One IdMap.remap call on `n` (> 0) keys: see storage/id_map.py for the rules.
+void embshard_remap(const int64_t* keys, int64_t n, const Spec* spec, Slots* slots,
+                    Slots* probation, Result* result) {
+  result->outside = 0;
+  for (int64_t i = 0; i < n; ++i)
+    result->outside += keys[i] < spec->lowest_key || keys[i] > spec->highest_key;
+  if (result->outside) return;
+  const int64_t step = spec->step;
+  const Distinct d = distinct(keys, n);
+  const size_t u_count = d.keys.size();
+  const std::vector<int64_t> found = find(*slots, d.keys);
+  std::vector<int64_t> waiting, total(d.counts);
+  if (probation) {
+    waiting = find(*probation, d.keys);
+    for (size_t u = 0; u < u_count; ++u)
+      if (waiting[u] >= 0) total[u] += probation->hits[waiting[u]];
+  }
+
+  // Live keys are seen; the others with enough sightings are due a slot.
+  std::vector<int64_t> due, seen;
+  for (size_t u = 0; u < u_count; ++u) {
+    if (found[u] >= 0) {
+      slots->last_seen[found[u]] = step;
+      slots->hits[found[u]] += d.counts[u];
+      seen.push_back(found[u]);
+    } else if (total[u] >= spec->admit_after) {
+      due.push_back(static_cast<int64_t>(u));
+    }
+  }
+  std::vector<int64_t> taken(u_count, -1), gone;
+  std::vector<std::pair<int64_t, int64_t>> added;
+  if (!due.empty()) {
+    const std::vector<uint8_t> seen_now = marks(*spec, seen);
+    const int64_t* last = slots->last_seen;
+    const auto not_seen = [&seen_now](int64_t slot) { return !seen_now[slot]; };
+    const int64_t ttl = spec->ttl_steps;
+    const auto expired = [last, step, ttl](int64_t slot) { return step - last[slot] >= ttl; };
+    const auto never = [](int64_t) { return false; };
+    const bool by_hits = spec->policy == kLfu;
+    switch (spec->policy) {
+      case kLru:
+      case kLfu:
+        result->evicted = take(*slots, *spec, due, d, total, not_seen, by_hits, taken, gone, added);
+        break;
+      case kTtl:
+        result->evicted = take(*slots, *spec, due, d, total, expired, false, taken, gone, added);
+        break;
+      default:
+        result->evicted = take(*slots, *spec, due, d, total, never, false, taken, gone, added);
+    }
+  } else {
+    result->evicted = 0;
+  }
+  result->overflow = 0;
+  result->admitted_count = 0;
+  for (int64_t u : due) {
+    if (taken[u] < 0) {
+      ++result->overflow;
+      continue;
+    }
+    result->admitted[result->admitted_count] = taken[u];
+    result->admitted_keys[result->admitted_count++] = d.keys[u];
+  }
+  merge_index(*slots, gone, added);
+
+  // Probation: admitted keys leave it; keys still waiting are seen, or enter it, taking
+  // its empty slots, then those of the candidates seen least recently (not this call).
+  result->cleared = 0;
+  if (probation) {
+    std::vector<int64_t> probation_gone, entering;
+    std::vector<std::pair<int64_t, int64_t>> probation_added;
+    std::vector<int64_t> stay;
+    for (size_t u = 0; u < u_count; ++u) {
+      if (found[u] >= 0) continue;
+      const int64_t w = waiting[u];
+      if (w >= 0 && taken[u] >= 0) {
+        probation->occupied[w] = 0;
+        probation_gone.push_back(probation->keys[w]);
+        ++result->cleared;
+      } else if (w >= 0) {
+        probation->last_seen[w] = step;
+        probation->hits[w] = total[u];
+        stay.push_back(w);
+      } else if (taken[u] < 0) {
+        entering.push_back(static_cast<int64_t>(u));
+      }
+    }
+    if (!entering.empty()) {
+      const std::vector<uint8_t> staying = marks(*spec, stay);
+      const auto not_staying = [&staying](int64_t slot) { return !staying[slot]; };
+      std::vector<int64_t> probation_taken(u_count, -1);
+      take(*probation, *spec, entering, d, total, not_staying, false, probation_taken,
+           probation_gone, probation_added);
+    }
+    merge_index(*probation, probation_gone, probation_added);
+  }
+
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t u = d.inverse[i];
+    result->rows[i] = found[u] >= 0 ? found[u] : taken[u];
+  }
+}
+
+// The initial float32 rows (n, dim) of `keys`: keys.initial_rows' counter hash, its
+// 24 top bits scaled in float64 and rounded once to float32.
+void embshard_initial_rows(const int64_t* keys, int64_t n, int64_t dim, int64_t table_key,
+                           double low, double scale, float* out) {
+  constexpr uint64_t kGamma = 0x9E3779B97F4A7C15ull, kMul1 = 0xBF58476D1CE4E5B9ull,
+                     kMul2 = 0x94D049BB133111EBull;
+  const auto scramble = [](uint64_t z) {
+    z ^= z >> 30;
+    z *= kMul1;
+    z ^= z >> 27;
+    return z * kMul2;
+  };
+  for (int64_t i = 0; i < n; ++i) {
+    uint64_t z = scramble((static_cast<uint64_t>(keys[i]) ^ static_cast<uint64_t>(table_key)) +
+                          kGamma);
+    const uint64_t start = (z ^ (z >> 31)) + kGamma;
+    float* row = out + i * dim;
+    for (int64_t c = 0; c < dim; ++c)
+      row[c] = static_cast<float>(static_cast<double>(scramble(start + c) >> 40) * scale + low);
+  }
+}
+
+}  // extern "C"
