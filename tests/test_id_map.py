@@ -476,24 +476,33 @@ def test_the_index_of_live_keys_follows_evictions_probation_and_loads(policy: st
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "ttl"])
-def test_steps_too_large_to_pack_with_a_slot_give_the_reference(policy: str) -> None:
-    """Victims pack ((sightings,) last step, slot) in one int64 while they fit; past
-    that they are ranked by stable sorts: both give the reference, across the switch
-    (lfu's sightings take bits too: here it sorts throughout)."""
+@pytest.mark.parametrize("rows_per_bucket", [3, 16])
+def test_steps_too_large_to_pack_with_a_slot_give_the_reference(
+    policy: str, rows_per_bucket: int
+) -> None:
+    """Victims pack ((sightings,) last step, slot) in one integer while they fit; past
+    that they are ranked by sorts: both give the reference, across the switch (the
+    torch operations' at 2**59 with 3 rows, the kernel's at 2**59 with 32 slots; lfu's
+    sightings take bits too: torch sorts throughout)."""
     spec = IdMapSpec(
-        buckets=2, rows_per_bucket=3, policy=policy, ttl_steps=2 if policy == "ttl" else None
+        buckets=2,
+        rows_per_bucket=rows_per_bucket,
+        policy=policy,
+        ttl_steps=2 if policy == "ttl" else None,
     )
     idmap, ref = IdMap(spec), Reference(spec, 0, 2)
-    pool = keys_of(list(range(30)))
-    for step, ids in id_stream(pool, seed=11, steps=30):
-        step += 2**59 - 15  # 2 bits of slot: packing stops at 2**59
+    pool = keys_of(list(range(10 * rows_per_bucket)))
+    evictions = 0
+    for step, ids in id_stream(pool, seed=11, steps=60):
+        step += 2**59 - 15
         rows, admitted, evicted, overflow = ref.remap(ids, step)
+        evictions += evicted
         got = idmap.remap(torch.tensor(ids, dtype=torch.int64), step)
         assert got.rows.tolist() == rows
         assert list(zip(got.admitted.tolist(), got.admitted_keys.tolist())) == admitted
         assert (got.evicted.item(), got.overflow.item()) == (evicted, overflow)
         assert slot_states(idmap) == ref_states(ref.slots)
-    assert step >= 2**59
+    assert step >= 2**59 and evictions > 0
 
 
 def test_initial_rows_of_a_large_batch_are_the_reference() -> None:

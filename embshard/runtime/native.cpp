@@ -11,6 +11,8 @@
 
 namespace {
 
+constexpr int64_t kAhead = 16;  // how far ahead a loop of random reads prefetches
+
 // One slot table (buckets x rows, flat) of an id map, and its index of live keys
 // (sorted keys, each one's flat slot). The kernel writes the slots in place and the
 // updated index into out_index_*; out_index_size is -1 where the index is unchanged.
@@ -61,27 +63,23 @@ struct Distinct {
   std::vector<int64_t> inverse;
 };
 
-// An LSD radix sort of (key, payload) pairs on the key's 64 bits, 11 at a time,
-// skipping the digits that every key shares.
-void radix_sort(std::vector<std::pair<uint64_t, int64_t>>& items) {
-  constexpr int kBits = 11, kDigits = 1 << kBits;
-  std::vector<std::pair<uint64_t, int64_t>> spare(items.size());
-  std::vector<int64_t> count(kDigits + 1);
-  for (int shift = 0; shift < 64; shift += kBits) {
-    std::fill(count.begin(), count.end(), 0);
-    for (const auto& item : items) count[((item.first >> shift) & (kDigits - 1)) + 1]++;
-    if (std::find(count.begin() + 1, count.end(), static_cast<int64_t>(items.size())) !=
-        count.end())
-      continue;
-    for (int b = 0; b < kDigits; ++b) count[b + 1] += count[b];
-    for (const auto& item : items) spare[count[(item.first >> shift) & (kDigits - 1)]++] = item;
-    items.swap(spare);
-  }
+// `items` (key, payload) sorted by key: counted into the map's buckets (each a range
+// of keys), then each bucket's few sorted in cache.
+void sort_by_bucket(std::vector<std::pair<uint64_t, int64_t>>& items, const Spec& spec) {
+  std::vector<int64_t> start(spec.buckets + 1, 0);
+  for (const auto& item : items) start[item.first / spec.width - spec.first + 1]++;
+  for (int64_t b = 0; b < spec.buckets; ++b) start[b + 1] += start[b];
+  std::vector<std::pair<uint64_t, int64_t>> sorted(items.size());
+  std::vector<int64_t> next(start.begin(), start.end() - 1);
+  for (const auto& item : items) sorted[next[item.first / spec.width - spec.first]++] = item;
+  for (int64_t b = 0; b < spec.buckets; ++b)
+    std::sort(sorted.begin() + start[b], sorted.begin() + start[b + 1]);
+  items.swap(sorted);
 }
 
 // The distinct keys by a hash table (keys are below 2**63: all ones marks an empty
 // entry; keys and places apart, so a probe reads one cache line), then sorted.
-Distinct distinct(const int64_t* keys, int64_t n) {
+Distinct distinct(const int64_t* keys, int64_t n, const Spec& spec) {
   constexpr uint64_t kEmpty = ~uint64_t{0};
   int bits = 4;
   while ((int64_t{1} << bits) < n + n / 2) ++bits;
@@ -90,9 +88,16 @@ Distinct distinct(const int64_t* keys, int64_t n) {
   std::vector<int32_t> place_of(mask + 1);
   std::vector<std::pair<uint64_t, int64_t>> order;
   std::vector<int64_t> counts, first_seen(n);
+  order.reserve(n);
+  counts.reserve(n);
+  const auto slot_of = [bits](int64_t key) {
+    return (static_cast<uint64_t>(key) * 0x9E3779B97F4A7C15ull) >> (64 - bits);
+  };
   for (int64_t i = 0; i < n; ++i) {
+    // The probes miss the cache: ask for a later key's entry early.
+    if (i + kAhead < n) __builtin_prefetch(&table[slot_of(keys[i + kAhead])]);
     const uint64_t key = static_cast<uint64_t>(keys[i]);
-    uint64_t at = (key * 0x9E3779B97F4A7C15ull) >> (64 - bits);
+    uint64_t at = slot_of(keys[i]);
     while (table[at] != kEmpty && table[at] != key) at = (at + 1) & mask;
     if (table[at] == kEmpty) {
       table[at] = key;
@@ -103,7 +108,7 @@ Distinct distinct(const int64_t* keys, int64_t n) {
     first_seen[i] = place_of[at];
     counts[place_of[at]]++;
   }
-  radix_sort(order);
+  sort_by_bucket(order, spec);
   Distinct out;
   out.keys.resize(order.size());
   out.counts.resize(order.size());
@@ -141,8 +146,9 @@ std::vector<int64_t> find(const Slots& slots, const std::vector<int64_t>& keys) 
   return found;
 }
 
-// A live slot's place among a bucket's victims: fewer sightings first (LFU only),
-// then seen less recently, then the lower slot.
+// The orders of a bucket's live victims: fewer sightings first (LFU only), then seen
+// less recently, then the lower slot. `Packed` is `ByStep` in one integer, where the
+// steps leave the slot's bits free: a cheaper sort.
 struct Victim {
   int64_t hits;
   int64_t last_seen;
@@ -153,20 +159,40 @@ struct Victim {
   }
 };
 
+struct ByHits {
+  Victim key(const Slots& slots, int64_t slot) const {
+    return {slots.hits[slot], slots.last_seen[slot], slot};
+  }
+  static int64_t slot(const Victim& victim) { return victim.slot; }
+};
+
+struct ByStep {
+  Victim key(const Slots& slots, int64_t slot) const { return {0, slots.last_seen[slot], slot}; }
+  static int64_t slot(const Victim& victim) { return victim.slot; }
+};
+
+struct Packed {
+  int bits;  // of a flat slot
+  uint64_t key(const Slots& slots, int64_t slot) const {
+    return (static_cast<uint64_t>(slots.last_seen[slot]) << bits) | static_cast<uint64_t>(slot);
+  }
+  int64_t slot(uint64_t key) const { return static_cast<int64_t>(key & ((uint64_t{1} << bits) - 1)); }
+};
+
 // Gives each key of `takers` (places among the distinct keys, in key order) a slot of
 // its bucket: the bucket's r-th taker gets its r-th victim (empty slots in slot order,
-// then the live slots that `evictable` gives up, as `Victim` orders them, sightings
-// counting where `by_hits`), -1 where none is left. Writes the taken slots (key,
+// then the live slots that `evictable` gives up, in the `order` above), -1 where none
+// is left. Writes the taken slots (key,
 // occupied, step, `total` sightings) and records the keys they held (`gone`) and the
 // new entries of the index (`added`, in key order).
-template <typename Evictable>
+template <typename Evictable, typename Order>
 int64_t take(Slots& slots, const Spec& spec, const std::vector<int64_t>& takers,
              const Distinct& distinct, const std::vector<int64_t>& total, Evictable evictable,
-             bool by_hits, std::vector<int64_t>& taken, std::vector<int64_t>& gone,
+             Order order, std::vector<int64_t>& taken, std::vector<int64_t>& gone,
              std::vector<std::pair<int64_t, int64_t>>& added) {
   int64_t held = 0;
   std::vector<int64_t> victims;
-  std::vector<Victim> ranked;  // a max-heap of the best victims so far
+  std::vector<decltype(order.key(slots, 0))> ranked;
   for (size_t a = 0; a < takers.size();) {
     const uint64_t bucket = static_cast<uint64_t>(distinct.keys[takers[a]]) / spec.width;
     size_t b = a + 1;
@@ -178,23 +204,19 @@ int64_t take(Slots& slots, const Spec& spec, const std::vector<int64_t>& takers,
     victims.clear();
     for (int64_t slot = base; slot < base + spec.rows && victims.size() < want; ++slot)
       if (!slots.occupied[slot]) victims.push_back(slot);
-    // Live slots only where the empty ones run out: a heap keeps the fewest needed.
+    // Live slots only where the empty ones run out: the fewest needed, selected, then
+    // put in order.
     const size_t needed = want - victims.size();
     ranked.clear();
-    for (int64_t slot = base; needed && slot < base + spec.rows; ++slot) {
-      if (!slots.occupied[slot] || !evictable(slot)) continue;
-      const Victim victim{by_hits ? slots.hits[slot] : 0, slots.last_seen[slot], slot};
-      if (ranked.size() < needed) {
-        ranked.push_back(victim);
-        std::push_heap(ranked.begin(), ranked.end());
-      } else if (victim < ranked.front()) {
-        std::pop_heap(ranked.begin(), ranked.end());
-        ranked.back() = victim;
-        std::push_heap(ranked.begin(), ranked.end());
-      }
+    for (int64_t slot = base; needed && slot < base + spec.rows; ++slot)
+      if (slots.occupied[slot] && evictable(slot))
+        ranked.push_back(order.key(slots, slot));
+    if (ranked.size() > needed) {
+      std::nth_element(ranked.begin(), ranked.begin() + needed, ranked.end());
+      ranked.resize(needed);
     }
-    std::sort_heap(ranked.begin(), ranked.end());
-    for (const Victim& victim : ranked) victims.push_back(victim.slot);
+    std::sort(ranked.begin(), ranked.end());
+    for (const auto& key : ranked) victims.push_back(order.slot(key));
     for (size_t r = 0; r < victims.size(); ++r) {
       const int64_t u = takers[a + r], slot = victims[r];
       if (slots.occupied[slot]) {
@@ -211,6 +233,19 @@ int64_t take(Slots& slots, const Spec& spec, const std::vector<int64_t>& takers,
     a = b;
   }
   return held;
+}
+
+// `take` in `ByStep`'s order, `Packed` where the steps leave the slot's bits free.
+template <typename Evictable>
+int64_t take_by_step(Slots& slots, const Spec& spec, const std::vector<int64_t>& takers,
+                     const Distinct& distinct, const std::vector<int64_t>& total,
+                     Evictable evictable, std::vector<int64_t>& taken,
+                     std::vector<int64_t>& gone, std::vector<std::pair<int64_t, int64_t>>& added) {
+  int bits = 1;
+  while ((int64_t{1} << bits) < spec.buckets * spec.rows) ++bits;
+  if (static_cast<uint64_t>(spec.step) < (uint64_t{1} << (64 - bits)))
+    return take(slots, spec, takers, distinct, total, evictable, Packed{bits}, taken, gone, added);
+  return take(slots, spec, takers, distinct, total, evictable, ByStep{}, taken, gone, added);
 }
 
 // A mark for each slot of the map, set at `slots`.
@@ -271,7 +306,7 @@ void embshard_remap(const int64_t* keys, int64_t n, const Spec* spec, Slots* slo
     result->outside += keys[i] < spec->lowest_key || keys[i] > spec->highest_key;
   if (result->outside) return;
   const int64_t step = spec->step;
-  const Distinct d = distinct(keys, n);
+  const Distinct d = distinct(keys, n, *spec);
   const size_t u_count = d.keys.size();
   const std::vector<int64_t> found = find(*slots, d.keys);
   std::vector<int64_t> waiting, total(d.counts);
@@ -301,17 +336,19 @@ void embshard_remap(const int64_t* keys, int64_t n, const Spec* spec, Slots* slo
     const int64_t ttl = spec->ttl_steps;
     const auto expired = [last, step, ttl](int64_t slot) { return step - last[slot] >= ttl; };
     const auto never = [](int64_t) { return false; };
-    const bool by_hits = spec->policy == kLfu;
     switch (spec->policy) {
       case kLru:
+        result->evicted = take_by_step(*slots, *spec, due, d, total, not_seen, taken, gone, added);
+        break;
       case kLfu:
-        result->evicted = take(*slots, *spec, due, d, total, not_seen, by_hits, taken, gone, added);
+        result->evicted =
+            take(*slots, *spec, due, d, total, not_seen, ByHits{}, taken, gone, added);
         break;
       case kTtl:
-        result->evicted = take(*slots, *spec, due, d, total, expired, false, taken, gone, added);
+        result->evicted = take_by_step(*slots, *spec, due, d, total, expired, taken, gone, added);
         break;
-      default:
-        result->evicted = take(*slots, *spec, due, d, total, never, false, taken, gone, added);
+      default:  // nothing is evictable: no order is needed
+        result->evicted = take(*slots, *spec, due, d, total, never, ByStep{}, taken, gone, added);
     }
   } else {
     result->evicted = 0;
@@ -354,16 +391,15 @@ void embshard_remap(const int64_t* keys, int64_t n, const Spec* spec, Slots* slo
       const std::vector<uint8_t> staying = marks(*spec, stay);
       const auto not_staying = [&staying](int64_t slot) { return !staying[slot]; };
       std::vector<int64_t> probation_taken(u_count, -1);
-      take(*probation, *spec, entering, d, total, not_staying, false, probation_taken,
-           probation_gone, probation_added);
+      take_by_step(*probation, *spec, entering, d, total, not_staying, probation_taken,
+                   probation_gone, probation_added);
     }
     merge_index(*probation, probation_gone, probation_added);
   }
 
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t u = d.inverse[i];
-    result->rows[i] = found[u] >= 0 ? found[u] : taken[u];
-  }
+  for (size_t u = 0; u < u_count; ++u)
+    if (found[u] >= 0) taken[u] = found[u];
+  for (int64_t i = 0; i < n; ++i) result->rows[i] = taken[d.inverse[i]];
 }
 
 // The initial float32 rows (n, dim) of `keys`: keys.initial_rows' counter hash, its
