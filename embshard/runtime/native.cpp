@@ -406,8 +406,6 @@ uint64_t hash_id(uint64_t z) {
   return z ^ (z >> 31);
 }
 
-}  // namespace
-
 // A DynamicIds' settings per feature (its tensors, int64 but the bool flags).
 struct Routing {
   const int64_t* width;   // keys (or raw ids) a range spans
@@ -417,6 +415,8 @@ struct Routing {
   const int64_t* base;    // where its first rows begin in firsts
   const int64_t* firsts;
 };
+
+}  // namespace
 
 extern "C" {
 
