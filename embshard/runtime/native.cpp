@@ -425,3 +425,93 @@ void embshard_initial_rows(const int64_t* keys, int64_t n, int64_t dim, int64_t 
 }
 
 }  // extern "C"
+
+// The sender's side of dynamic tables (runtime/dynamic_ids.py's DynamicIds): the batch's
+// ids feature-major, `counts[f]` of feature f's, one pass each where torch needs a
+// per-id feature, gathers of its settings and several passes over all ids.
+
+namespace {
+
+// keys.hash_ids of one raw id: splitmix64's steps on 63 bits. Torch's int64 add and
+// multiply wrap as uint64's do, so negative ids get the torch path's bits too.
+uint64_t hash_id(uint64_t z) {
+  constexpr uint64_t kMask = ~uint64_t{0} >> 1;
+  z = (z + (0x9E3779B97F4A7C15ull & kMask)) & kMask;
+  z = ((z ^ (z >> 30)) * (0xBF58476D1CE4E5B9ull & kMask)) & kMask;
+  z = ((z ^ (z >> 27)) * (0x94D049BB133111EBull & kMask)) & kMask;
+  return z ^ (z >> 31);
+}
+
+// A DynamicIds' settings per feature (its tensors, int64 but the bool flags).
+struct Routing {
+  const int64_t* width;   // keys (or raw ids) a range spans
+  const int64_t* last;    // the last range
+  const int64_t* rows;    // rows of a range's block, 0 where first rows are looked up
+  const uint8_t* ranged;  // a managed-collision feature: its firsts looked up
+  const int64_t* base;    // where its first rows begin in firsts
+  const int64_t* firsts;
+};
+
+}  // namespace
+
+extern "C" {
+
+// DynamicIds.keyed: the `n` int64 ids into `out`, the hashed features' as their keys.
+// Ids past the counts' total (none in a routable batch) are copied.
+void embshard_keyed(const int64_t* values, int64_t n, const int64_t* counts, int64_t features,
+                    const uint8_t* hashed, int64_t* out) {
+  int64_t at = 0;
+  for (int64_t f = 0; f < features; ++f) {
+    const int64_t end = std::min(n, at + std::max<int64_t>(counts[f], 0));
+    if (hashed[f]) {
+      for (; at < end; ++at) out[at] = static_cast<int64_t>(hash_id(values[at]));
+    } else {
+      std::copy(values + at, values + end, out + at);
+      at = end;
+    }
+  }
+  std::copy(values + at, values + n, out + at);
+}
+
+// DynamicIds.stand_ins: each id's stand-in (its range's first row where it is a key,
+// else the id) into `out`, and whether it is a key into `is_key`.
+void embshard_stand_ins(const int64_t* keys, int64_t n, const int64_t* counts, int64_t features,
+                        const Routing* routing, int64_t* out, uint8_t* is_key) {
+  int64_t at = 0;
+  for (int64_t f = 0; f < features; ++f) {
+    const int64_t end = std::min(n, at + std::max<int64_t>(counts[f], 0));
+    const int64_t width = routing->width[f], last = routing->last[f], rows = routing->rows[f];
+    const bool ranged = routing->ranged[f], key = rows > 0 || ranged;
+    std::fill(is_key + at, is_key + end, key);
+    if (!key) {
+      std::copy(keys + at, keys + end, out + at);
+      at = end;
+      continue;
+    }
+    const int64_t* firsts = routing->firsts + routing->base[f];
+    for (; at < end; ++at) {
+      // C++'s division truncates where torch's floors; they differ on negative ids only:
+      // a ranged feature's bucket is clamped to 0 either way (a flagged id: any row
+      // stands in), and a hashed feature's keys are never negative. The product wraps
+      // as torch's does.
+      const int64_t bucket = std::min(keys[at] / width, last);
+      out[at] = ranged ? firsts[std::max<int64_t>(bucket, 0)]
+                       : static_cast<int64_t>(static_cast<uint64_t>(bucket) *
+                                              static_cast<uint64_t>(rows));
+    }
+  }
+  std::copy(keys + at, keys + n, out + at);
+  std::fill(is_key + at, is_key + n, 0);
+}
+
+// DynamicIds.put_back: the `n` bucketized ids into `out`, each key (`is_key`) back at
+// its place `where` (a permutation of [0, n); places outside it are skipped).
+void embshard_put_back(const int64_t* bucketized, const int64_t* where, const int64_t* keys,
+                       const uint8_t* is_key, int64_t n, int64_t* out) {
+  std::copy(bucketized, bucketized + n, out);
+  for (int64_t i = 0; i < n; ++i)
+    if (is_key[i] && static_cast<uint64_t>(where[i]) < static_cast<uint64_t>(n))
+      out[where[i]] = keys[i];
+}
+
+}  // extern "C"

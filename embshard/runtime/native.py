@@ -175,3 +175,65 @@ def initial_rows(
         keys.data_ptr(), len(keys), dim, table_key, low, scale, rows.data_ptr()
     )
     return rows
+
+
+class Routing(ctypes.Structure):
+    """A DynamicIds' settings per feature (``native.cpp``'s ``Routing``)."""
+
+    _fields_ = [(name, _P) for name in ("width", "last", "rows", "ranged", "base", "firsts")]
+
+
+@functools.cache
+def _sender() -> ctypes.CDLL:
+    """The built kernels with the sender's entry points typed (once)."""
+    lib = library()
+    assert lib is not None
+    lib.embshard_keyed.argtypes = [_P, _I, _P, _I, _P, _P]
+    lib.embshard_stand_ins.argtypes = [_P, _I, _P, _I, ctypes.POINTER(Routing), _P, _P]
+    lib.embshard_put_back.argtypes = [_P, _P, _P, _P, _I, _P]
+    for kernel in (lib.embshard_keyed, lib.embshard_stand_ins, lib.embshard_put_back):
+        kernel.restype = None
+    return lib
+
+
+def keyed(values: torch.Tensor, counts: torch.Tensor, hashed: torch.Tensor) -> torch.Tensor:
+    """``DynamicIds.keyed``'s ids in one pass: the CPU int64 feature-major ``values``
+    (``counts``: ids a feature), the features flagged in the bool ``hashed`` as keys."""
+    values, counts = values.contiguous(), counts.to(torch.int64).contiguous()
+    out = torch.empty_like(values)
+    _sender().embshard_keyed(
+        values.data_ptr(), values.numel(), counts.data_ptr(), len(counts), hashed.data_ptr(),
+        out.data_ptr(),
+    )  # fmt: skip
+    return out
+
+
+def stand_ins(
+    keys: torch.Tensor, counts: torch.Tensor, settings: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``DynamicIds.stand_ins`` in one pass over the CPU int64 feature-major ``keys``
+    (``counts``: ids a feature); ``settings``: ``Routing``'s tensors, in its order
+    (contiguous, int64 but the bool ``ranged``)."""
+    keys, counts = keys.contiguous(), counts.to(torch.int64).contiguous()
+    routing = Routing(*(s.data_ptr() for s in settings))
+    out, is_key = torch.empty_like(keys), torch.empty_like(keys, dtype=torch.bool)
+    _sender().embshard_stand_ins(
+        keys.data_ptr(), keys.numel(), counts.data_ptr(), len(counts), ctypes.byref(routing),
+        out.data_ptr(), is_key.data_ptr(),
+    )  # fmt: skip
+    return out, is_key
+
+
+def put_back(
+    bucketized: torch.Tensor, where: torch.Tensor, keys: torch.Tensor, is_key: torch.Tensor
+) -> torch.Tensor:
+    """``DynamicIds.put_back`` in one pass: the CPU int64 ``bucketized`` ids with each
+    key back at its place ``where`` (int64)."""
+    bucketized, where = bucketized.contiguous(), where.contiguous()
+    keys, is_key = keys.contiguous(), is_key.contiguous()
+    out = torch.empty_like(bucketized)
+    _sender().embshard_put_back(
+        bucketized.data_ptr(), where.data_ptr(), keys.data_ptr(), is_key.data_ptr(),
+        bucketized.numel(), out.data_ptr(),
+    )  # fmt: skip
+    return out
