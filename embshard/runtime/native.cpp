@@ -1,7 +1,9 @@
-// embshard's fused CPU kernels for dynamic tables: an id map's remap in one pass over
-// its keys, and the initial rows of admitted keys. Each does what the torch operations
-// of storage/id_map.py and runtime/keys.py do, bit for bit, without their dozens of
-// passes over small tensors. Plain C entry points over raw buffers (runtime/native.py
+// embshard's fused CPU kernels for dynamic tables: on the owner, an id map's remap in
+// one pass over its keys and the initial rows of admitted keys; on the sender, raw ids
+// to keys, their routing stand-ins and the keys put back after bucketizing. Each does
+// what the torch operations of storage/id_map.py, runtime/keys.py and
+// runtime/dynamic_ids.py do, bit for bit, without their dozens of passes over small
+// tensors. Plain C entry points over raw buffers (runtime/native.py
 // loads them with ctypes): no torch headers, so building takes a second.
 
 #include <algorithm>
@@ -10,6 +12,10 @@
 #include <vector>
 
 namespace {
+
+// splitmix64's constants (runtime/keys.py).
+constexpr uint64_t kGamma = 0x9E3779B97F4A7C15ull, kMul1 = 0xBF58476D1CE4E5B9ull,
+                   kMul2 = 0x94D049BB133111EBull;
 
 constexpr int64_t kAhead = 16;  // how far ahead a loop of random reads prefetches
 
@@ -91,7 +97,7 @@ Distinct distinct(const int64_t* keys, int64_t n, const Spec& spec) {
   order.reserve(n);
   counts.reserve(n);
   const auto slot_of = [bits](int64_t key) {
-    return (static_cast<uint64_t>(key) * 0x9E3779B97F4A7C15ull) >> (64 - bits);
+    return (static_cast<uint64_t>(key) * kGamma) >> (64 - bits);
   };
   for (int64_t i = 0; i < n; ++i) {
     // The probes miss the cache: ask for a later key's entry early.
@@ -406,8 +412,6 @@ void embshard_remap(const int64_t* keys, int64_t n, const Spec* spec, Slots* slo
 // 24 top bits scaled in float64 and rounded once to float32.
 void embshard_initial_rows(const int64_t* keys, int64_t n, int64_t dim, int64_t table_key,
                            double low, double scale, float* out) {
-  constexpr uint64_t kGamma = 0x9E3779B97F4A7C15ull, kMul1 = 0xBF58476D1CE4E5B9ull,
-                     kMul2 = 0x94D049BB133111EBull;
   const auto scramble = [](uint64_t z) {
     z ^= z >> 30;
     z *= kMul1;
@@ -436,9 +440,9 @@ namespace {
 // multiply wrap as uint64's do, so negative ids get the torch path's bits too.
 uint64_t hash_id(uint64_t z) {
   constexpr uint64_t kMask = ~uint64_t{0} >> 1;
-  z = (z + (0x9E3779B97F4A7C15ull & kMask)) & kMask;
-  z = ((z ^ (z >> 30)) * (0xBF58476D1CE4E5B9ull & kMask)) & kMask;
-  z = ((z ^ (z >> 27)) * (0x94D049BB133111EBull & kMask)) & kMask;
+  z = (z + (kGamma & kMask)) & kMask;
+  z = ((z ^ (z >> 30)) * (kMul1 & kMask)) & kMask;
+  z = ((z ^ (z >> 27)) * (kMul2 & kMask)) & kMask;
   return z ^ (z >> 31);
 }
 

@@ -1,8 +1,9 @@
 """embshard's fused CPU kernels (``native.cpp``), built on first use and loaded with ctypes.
 
-The id map's remap and the initial rows of admitted keys are dozens of torch
-operations over small tensors; on CPU one C++ pass each does the same work several
-times faster, bit for bit. The source needs no torch headers: the system's C++
+The id map's remap, the initial rows of admitted keys, and the sender's raw ids to
+keys, routing stand-ins and keys put back are dozens of torch operations over small
+tensors; on CPU one C++ pass each does the same work several times faster, bit for
+bit. The source needs no torch headers: the system's C++
 compiler (``$CXX``, else ``c++``) builds it in about a second into
 ``$EMBSHARD_CACHE`` (default ``~/.cache/embshard``), once per source and compiler.
 Where it cannot be built, or with ``EMBSHARD_NATIVE=0``, dynamic tables run on the
@@ -77,6 +78,12 @@ class Result(ctypes.Structure):
     ]
 
 
+class Routing(ctypes.Structure):
+    """A DynamicIds' settings per feature (``native.cpp``'s ``Routing``)."""
+
+    _fields_ = [(name, _P) for name in ("width", "last", "rows", "ranged", "base", "firsts")]
+
+
 def available(tensor: torch.Tensor) -> bool:
     """Whether the kernels run on ``tensor``'s device: built, on and on CPU."""
     return tensor.device.type == "cpu" and library() is not None
@@ -112,6 +119,18 @@ def library() -> ctypes.CDLL | None:
     lib.embshard_remap.restype = None
     lib.embshard_initial_rows.argtypes = [_P, _I, _I, _I, ctypes.c_double, ctypes.c_double, _P]
     lib.embshard_initial_rows.restype = None
+    lib.embshard_keyed.argtypes = [_P, _I, _P, _I, _P, _P]
+    lib.embshard_stand_ins.argtypes = [_P, _I, _P, _I, ctypes.POINTER(Routing), _P, _P]
+    lib.embshard_put_back.argtypes = [_P, _P, _P, _P, _I, _P]
+    for kernel in (lib.embshard_keyed, lib.embshard_stand_ins, lib.embshard_put_back):
+        kernel.restype = None
+    return lib
+
+
+def _library() -> ctypes.CDLL:
+    """The built kernels, for a caller that ``available`` sent here."""
+    lib = library()
+    assert lib is not None, "the CPU kernels are not built"
     return lib
 
 
@@ -150,9 +169,7 @@ def remap(
     key; the counts say how many)."""
     rows, admitted, admitted_keys = torch.empty(3, len(keys), dtype=torch.int64)
     result = Result(rows.data_ptr(), admitted.data_ptr(), admitted_keys.data_ptr())
-    lib = library()
-    assert lib is not None
-    lib.embshard_remap(
+    _library().embshard_remap(
         keys.data_ptr(),
         len(keys),
         ctypes.byref(spec),
@@ -169,31 +186,10 @@ def initial_rows(
     """``keys.initial_rows``' float32 rows of the CPU int64 ``keys``, in one pass."""
     keys = keys.contiguous()
     rows = torch.empty(len(keys), dim, dtype=torch.float32)
-    lib = library()
-    assert lib is not None
-    lib.embshard_initial_rows(
+    _library().embshard_initial_rows(
         keys.data_ptr(), len(keys), dim, table_key, low, scale, rows.data_ptr()
     )
     return rows
-
-
-class Routing(ctypes.Structure):
-    """A DynamicIds' settings per feature (``native.cpp``'s ``Routing``)."""
-
-    _fields_ = [(name, _P) for name in ("width", "last", "rows", "ranged", "base", "firsts")]
-
-
-@functools.cache
-def _sender() -> ctypes.CDLL:
-    """The built kernels with the sender's entry points typed (once)."""
-    lib = library()
-    assert lib is not None
-    lib.embshard_keyed.argtypes = [_P, _I, _P, _I, _P, _P]
-    lib.embshard_stand_ins.argtypes = [_P, _I, _P, _I, ctypes.POINTER(Routing), _P, _P]
-    lib.embshard_put_back.argtypes = [_P, _P, _P, _P, _I, _P]
-    for kernel in (lib.embshard_keyed, lib.embshard_stand_ins, lib.embshard_put_back):
-        kernel.restype = None
-    return lib
 
 
 def keyed(values: torch.Tensor, counts: torch.Tensor, hashed: torch.Tensor) -> torch.Tensor:
@@ -201,10 +197,14 @@ def keyed(values: torch.Tensor, counts: torch.Tensor, hashed: torch.Tensor) -> t
     (``counts``: ids a feature), the features flagged in the bool ``hashed`` as keys."""
     values, counts = values.contiguous(), counts.to(torch.int64).contiguous()
     out = torch.empty_like(values)
-    _sender().embshard_keyed(
-        values.data_ptr(), values.numel(), counts.data_ptr(), len(counts), hashed.data_ptr(),
+    _library().embshard_keyed(
+        values.data_ptr(),
+        values.numel(),
+        counts.data_ptr(),
+        len(counts),
+        hashed.data_ptr(),
         out.data_ptr(),
-    )  # fmt: skip
+    )
     return out
 
 
@@ -217,10 +217,15 @@ def stand_ins(
     keys, counts = keys.contiguous(), counts.to(torch.int64).contiguous()
     routing = Routing(*(s.data_ptr() for s in settings))
     out, is_key = torch.empty_like(keys), torch.empty_like(keys, dtype=torch.bool)
-    _sender().embshard_stand_ins(
-        keys.data_ptr(), keys.numel(), counts.data_ptr(), len(counts), ctypes.byref(routing),
-        out.data_ptr(), is_key.data_ptr(),
-    )  # fmt: skip
+    _library().embshard_stand_ins(
+        keys.data_ptr(),
+        keys.numel(),
+        counts.data_ptr(),
+        len(counts),
+        ctypes.byref(routing),
+        out.data_ptr(),
+        is_key.data_ptr(),
+    )
     return out, is_key
 
 
@@ -232,8 +237,12 @@ def put_back(
     bucketized, where = bucketized.contiguous(), where.contiguous()
     keys, is_key = keys.contiguous(), is_key.contiguous()
     out = torch.empty_like(bucketized)
-    _sender().embshard_put_back(
-        bucketized.data_ptr(), where.data_ptr(), keys.data_ptr(), is_key.data_ptr(),
-        bucketized.numel(), out.data_ptr(),
-    )  # fmt: skip
+    _library().embshard_put_back(
+        bucketized.data_ptr(),
+        where.data_ptr(),
+        keys.data_ptr(),
+        is_key.data_ptr(),
+        bucketized.numel(),
+        out.data_ptr(),
+    )
     return out
