@@ -69,14 +69,35 @@ struct Distinct {
   std::vector<int64_t> inverse;
 };
 
+// A call's temporaries (megabytes on a large map), kept per thread between calls:
+// fresh memory costs a page fault a page.
+struct Scratch {
+  std::vector<uint64_t> table;
+  std::vector<int32_t> place_of;
+  std::vector<std::pair<uint64_t, int64_t>> order, sorted;
+  std::vector<int64_t> counts, first_seen, place, start, next;
+  Distinct distinct;
+  std::vector<int64_t> found, waiting, total, due, seen, taken, gone;
+  std::vector<std::pair<int64_t, int64_t>> added;
+  std::vector<uint8_t> marked;
+};
+
+Scratch& scratch() {
+  static thread_local Scratch kept;
+  return kept;
+}
+
 // `items` (key, payload) sorted by key: counted into the map's buckets (each a range
 // of keys), then each bucket's few sorted in cache.
 void sort_by_bucket(std::vector<std::pair<uint64_t, int64_t>>& items, const Spec& spec) {
-  std::vector<int64_t> start(spec.buckets + 1, 0);
+  std::vector<int64_t>& start = scratch().start;
+  start.assign(spec.buckets + 1, 0);
   for (const auto& item : items) start[item.first / spec.width - spec.first + 1]++;
   for (int64_t b = 0; b < spec.buckets; ++b) start[b + 1] += start[b];
-  std::vector<std::pair<uint64_t, int64_t>> sorted(items.size());
-  std::vector<int64_t> next(start.begin(), start.end() - 1);
+  std::vector<std::pair<uint64_t, int64_t>>& sorted = scratch().sorted;
+  sorted.resize(items.size());
+  std::vector<int64_t>& next = scratch().next;
+  next.assign(start.begin(), start.end() - 1);
   for (const auto& item : items) sorted[next[item.first / spec.width - spec.first]++] = item;
   for (int64_t b = 0; b < spec.buckets; ++b)
     std::sort(sorted.begin() + start[b], sorted.begin() + start[b + 1]);
@@ -85,17 +106,21 @@ void sort_by_bucket(std::vector<std::pair<uint64_t, int64_t>>& items, const Spec
 
 // The distinct keys by a hash table (keys are below 2**63: all ones marks an empty
 // entry; keys and places apart, so a probe reads one cache line), then sorted.
-Distinct distinct(const int64_t* keys, int64_t n, const Spec& spec) {
+const Distinct& distinct(const int64_t* keys, int64_t n, const Spec& spec) {
   constexpr uint64_t kEmpty = ~uint64_t{0};
   int bits = 4;
   while ((int64_t{1} << bits) < n + n / 2) ++bits;
   const uint64_t mask = (uint64_t{1} << bits) - 1;
-  std::vector<uint64_t> table(mask + 1, kEmpty);
-  std::vector<int32_t> place_of(mask + 1);
-  std::vector<std::pair<uint64_t, int64_t>> order;
-  std::vector<int64_t> counts, first_seen(n);
-  order.reserve(n);
-  counts.reserve(n);
+  Scratch& kept = scratch();
+  std::vector<uint64_t>& table = kept.table;
+  table.assign(mask + 1, kEmpty);
+  std::vector<int32_t>& place_of = kept.place_of;
+  place_of.resize(mask + 1);
+  std::vector<std::pair<uint64_t, int64_t>>& order = kept.order;
+  order.clear();
+  std::vector<int64_t>&counts = kept.counts, &first_seen = kept.first_seen;
+  counts.clear();
+  first_seen.resize(n);
   const auto slot_of = [bits](int64_t key) {
     return (static_cast<uint64_t>(key) * kGamma) >> (64 - bits);
   };
@@ -115,10 +140,11 @@ Distinct distinct(const int64_t* keys, int64_t n, const Spec& spec) {
     counts[place_of[at]]++;
   }
   sort_by_bucket(order, spec);
-  Distinct out;
+  Distinct& out = kept.distinct;
   out.keys.resize(order.size());
   out.counts.resize(order.size());
-  std::vector<int64_t> place(order.size());
+  std::vector<int64_t>& place = kept.place;
+  place.resize(order.size());
   for (size_t u = 0; u < order.size(); ++u) {
     out.keys[u] = static_cast<int64_t>(order[u].first);
     out.counts[u] = counts[order[u].second];
@@ -142,14 +168,13 @@ int64_t gallop(const int64_t* keys, int64_t size, int64_t from, int64_t key) {
 }
 
 // Each of the sorted distinct `keys`' flat slot in `slots`, -1 where it is not live.
-std::vector<int64_t> find(const Slots& slots, const std::vector<int64_t>& keys) {
-  std::vector<int64_t> found(keys.size(), -1);
+void find(const Slots& slots, const std::vector<int64_t>& keys, std::vector<int64_t>& found) {
+  found.assign(keys.size(), -1);
   int64_t at = 0;
   for (size_t u = 0; u < keys.size(); ++u) {
     at = gallop(slots.index_keys, slots.index_size, at, keys[u]);
     if (at < slots.index_size && slots.index_keys[at] == keys[u]) found[u] = slots.index_slots[at];
   }
-  return found;
 }
 
 // The orders of a bucket's live victims: fewer sightings first (LFU only), then seen
@@ -255,8 +280,9 @@ int64_t take_by_step(Slots& slots, const Spec& spec, const std::vector<int64_t>&
 }
 
 // A mark for each slot of the map, set at `slots`.
-std::vector<uint8_t> marks(const Spec& spec, const std::vector<int64_t>& slots) {
-  std::vector<uint8_t> marked(spec.buckets * spec.rows, 0);
+const std::vector<uint8_t>& marks(const Spec& spec, const std::vector<int64_t>& slots) {
+  std::vector<uint8_t>& marked = scratch().marked;
+  marked.assign(spec.buckets * spec.rows, 0);
   for (int64_t slot : slots) marked[slot] = 1;
   return marked;
 }
@@ -312,18 +338,22 @@ void embshard_remap(const int64_t* keys, int64_t n, const Spec* spec, Slots* slo
     result->outside += keys[i] < spec->lowest_key || keys[i] > spec->highest_key;
   if (result->outside) return;
   const int64_t step = spec->step;
-  const Distinct d = distinct(keys, n, *spec);
+  const Distinct& d = distinct(keys, n, *spec);
   const size_t u_count = d.keys.size();
-  const std::vector<int64_t> found = find(*slots, d.keys);
-  std::vector<int64_t> waiting, total(d.counts);
+  Scratch& kept = scratch();
+  std::vector<int64_t>&found = kept.found, &waiting = kept.waiting, &total = kept.total;
+  find(*slots, d.keys, found);
+  total.assign(d.counts.begin(), d.counts.end());
   if (probation) {
-    waiting = find(*probation, d.keys);
+    find(*probation, d.keys, waiting);
     for (size_t u = 0; u < u_count; ++u)
       if (waiting[u] >= 0) total[u] += probation->hits[waiting[u]];
   }
 
   // Live keys are seen; the others with enough sightings are due a slot.
-  std::vector<int64_t> due, seen;
+  std::vector<int64_t>&due = kept.due, &seen = kept.seen;
+  due.clear();
+  seen.clear();
   for (size_t u = 0; u < u_count; ++u) {
     if (found[u] >= 0) {
       slots->last_seen[found[u]] = step;
@@ -333,10 +363,13 @@ void embshard_remap(const int64_t* keys, int64_t n, const Spec* spec, Slots* slo
       due.push_back(static_cast<int64_t>(u));
     }
   }
-  std::vector<int64_t> taken(u_count, -1), gone;
-  std::vector<std::pair<int64_t, int64_t>> added;
+  std::vector<int64_t>&taken = kept.taken, &gone = kept.gone;
+  taken.assign(u_count, -1);
+  gone.clear();
+  std::vector<std::pair<int64_t, int64_t>>& added = kept.added;
+  added.clear();
   if (!due.empty()) {
-    const std::vector<uint8_t> seen_now = marks(*spec, seen);
+    const std::vector<uint8_t>& seen_now = marks(*spec, seen);
     const int64_t* last = slots->last_seen;
     const auto not_seen = [&seen_now](int64_t slot) { return !seen_now[slot]; };
     const int64_t ttl = spec->ttl_steps;
@@ -394,7 +427,7 @@ void embshard_remap(const int64_t* keys, int64_t n, const Spec* spec, Slots* slo
       }
     }
     if (!entering.empty()) {
-      const std::vector<uint8_t> staying = marks(*spec, stay);
+      const std::vector<uint8_t>& staying = marks(*spec, stay);
       const auto not_staying = [&staying](int64_t slot) { return !staying[slot]; };
       std::vector<int64_t> probation_taken(u_count, -1);
       take_by_step(*probation, *spec, entering, d, total, not_staying, probation_taken,
