@@ -72,8 +72,7 @@ struct Distinct {
 // A call's temporaries (megabytes on a large map), kept per thread between calls:
 // fresh memory costs a page fault a page.
 struct Scratch {
-  std::vector<uint64_t> table;
-  std::vector<int32_t> place_of;
+  std::vector<std::pair<uint64_t, int64_t>> table;
   std::vector<std::pair<uint64_t, int64_t>> order, sorted;
   std::vector<int64_t> counts, first_seen, place, start, next;
   Distinct distinct;
@@ -104,18 +103,16 @@ void sort_by_bucket(std::vector<std::pair<uint64_t, int64_t>>& items, const Spec
   items.swap(sorted);
 }
 
-// The distinct keys by a hash table (keys are below 2**63: all ones marks an empty
-// entry; keys and places apart, so a probe reads one cache line), then sorted.
+// The distinct keys by a hash table of (key, place among them) (keys are below 2**63:
+// all ones marks an empty entry), then sorted.
 const Distinct& distinct(const int64_t* keys, int64_t n, const Spec& spec) {
   constexpr uint64_t kEmpty = ~uint64_t{0};
   int bits = 4;
   while ((int64_t{1} << bits) < n + n / 2) ++bits;
   const uint64_t mask = (uint64_t{1} << bits) - 1;
   Scratch& kept = scratch();
-  std::vector<uint64_t>& table = kept.table;
-  table.assign(mask + 1, kEmpty);
-  std::vector<int32_t>& place_of = kept.place_of;
-  place_of.resize(mask + 1);
+  std::vector<std::pair<uint64_t, int64_t>>& table = kept.table;
+  table.assign(mask + 1, {kEmpty, 0});
   std::vector<std::pair<uint64_t, int64_t>>& order = kept.order;
   order.clear();
   std::vector<int64_t>&counts = kept.counts, &first_seen = kept.first_seen;
@@ -129,15 +126,14 @@ const Distinct& distinct(const int64_t* keys, int64_t n, const Spec& spec) {
     if (i + kAhead < n) __builtin_prefetch(&table[slot_of(keys[i + kAhead])]);
     const uint64_t key = static_cast<uint64_t>(keys[i]);
     uint64_t at = slot_of(keys[i]);
-    while (table[at] != kEmpty && table[at] != key) at = (at + 1) & mask;
-    if (table[at] == kEmpty) {
-      table[at] = key;
-      place_of[at] = static_cast<int32_t>(order.size());
+    while (table[at].first != kEmpty && table[at].first != key) at = (at + 1) & mask;
+    if (table[at].first == kEmpty) {
+      table[at] = {key, static_cast<int64_t>(order.size())};
       order.emplace_back(key, static_cast<int64_t>(order.size()));
       counts.push_back(0);
     }
-    first_seen[i] = place_of[at];
-    counts[place_of[at]]++;
+    first_seen[i] = table[at].second;
+    counts[table[at].second]++;
   }
   sort_by_bucket(order, spec);
   Distinct& out = kept.distinct;
