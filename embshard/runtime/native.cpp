@@ -4,7 +4,7 @@
 // what the torch operations of storage/id_map.py, runtime/keys.py and
 // runtime/dynamic_ids.py do, bit for bit, without their dozens of passes over small
 // tensors. Plain C entry points over raw buffers (runtime/native.py
-// loads them with ctypes): no torch headers, so building takes a second.
+// loads them with ctypes): no torch headers, so building takes seconds, not minutes.
 
 #include <algorithm>
 #include <cstdint>

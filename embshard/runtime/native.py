@@ -3,12 +3,11 @@
 The id map's remap, the initial rows of admitted keys, and the sender's raw ids to
 keys, routing stand-ins and keys put back are dozens of torch operations over small
 tensors; on CPU one C++ pass each does the same work several times faster, bit for
-bit. The source needs no torch headers: the system's C++
-compiler (``$CXX``, else ``c++``) builds it in about a second into
-``$EMBSHARD_CACHE`` (default ``~/.cache/embshard``), once per source and compiler.
-Where it cannot be built, or with ``EMBSHARD_NATIVE=0``, dynamic tables run on the
-torch operations (the same results, slower) after one warning. CUDA tensors always
-take the torch operations.
+bit. The source needs no torch headers: the system's C++ compiler (``$CXX``, else
+``c++``) builds it in a few seconds into ``$EMBSHARD_CACHE`` (default
+``~/.cache/embshard``), once per source and compiler. Where it cannot be built, or
+with ``EMBSHARD_NATIVE=0``, dynamic tables run on the torch operations (the same
+results, slower) after one warning. CUDA tensors always take the torch operations.
 """
 
 from __future__ import annotations
