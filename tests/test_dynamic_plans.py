@@ -22,7 +22,7 @@ from embshard.app.cli import main as cli
 from embshard.app.config import load_config
 from embshard.app.data import build_data
 from embshard.app.planning import count_traffic, lookup_balanced_plan, plan_config, topology_for
-from embshard.errors import PlanningError
+from embshard.errors import ConfigError, PlanningError
 from embshard.plan.specs import Kind, column_wise, row_wise, table_wise
 from embshard.planner.search import (
     CPU_REMAP_RATE,
@@ -342,3 +342,20 @@ def test_planning_md_shows_the_commands_output():
     assert len(lines) > 10
     for line in lines:
         assert any(line == out for out in output), f"not in the output, in order: {line!r}"
+
+
+@pytest.mark.parametrize(("text", "rate"), [("1.2e6", 1.2e6), ("3e5", 3e5), ("2.5E+4", 2.5e4)])
+def test_a_rate_written_with_an_exponent_is_a_number(tmp_path, text: str, rate: float):
+    """PyYAML (YAML 1.1) reads ``1.2e6`` as a string; a float field takes it."""
+    path = tmp_path / "dynamic.yaml"
+    path.write_text(
+        Path("configs/dynamic.yaml").read_text() + f"topology: {{remap_rate: {text}}}\n"
+    )
+    assert topology_for(load_config(path, use="plan"), 2).remap_rate == rate
+
+
+def test_a_rate_that_is_no_number_is_refused(tmp_path):
+    path = tmp_path / "dynamic.yaml"
+    path.write_text(Path("configs/dynamic.yaml").read_text() + "topology: {remap_rate: fast}\n")
+    with pytest.raises(ConfigError, match="remap_rate: expected float, got 'fast'"):
+        load_config(path, use="plan")

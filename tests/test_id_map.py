@@ -1,6 +1,7 @@
 """The id map against a plain reference written here: Python lists of slots per bucket,
 the same policies and tie rules, and the hashes on Python ints (with the key hash's
-inverse, to show it is one-to-one)."""
+inverse, to show it is one-to-one). Every test runs twice on CPU: on the fused kernel
+(runtime/native.cpp) and on the torch operations that CUDA runs."""
 
 from __future__ import annotations
 
@@ -15,10 +16,25 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from embshard.errors import CheckpointError, InputError, PlanError
+from embshard.runtime import native
 from embshard.runtime.keys import bucket_of, hash_ids, initial_rows
 from embshard.storage.id_map import IdMap, IdMapSpec
 
 M64, M63 = (1 << 64) - 1, (1 << 63) - 1
+
+LIBRARY = native.library()
+
+
+@pytest.fixture(autouse=True, params=["kernel", "torch"])
+def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The kernel where it built (CI builds it: a missing build fails here), else the
+    torch operations."""
+    if request.param == "kernel":
+        assert LIBRARY is not None, "the CPU kernels did not build"
+    monkeypatch.setattr(native, "library", lambda: LIBRARY if request.param == "kernel" else None)
+    return request.param
+
+
 EXTREMES = [0, 1, 2, 3, 2**63 - 1, 2**63 - 2, 2**62, 2**62 - 1, 2**32, 2**32 - 1]
 GAMMA, MUL1, MUL2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
@@ -460,24 +476,33 @@ def test_the_index_of_live_keys_follows_evictions_probation_and_loads(policy: st
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "ttl"])
-def test_steps_too_large_to_pack_with_a_slot_give_the_reference(policy: str) -> None:
-    """Victims pack ((sightings,) last step, slot) in one int64 while they fit; past
-    that they are ranked by stable sorts: both give the reference, across the switch
-    (lfu's sightings take bits too: here it sorts throughout)."""
+@pytest.mark.parametrize("rows_per_bucket", [3, 16])
+def test_steps_too_large_to_pack_with_a_slot_give_the_reference(
+    policy: str, rows_per_bucket: int
+) -> None:
+    """Victims pack ((sightings,) last step, slot) in one integer while they fit; past
+    that they are ranked by sorts: both give the reference, across the switch (the
+    torch operations' at 2**59 with 3 rows, the kernel's at 2**59 with 32 slots; lfu's
+    sightings take bits too: torch sorts throughout)."""
     spec = IdMapSpec(
-        buckets=2, rows_per_bucket=3, policy=policy, ttl_steps=2 if policy == "ttl" else None
+        buckets=2,
+        rows_per_bucket=rows_per_bucket,
+        policy=policy,
+        ttl_steps=2 if policy == "ttl" else None,
     )
     idmap, ref = IdMap(spec), Reference(spec, 0, 2)
-    pool = keys_of(list(range(30)))
-    for step, ids in id_stream(pool, seed=11, steps=30):
-        step += 2**59 - 15  # 2 bits of slot: packing stops at 2**59
+    pool = keys_of(list(range(10 * rows_per_bucket)))
+    evictions = 0
+    for step, ids in id_stream(pool, seed=11, steps=60):
+        step += 2**59 - 15
         rows, admitted, evicted, overflow = ref.remap(ids, step)
+        evictions += evicted
         got = idmap.remap(torch.tensor(ids, dtype=torch.int64), step)
         assert got.rows.tolist() == rows
         assert list(zip(got.admitted.tolist(), got.admitted_keys.tolist())) == admitted
         assert (got.evicted.item(), got.overflow.item()) == (evicted, overflow)
         assert slot_states(idmap) == ref_states(ref.slots)
-    assert step >= 2**59
+    assert step >= 2**59 and evictions > 0
 
 
 def test_initial_rows_of_a_large_batch_are_the_reference() -> None:
@@ -488,3 +513,66 @@ def test_initial_rows_of_a_large_batch_are_the_reference() -> None:
     rows = initial_rows(keys, 64, 2, "big", (-0.5, 0.5))
     for i in (0, 4095, 4096, 4097, 8191, 8192, 8999):
         assert rows[i].tolist() == ref_initial(keys[i].item(), 64, 2, "big", -0.5, 0.5)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "ttl", "none"])
+@pytest.mark.parametrize("admit_after", [1, 2])
+def test_the_kernel_and_the_torch_operations_agree_on_busy_maps(
+    policy: str, admit_after: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Larger maps than the reference's, full and evicting, on skewed ids with repeats
+    and steps repeated: the kernel's results, slots, probation and index are the torch
+    operations'."""
+    assert LIBRARY is not None
+    spec = IdMapSpec(
+        buckets=40,
+        rows_per_bucket=24,
+        policy=policy,
+        ttl_steps=3 if policy == "ttl" else None,
+        admit_after=admit_after,
+    )
+    maps = {"kernel": IdMap(spec, 5, 33), "torch": IdMap(spec, 5, 33)}
+    generator = torch.Generator().manual_seed(13)
+    width = -(-(2**63) // 40)
+    for step in range(60):
+        raws = (torch.rand(1500, generator=generator) ** 3 * 4000).long() + step * 20
+        keys = hash_ids(raws)
+        keys = keys[(keys >= 5 * width) & (keys < 33 * width)]
+        results = {}
+        for path, idmap in maps.items():
+            monkeypatch.setattr(
+                native, "library", lambda p=path: LIBRARY if p == "kernel" else None
+            )
+            results[path] = idmap.remap(keys, step // 2)
+        for field in ("rows", "admitted", "admitted_keys", "evicted", "overflow"):
+            assert torch.equal(getattr(results["kernel"], field), getattr(results["torch"], field))
+    kernel, torch_ops = maps["kernel"], maps["torch"]
+    assert kernel.state_dict().keys() == torch_ops.state_dict().keys()
+    for name, tensor in kernel.state_dict().items():
+        assert torch.equal(tensor, torch_ops.state_dict()[name]), name
+    for table in ("slots", "probation"):
+        a, b = getattr(kernel, table), getattr(torch_ops, table)
+        if a is not None:
+            assert torch.equal(a.index_keys, b.index_keys) and torch.equal(
+                a.index_slots, b.index_slots
+            )
+    stats = kernel.state_dict()
+    assert stats["occupied"].all() or policy == "ttl"
+
+
+def test_without_a_compiler_the_torch_operations_run_after_a_warning(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.undo()  # the real loader, not the fixture's stand-in
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("EMBSHARD_CACHE", str(tmp_path))
+    native.library.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="did not build with"):
+            assert native.library() is None
+        spec = IdMapSpec(buckets=2, rows_per_bucket=2)
+        got = IdMap(spec).remap(hash_ids(torch.tensor([1, 2, 1])), 0)
+        assert got.rows[0] == got.rows[2] >= 0
+    finally:
+        monkeypatch.undo()
+        native.library.cache_clear()

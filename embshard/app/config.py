@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from embshard.plan.specs import Kind, ShardingPlan, plural, yaml_problem
 from embshard.planner.search import DYNAMIC_KINDS
 from embshard.storage.id_map import IdMapSpec
 from embshard.storage.optimizers import FUSED_OPTIMIZERS, device_problem
+
+_EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 SPARSE_OPTIMIZERS = list(FUSED_OPTIMIZERS)
 DENSE_OPTIMIZERS = ["sgd", "adagrad", "adam"]  # torch.optim's, for the dense layers
@@ -288,6 +291,8 @@ def _parse(kind: Any, value: Any, where: str) -> Any:
         return _dataclass(kind, value, where)
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if kind is float and isinstance(value, str) and _EXPONENT.fullmatch(value):
+        return float(value)  # YAML 1.1 (PyYAML) reads 1e9 and 1.2e6 as strings
     if (kind is int and isinstance(value, bool)) or not isinstance(value, kind):
         raise ConfigError(f"{where}: expected {kind.__name__}, got {value!r}")
     return value

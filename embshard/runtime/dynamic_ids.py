@@ -10,6 +10,10 @@ keys then take the place of those stand-ins in the bucketized ids.
 A managed-collision table's raw ids (``Routes.feature_ranges``) are routed the same way,
 unhashed: by input range, each range's ids to one row block (its first row the stand-in,
 blocks of any sizes), as TorchRec's sharded managed-collision modules route them.
+
+On CPU each step is one pass of a fused kernel (``runtime/native.cpp``) where torch
+needs a per-id feature and several passes over all ids; the torch operations stay for
+CUDA and where the kernels cannot be built, with the same results.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import replace
 
 import torch
 
+from embshard.runtime import native
 from embshard.runtime.batch import LocalBatch
 from embshard.runtime.keys import KEY_LIMIT, bucket_width, hash_ids
 from embshard.runtime.routes import Routes
@@ -52,6 +57,9 @@ class DynamicIds:
         values = batch.values.long()
         if not self._any_hashed:
             return replace(batch, values=values)
+        if native.available(values):
+            counts = batch.routable_lengths.sum(1)
+            return replace(batch, values=native.keyed(values, counts, self._hashed))
         hashed = self._hashed[self._feature_of(batch.routable_lengths, values)]
         return replace(batch, values=torch.where(hashed, hash_ids(values), values))
 
@@ -60,6 +68,9 @@ class DynamicIds:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """What the bucketizer routes by: each key's bucket's first row in place of the
         key (other ids as they are), and which ids are keys."""
+        if native.available(keys):
+            settings = (self._width, self._last, self._rows, self._ranged, self._base, self._firsts)
+            return native.stand_ins(keys, lengths.sum(1), settings)
         feature = self._feature_of(lengths, keys)
         bucket = torch.minimum(keys // self._width[feature], self._last[feature])
         first = bucket * self._rows[feature]
@@ -78,6 +89,8 @@ class DynamicIds:
         """A pass's bucketized ids with the keys back in place of their stand-ins;
         ``where``: FBGEMM's unbucketize permutation (where each id went)."""
         where = where.long()
+        if native.available(keys):
+            return native.put_back(bucketized, where, keys, is_key)
         moved = torch.empty_like(keys).scatter_(0, where, keys)
         return torch.where(torch.empty_like(is_key).scatter_(0, where, is_key), moved, bucketized)
 

@@ -13,6 +13,8 @@ import hashlib
 
 import torch
 
+from embshard.runtime import native
+
 _MASK64 = (1 << 64) - 1
 KEY_LIMIT = 1 << 63  # keys, and the raw ids they come from, are in [0, KEY_LIMIT)
 _MASK63 = KEY_LIMIT - 1
@@ -104,16 +106,19 @@ def initial_rows(
     Value ``[i, c]`` is a counter-based hash of (seed, table, key, column): it does not
     depend on the row the key got, the batch, the device or the world size."""
     low, high = bounds
+    # 24 bits, exact in [0, 1): scaling by 2**-24 rounds nothing, so folding it into
+    # (high - low) gives the same float64 values.
+    factor = 2.0**-24 * (high - low)
+    if native.available(keys):
+        return native.initial_rows(keys.to(torch.int64), dim, _table_key(seed, table), low, factor)
     # mix64(key + column) is the finalizer of (key + _GAMMA) + column; its last
     # xor-shift (by 31) leaves the top 33 bits as they are, and only the top 24 are kept.
     start = mix64(keys.to(torch.int64) ^ _table_key(seed, table)).add_(_GAMMA)
     columns = torch.arange(dim, dtype=torch.int64, device=keys.device)
     rows = torch.empty(len(keys), dim, dtype=torch.float32, device=keys.device)
-    # 24 bits, exact in [0, 1): scaling by 2**-24 rounds nothing, so folding it into
-    # (high - low) gives the same float64 values. A float64 0-d tensor makes the
-    # multiply convert the int64 bits and compute in float64 in one pass; the add
-    # computes in float64 and rounds once to the float32 rows.
-    scale = torch.tensor(2.0**-24 * (high - low), dtype=torch.float64, device=keys.device)
+    # A float64 0-d tensor makes the multiply convert the int64 bits and compute in
+    # float64 in one pass; the add computes in float64 and rounds once to the float32 rows.
+    scale = torch.tensor(factor, dtype=torch.float64, device=keys.device)
     step = max(1, _CHUNK // max(dim, 1))
     for first in range(0, len(keys), step):
         bits = start[first : first + step, None] + columns

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from embshard.errors import CheckpointError, InputError, PlanError
+from embshard.runtime import native
 from embshard.runtime.keys import KEY_LIMIT, bucket_of, bucket_width
 
 POLICIES = ("lru", "lfu", "ttl", "none")
@@ -171,6 +172,9 @@ class _Slots:
     index_slots: torch.Tensor
     newest: int  # no step seen is later: victims may pack it with a slot
     packed: bool
+    # The CPU kernel's index buffers: those behind the index, and a spare pair.
+    _held: tuple[torch.Tensor, torch.Tensor] | None = None
+    _spare: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __init__(self, buckets: int, rows: int, device: torch.device) -> None:
         for name, dtype in self.dtypes:
@@ -327,6 +331,38 @@ class _Slots:
     def tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self.names}
 
+    def native(self, room: int) -> tuple[native.Slots, tuple[torch.Tensor, torch.Tensor]]:
+        """The slots and index as the CPU kernel takes them, and the buffers it writes
+        the new index into (``room``: the most keys it may add): the spare pair, kept
+        between calls, as fresh memory costs a page fault a page."""
+        size = len(self.index_keys) + room
+        if self._spare is None or len(self._spare[0]) < size:
+            size += size // 4
+            self._spare = (self.index_keys.new_empty(size), self.index_slots.new_empty(size))
+        self.index_keys = self.index_keys.contiguous()
+        self.index_slots = self.index_slots.contiguous()
+        struct = native.Slots(
+            *(getattr(self, name).data_ptr() for name in self.names),
+            self.index_keys.data_ptr(),
+            self.index_slots.data_ptr(),
+            len(self.index_keys),
+            self._spare[0].data_ptr(),
+            self._spare[1].data_ptr(),
+            0,
+        )
+        return struct, self._spare
+
+    def adopt(
+        self, struct: native.Slots, out: tuple[torch.Tensor, torch.Tensor], step: int
+    ) -> None:
+        """Take the index the CPU kernel wrote into ``out`` (unless it left it as it
+        was); the buffers of the index it replaces are the next spare pair."""
+        if struct.out_index_size >= 0:
+            self.index_keys = out[0][: struct.out_index_size]
+            self.index_slots = out[1][: struct.out_index_size]
+            self._spare, self._held = self._held, out
+        self.newest = max(self.newest, step)
+
 
 class IdMap:
     """The id map of buckets ``[first, last)`` of ``spec``, on ``device``.
@@ -357,9 +393,8 @@ class IdMap:
             else None
         )
 
-    def _check(self, keys: torch.Tensor, step: int) -> torch.Tensor:
-        """Raises on a bad type, device or step; the mask of the keys outside the map's
-        buckets, which ``_refuse`` raises on once read (no host sync)."""
+    def _check(self, keys: torch.Tensor, step: int) -> None:
+        """Raises on a bad type, device or step."""
         where = self._where()
         if not isinstance(keys, torch.Tensor) or keys.dtype != torch.int64 or keys.dim() != 1:
             got = (
@@ -373,15 +408,23 @@ class IdMap:
         lowest = self.step or 0
         if not isinstance(step, int) or not lowest <= step < _STEP_LIMIT:
             raise InputError(f"{where}: step must be an int in [{lowest}, 2**61), got {step!r}")
+
+    def _key_range(self) -> tuple[int, int]:
+        """The lowest and highest key of the map's buckets."""
         width = bucket_width(self.spec.buckets)
-        highest = min(self.last * width, KEY_LIMIT) - 1
-        return (keys < self.first * width) | (keys > highest)
+        return self.first * width, min(self.last * width, KEY_LIMIT) - 1
+
+    def _outside(self, keys: torch.Tensor) -> torch.Tensor:
+        """The mask of the keys outside the map's buckets, which ``_refuse`` raises on
+        once read (no host sync)."""
+        lowest, highest = self._key_range()
+        return (keys < lowest) | (keys > highest)
 
     def _where(self) -> str:
         return f"IdMap of buckets [{self.first}, {self.last})"
 
     def _refuse(self, keys: torch.Tensor, outside: torch.Tensor) -> None:
-        """Raise on the keys ``outside`` the map's buckets (``_check``'s mask, some
+        """Raise on the keys ``outside`` the map's buckets (``_outside``'s mask, some
         true)."""
         bad = keys[outside]
         raise InputError(
@@ -393,7 +436,8 @@ class IdMap:
         """Each key's local row, -1 for a key without one, changing nothing (no
         sighting, admission or eviction): what a forward that must not learn reads
         (evaluation, as TorchRec's managed-collision modules outside training)."""
-        outside = self._check(keys, self.step or 0)
+        self._check(keys, self.step or 0)
+        outside = self._outside(keys)
         if outside.any().item():
             self._refuse(keys, outside)
         return self.slots.find(keys)
@@ -407,12 +451,15 @@ class IdMap:
         (k sightings, probation included) take their bucket's victims in key order; live
         keys seen in this call are never victims. Keys due a row that find no victim get -1
         and count as ``overflow``; they wait in probation if there is one."""
-        outside = self._check(keys, step)
+        self._check(keys, step)
         empty = keys.new_empty(0)
         if len(keys) == 0:
             self.step = step
             zero = torch.zeros((), dtype=torch.int64, device=self.device)
             return RemapResult(empty, empty, empty, zero, zero)
+        if native.available(keys):
+            return self._remap_native(keys, step)
+        outside = self._outside(keys)
         uniq, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
         slots = self.slots
 
@@ -455,6 +502,44 @@ class IdMap:
             admitted_keys=uniq[got],
             evicted=evicted,
             overflow=(taken[due] < 0).sum(),
+        )
+
+    def _remap_native(self, keys: torch.Tensor, step: int) -> RemapResult:
+        """``remap`` on CPU in one call of the fused kernel (``runtime/native.cpp``),
+        which follows the same rules; no host sync beyond its counts."""
+        keys, spec = keys.contiguous(), self.spec
+        lowest, highest = self._key_range()
+        rules = native.Spec(
+            buckets=self.last - self.first,
+            rows=spec.rows_per_bucket,
+            first=self.first,
+            width=bucket_width(spec.buckets),
+            lowest_key=lowest,
+            highest_key=highest,
+            policy=POLICIES.index(spec.policy),
+            ttl_steps=spec.ttl_steps or 0,
+            admit_after=spec.admit_after,
+            step=step,
+        )
+        slots, out = self.slots.native(len(keys))
+        probation = self.probation.native(len(keys)) if self.probation is not None else None
+        result, rows, admitted, admitted_keys = native.remap(
+            keys, rules, slots, None if probation is None else probation[0]
+        )
+        if result.outside:
+            self._refuse(keys, self._outside(keys))
+        self.step = step
+        self.slots.adopt(slots, out, step)
+        if self.probation is not None and probation is not None:
+            self.probation.adopt(*probation, step)
+            self.probation.packed = self.probation.packed and not result.cleared
+        count = result.admitted_count
+        return RemapResult(
+            rows=rows,
+            admitted=admitted[:count],
+            admitted_keys=admitted_keys[:count],
+            evicted=torch.tensor(result.evicted),
+            overflow=torch.tensor(result.overflow),
         )
 
     def _due(self, slots: _Slots, keys: torch.Tensor) -> _Due:

@@ -1,0 +1,550 @@
+// embshard's fused CPU kernels for dynamic tables: on the owner, an id map's remap in
+// one pass over its keys and the initial rows of admitted keys; on the sender, raw ids
+// to keys, their routing stand-ins and the keys put back after bucketizing. Each does
+// what the torch operations of storage/id_map.py, runtime/keys.py and
+// runtime/dynamic_ids.py do, bit for bit, without their dozens of passes over small
+// tensors. Plain C entry points over raw buffers (runtime/native.py
+// loads them with ctypes): no torch headers, so building takes seconds, not minutes.
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+namespace {
+
+// splitmix64's constants (runtime/keys.py).
+constexpr uint64_t kGamma = 0x9E3779B97F4A7C15ull, kMul1 = 0xBF58476D1CE4E5B9ull,
+                   kMul2 = 0x94D049BB133111EBull;
+
+constexpr int64_t kAhead = 16;  // how far ahead a loop of random reads prefetches
+
+// One slot table (buckets x rows, flat) of an id map, and its index of live keys
+// (sorted keys, each one's flat slot). The kernel writes the slots in place and the
+// updated index into out_index_*; out_index_size is -1 where the index is unchanged.
+struct Slots {
+  int64_t* keys;
+  uint8_t* occupied;
+  int64_t* last_seen;
+  int64_t* hits;
+  const int64_t* index_keys;
+  const int64_t* index_slots;
+  int64_t index_size;
+  int64_t* out_index_keys;  // room for index_size + the call's keys
+  int64_t* out_index_slots;
+  int64_t out_index_size;
+};
+
+enum Policy : int64_t { kLru = 0, kLfu = 1, kTtl = 2, kNone = 3 };
+
+struct Spec {
+  int64_t buckets;      // the map's buckets
+  int64_t rows;         // rows (slots) a bucket
+  int64_t first;        // the map's first bucket
+  uint64_t width;       // keys a bucket spans
+  int64_t lowest_key;   // the map's keys are [lowest_key, highest_key]
+  int64_t highest_key;
+  int64_t policy;
+  int64_t ttl_steps;
+  int64_t admit_after;
+  int64_t step;
+};
+
+struct Result {
+  int64_t* rows;           // each key's row, -1: none
+  int64_t* admitted;       // rows given a new key, in key order (room for the keys)
+  int64_t* admitted_keys;  // and those keys
+  int64_t admitted_count;
+  int64_t evicted;   // live keys that lost their row
+  int64_t overflow;  // keys due a row that found none
+  int64_t cleared;   // probation slots emptied (their keys were admitted)
+  int64_t outside;   // keys outside the map's buckets: then nothing else is done
+};
+
+// The distinct keys of a call in key order, each one's count, and each key's place
+// among them.
+struct Distinct {
+  std::vector<int64_t> keys;
+  std::vector<int64_t> counts;
+  std::vector<int64_t> inverse;
+};
+
+// A call's temporaries (megabytes on a large map), kept per thread between calls:
+// fresh memory costs a page fault a page.
+struct Scratch {
+  std::vector<std::pair<uint64_t, int64_t>> table;
+  std::vector<std::pair<uint64_t, int64_t>> order, sorted;
+  std::vector<int64_t> counts, first_seen, place, start, next;
+  Distinct distinct;
+  std::vector<int64_t> found, waiting, total, due, seen, taken, gone;
+  std::vector<std::pair<int64_t, int64_t>> added;
+  std::vector<uint8_t> marked;
+};
+
+Scratch& scratch() {
+  static thread_local Scratch kept;
+  return kept;
+}
+
+// `items` (key, payload) sorted by key: counted into the map's buckets (each a range
+// of keys), then each bucket's few sorted in cache.
+void sort_by_bucket(std::vector<std::pair<uint64_t, int64_t>>& items, const Spec& spec) {
+  std::vector<int64_t>& start = scratch().start;
+  start.assign(spec.buckets + 1, 0);
+  for (const auto& item : items) start[item.first / spec.width - spec.first + 1]++;
+  for (int64_t b = 0; b < spec.buckets; ++b) start[b + 1] += start[b];
+  std::vector<std::pair<uint64_t, int64_t>>& sorted = scratch().sorted;
+  sorted.resize(items.size());
+  std::vector<int64_t>& next = scratch().next;
+  next.assign(start.begin(), start.end() - 1);
+  for (const auto& item : items) sorted[next[item.first / spec.width - spec.first]++] = item;
+  for (int64_t b = 0; b < spec.buckets; ++b)
+    std::sort(sorted.begin() + start[b], sorted.begin() + start[b + 1]);
+  items.swap(sorted);
+}
+
+// The distinct keys by a hash table of (key, place among them) (keys are below 2**63:
+// all ones marks an empty entry), then sorted.
+const Distinct& distinct(const int64_t* keys, int64_t n, const Spec& spec) {
+  constexpr uint64_t kEmpty = ~uint64_t{0};
+  int bits = 4;
+  while ((int64_t{1} << bits) < n + n / 2) ++bits;
+  const uint64_t mask = (uint64_t{1} << bits) - 1;
+  Scratch& kept = scratch();
+  std::vector<std::pair<uint64_t, int64_t>>& table = kept.table;
+  table.assign(mask + 1, {kEmpty, 0});
+  std::vector<std::pair<uint64_t, int64_t>>& order = kept.order;
+  order.clear();
+  std::vector<int64_t>&counts = kept.counts, &first_seen = kept.first_seen;
+  counts.clear();
+  first_seen.resize(n);
+  const auto slot_of = [bits](int64_t key) {
+    return (static_cast<uint64_t>(key) * kGamma) >> (64 - bits);
+  };
+  for (int64_t i = 0; i < n; ++i) {
+    // The probes miss the cache: ask for a later key's entry early.
+    if (i + kAhead < n) __builtin_prefetch(&table[slot_of(keys[i + kAhead])]);
+    const uint64_t key = static_cast<uint64_t>(keys[i]);
+    uint64_t at = slot_of(keys[i]);
+    while (table[at].first != kEmpty && table[at].first != key) at = (at + 1) & mask;
+    if (table[at].first == kEmpty) {
+      table[at] = {key, static_cast<int64_t>(order.size())};
+      order.emplace_back(key, static_cast<int64_t>(order.size()));
+      counts.push_back(0);
+    }
+    first_seen[i] = table[at].second;
+    counts[table[at].second]++;
+  }
+  sort_by_bucket(order, spec);
+  Distinct& out = kept.distinct;
+  out.keys.resize(order.size());
+  out.counts.resize(order.size());
+  std::vector<int64_t>& place = kept.place;
+  place.resize(order.size());
+  for (size_t u = 0; u < order.size(); ++u) {
+    out.keys[u] = static_cast<int64_t>(order[u].first);
+    out.counts[u] = counts[order[u].second];
+    place[order[u].second] = static_cast<int64_t>(u);
+  }
+  out.inverse.resize(n);
+  for (int64_t i = 0; i < n; ++i) out.inverse[i] = place[first_seen[i]];
+  return out;
+}
+
+// The first place at or after `from` in the sorted `keys` whose key is not below `key`:
+// a galloping search, as the keys searched for come in order.
+int64_t gallop(const int64_t* keys, int64_t size, int64_t from, int64_t key) {
+  int64_t low = from, high = from, stride = 1;
+  while (high < size && keys[high] < key) {
+    low = high + 1;
+    high += stride;
+    stride <<= 1;
+  }
+  return std::lower_bound(keys + low, keys + std::min(high, size), key) - keys;
+}
+
+// Each of the sorted distinct `keys`' flat slot in `slots`, -1 where it is not live.
+void find(const Slots& slots, const std::vector<int64_t>& keys, std::vector<int64_t>& found) {
+  found.assign(keys.size(), -1);
+  int64_t at = 0;
+  for (size_t u = 0; u < keys.size(); ++u) {
+    at = gallop(slots.index_keys, slots.index_size, at, keys[u]);
+    if (at < slots.index_size && slots.index_keys[at] == keys[u]) found[u] = slots.index_slots[at];
+  }
+}
+
+// The orders of a bucket's live victims: fewer sightings first (LFU only), then seen
+// less recently, then the lower slot. `Packed` is `ByStep` in one integer, where the
+// steps leave the slot's bits free: a cheaper sort.
+struct Victim {
+  int64_t hits;
+  int64_t last_seen;
+  int64_t slot;
+  bool operator<(const Victim& other) const {
+    if (hits != other.hits) return hits < other.hits;
+    return last_seen != other.last_seen ? last_seen < other.last_seen : slot < other.slot;
+  }
+};
+
+struct ByHits {
+  Victim key(const Slots& slots, int64_t slot) const {
+    return {slots.hits[slot], slots.last_seen[slot], slot};
+  }
+  static int64_t slot(const Victim& victim) { return victim.slot; }
+};
+
+struct ByStep {
+  Victim key(const Slots& slots, int64_t slot) const { return {0, slots.last_seen[slot], slot}; }
+  static int64_t slot(const Victim& victim) { return victim.slot; }
+};
+
+struct Packed {
+  int bits;  // of a flat slot
+  uint64_t key(const Slots& slots, int64_t slot) const {
+    return (static_cast<uint64_t>(slots.last_seen[slot]) << bits) | static_cast<uint64_t>(slot);
+  }
+  int64_t slot(uint64_t key) const { return static_cast<int64_t>(key & ((uint64_t{1} << bits) - 1)); }
+};
+
+// Gives each key of `takers` (places among the distinct keys, in key order) a slot of
+// its bucket: the bucket's r-th taker gets its r-th victim (empty slots in slot order,
+// then the live slots that `evictable` gives up, in the `order` above), -1 where none
+// is left. Writes the taken slots (key,
+// occupied, step, `total` sightings) and records the keys they held (`gone`) and the
+// new entries of the index (`added`, in key order).
+template <typename Evictable, typename Order>
+int64_t take(Slots& slots, const Spec& spec, const std::vector<int64_t>& takers,
+             const Distinct& distinct, const std::vector<int64_t>& total, Evictable evictable,
+             Order order, std::vector<int64_t>& taken, std::vector<int64_t>& gone,
+             std::vector<std::pair<int64_t, int64_t>>& added) {
+  int64_t held = 0;
+  std::vector<int64_t> victims;
+  std::vector<decltype(order.key(slots, 0))> ranked;
+  for (size_t a = 0; a < takers.size();) {
+    const uint64_t bucket = static_cast<uint64_t>(distinct.keys[takers[a]]) / spec.width;
+    size_t b = a + 1;
+    while (b < takers.size() &&
+           static_cast<uint64_t>(distinct.keys[takers[b]]) / spec.width == bucket)
+      ++b;
+    const size_t want = b - a;
+    const int64_t base = (static_cast<int64_t>(bucket) - spec.first) * spec.rows;
+    victims.clear();
+    for (int64_t slot = base; slot < base + spec.rows && victims.size() < want; ++slot)
+      if (!slots.occupied[slot]) victims.push_back(slot);
+    // Live slots only where the empty ones run out: the fewest needed, selected, then
+    // put in order.
+    const size_t needed = want - victims.size();
+    ranked.clear();
+    for (int64_t slot = base; needed && slot < base + spec.rows; ++slot)
+      if (slots.occupied[slot] && evictable(slot))
+        ranked.push_back(order.key(slots, slot));
+    if (ranked.size() > needed) {
+      std::nth_element(ranked.begin(), ranked.begin() + needed, ranked.end());
+      ranked.resize(needed);
+    }
+    std::sort(ranked.begin(), ranked.end());
+    for (const auto& key : ranked) victims.push_back(order.slot(key));
+    for (size_t r = 0; r < victims.size(); ++r) {
+      const int64_t u = takers[a + r], slot = victims[r];
+      if (slots.occupied[slot]) {
+        gone.push_back(slots.keys[slot]);
+        ++held;
+      }
+      slots.keys[slot] = distinct.keys[u];
+      slots.occupied[slot] = 1;
+      slots.last_seen[slot] = spec.step;
+      slots.hits[slot] = total[u];
+      taken[u] = slot;
+      added.emplace_back(distinct.keys[u], slot);
+    }
+    a = b;
+  }
+  return held;
+}
+
+// `take` in `ByStep`'s order, `Packed` where the steps leave the slot's bits free.
+template <typename Evictable>
+int64_t take_by_step(Slots& slots, const Spec& spec, const std::vector<int64_t>& takers,
+                     const Distinct& distinct, const std::vector<int64_t>& total,
+                     Evictable evictable, std::vector<int64_t>& taken,
+                     std::vector<int64_t>& gone, std::vector<std::pair<int64_t, int64_t>>& added) {
+  int bits = 1;
+  while ((int64_t{1} << bits) < spec.buckets * spec.rows) ++bits;
+  if (static_cast<uint64_t>(spec.step) < (uint64_t{1} << (64 - bits)))
+    return take(slots, spec, takers, distinct, total, evictable, Packed{bits}, taken, gone, added);
+  return take(slots, spec, takers, distinct, total, evictable, ByStep{}, taken, gone, added);
+}
+
+// A mark for each slot of the map, set at `slots`.
+const std::vector<uint8_t>& marks(const Spec& spec, const std::vector<int64_t>& slots) {
+  std::vector<uint8_t>& marked = scratch().marked;
+  marked.assign(spec.buckets * spec.rows, 0);
+  for (int64_t slot : slots) marked[slot] = 1;
+  return marked;
+}
+
+// The index without the keys `gone` and with `added` (key order): the runs of entries
+// between changes copied whole.
+void merge_index(Slots& slots, std::vector<int64_t>& gone,
+                 const std::vector<std::pair<int64_t, int64_t>>& added) {
+  if (gone.empty() && added.empty()) {
+    slots.out_index_size = -1;
+    return;
+  }
+  std::sort(gone.begin(), gone.end());
+  const int64_t size = slots.index_size;
+  int64_t from = 0, out = 0;
+  size_t g = 0, a = 0;
+  const auto copy = [&](int64_t until) {
+    std::copy(slots.index_keys + from, slots.index_keys + until, slots.out_index_keys + out);
+    std::copy(slots.index_slots + from, slots.index_slots + until, slots.out_index_slots + out);
+    out += until - from;
+    from = until;
+  };
+  while (g < gone.size() || a < added.size()) {
+    // The next change: a removal at the gone key's entry, or an insertion before the
+    // first entry above the added key (none is equal: added keys were not live).
+    const int64_t removal =
+        g < gone.size() ? gallop(slots.index_keys, size, from, gone[g]) : size;
+    const int64_t insertion =
+        a < added.size() ? gallop(slots.index_keys, size, from, added[a].first) : size + 1;
+    if (insertion <= removal) {
+      copy(insertion);
+      slots.out_index_keys[out] = added[a].first;
+      slots.out_index_slots[out++] = added[a++].second;
+    } else {
+      copy(removal);
+      ++from;
+      ++g;
+    }
+  }
+  copy(size);
+  slots.out_index_size = out;
+}
+
+}  // namespace
+
+extern "C" {
+
+// One IdMap.remap call on `n` (> 0) keys: see storage/id_map.py for the rules.
+void embshard_remap(const int64_t* keys, int64_t n, const Spec* spec, Slots* slots,
+                    Slots* probation, Result* result) {
+  result->outside = 0;
+  for (int64_t i = 0; i < n; ++i)
+    result->outside += keys[i] < spec->lowest_key || keys[i] > spec->highest_key;
+  if (result->outside) return;
+  const int64_t step = spec->step;
+  const Distinct& d = distinct(keys, n, *spec);
+  const size_t u_count = d.keys.size();
+  Scratch& kept = scratch();
+  std::vector<int64_t>&found = kept.found, &waiting = kept.waiting, &total = kept.total;
+  find(*slots, d.keys, found);
+  total.assign(d.counts.begin(), d.counts.end());
+  if (probation) {
+    find(*probation, d.keys, waiting);
+    for (size_t u = 0; u < u_count; ++u)
+      if (waiting[u] >= 0) total[u] += probation->hits[waiting[u]];
+  }
+
+  // Live keys are seen; the others with enough sightings are due a slot.
+  std::vector<int64_t>&due = kept.due, &seen = kept.seen;
+  due.clear();
+  seen.clear();
+  for (size_t u = 0; u < u_count; ++u) {
+    if (found[u] >= 0) {
+      slots->last_seen[found[u]] = step;
+      slots->hits[found[u]] += d.counts[u];
+      seen.push_back(found[u]);
+    } else if (total[u] >= spec->admit_after) {
+      due.push_back(static_cast<int64_t>(u));
+    }
+  }
+  std::vector<int64_t>&taken = kept.taken, &gone = kept.gone;
+  taken.assign(u_count, -1);
+  gone.clear();
+  std::vector<std::pair<int64_t, int64_t>>& added = kept.added;
+  added.clear();
+  if (!due.empty()) {
+    const std::vector<uint8_t>& seen_now = marks(*spec, seen);
+    const int64_t* last = slots->last_seen;
+    const auto not_seen = [&seen_now](int64_t slot) { return !seen_now[slot]; };
+    const int64_t ttl = spec->ttl_steps;
+    const auto expired = [last, step, ttl](int64_t slot) { return step - last[slot] >= ttl; };
+    const auto never = [](int64_t) { return false; };
+    switch (spec->policy) {
+      case kLru:
+        result->evicted = take_by_step(*slots, *spec, due, d, total, not_seen, taken, gone, added);
+        break;
+      case kLfu:
+        result->evicted =
+            take(*slots, *spec, due, d, total, not_seen, ByHits{}, taken, gone, added);
+        break;
+      case kTtl:
+        result->evicted = take_by_step(*slots, *spec, due, d, total, expired, taken, gone, added);
+        break;
+      default:  // nothing is evictable: no order is needed
+        result->evicted = take(*slots, *spec, due, d, total, never, ByStep{}, taken, gone, added);
+    }
+  } else {
+    result->evicted = 0;
+  }
+  result->overflow = 0;
+  result->admitted_count = 0;
+  for (int64_t u : due) {
+    if (taken[u] < 0) {
+      ++result->overflow;
+      continue;
+    }
+    result->admitted[result->admitted_count] = taken[u];
+    result->admitted_keys[result->admitted_count++] = d.keys[u];
+  }
+  merge_index(*slots, gone, added);
+
+  // Probation: admitted keys leave it; keys still waiting are seen, or enter it, taking
+  // its empty slots, then those of the candidates seen least recently (not this call).
+  result->cleared = 0;
+  if (probation) {
+    std::vector<int64_t> probation_gone, entering;
+    std::vector<std::pair<int64_t, int64_t>> probation_added;
+    std::vector<int64_t> stay;
+    for (size_t u = 0; u < u_count; ++u) {
+      if (found[u] >= 0) continue;
+      const int64_t w = waiting[u];
+      if (w >= 0 && taken[u] >= 0) {
+        probation->occupied[w] = 0;
+        probation_gone.push_back(probation->keys[w]);
+        ++result->cleared;
+      } else if (w >= 0) {
+        probation->last_seen[w] = step;
+        probation->hits[w] = total[u];
+        stay.push_back(w);
+      } else if (taken[u] < 0) {
+        entering.push_back(static_cast<int64_t>(u));
+      }
+    }
+    if (!entering.empty()) {
+      const std::vector<uint8_t>& staying = marks(*spec, stay);
+      const auto not_staying = [&staying](int64_t slot) { return !staying[slot]; };
+      std::vector<int64_t> probation_taken(u_count, -1);
+      take_by_step(*probation, *spec, entering, d, total, not_staying, probation_taken,
+                   probation_gone, probation_added);
+    }
+    merge_index(*probation, probation_gone, probation_added);
+  }
+
+  for (size_t u = 0; u < u_count; ++u)
+    if (found[u] >= 0) taken[u] = found[u];
+  for (int64_t i = 0; i < n; ++i) result->rows[i] = taken[d.inverse[i]];
+}
+
+// The initial float32 rows (n, dim) of `keys`: keys.initial_rows' counter hash, its
+// 24 top bits scaled in float64 and rounded once to float32.
+void embshard_initial_rows(const int64_t* keys, int64_t n, int64_t dim, int64_t table_key,
+                           double low, double scale, float* out) {
+  const auto scramble = [](uint64_t z) {
+    z ^= z >> 30;
+    z *= kMul1;
+    z ^= z >> 27;
+    return z * kMul2;
+  };
+  for (int64_t i = 0; i < n; ++i) {
+    uint64_t z = scramble((static_cast<uint64_t>(keys[i]) ^ static_cast<uint64_t>(table_key)) +
+                          kGamma);
+    const uint64_t start = (z ^ (z >> 31)) + kGamma;
+    float* row = out + i * dim;
+    for (int64_t c = 0; c < dim; ++c)
+      row[c] = static_cast<float>(static_cast<double>(scramble(start + c) >> 40) * scale + low);
+  }
+}
+
+}  // extern "C"
+
+// The sender's side of dynamic tables (runtime/dynamic_ids.py's DynamicIds): the batch's
+// ids feature-major, `counts[f]` of feature f's, one pass each where torch needs a
+// per-id feature, gathers of its settings and several passes over all ids.
+
+namespace {
+
+// keys.hash_ids of one raw id: splitmix64's steps on 63 bits. Torch's int64 add and
+// multiply wrap as uint64's do, so negative ids get the torch path's bits too.
+uint64_t hash_id(uint64_t z) {
+  constexpr uint64_t kMask = ~uint64_t{0} >> 1;
+  z = (z + (kGamma & kMask)) & kMask;
+  z = ((z ^ (z >> 30)) * (kMul1 & kMask)) & kMask;
+  z = ((z ^ (z >> 27)) * (kMul2 & kMask)) & kMask;
+  return z ^ (z >> 31);
+}
+
+// A DynamicIds' settings per feature (its tensors, int64 but the bool flags).
+struct Routing {
+  const int64_t* width;   // keys (or raw ids) a range spans
+  const int64_t* last;    // the last range
+  const int64_t* rows;    // rows of a range's block, 0 where first rows are looked up
+  const uint8_t* ranged;  // a managed-collision feature: its firsts looked up
+  const int64_t* base;    // where its first rows begin in firsts
+  const int64_t* firsts;
+};
+
+}  // namespace
+
+extern "C" {
+
+// DynamicIds.keyed: the `n` int64 ids into `out`, the hashed features' as their keys.
+// Ids past the counts' total (none in a routable batch) are copied.
+void embshard_keyed(const int64_t* values, int64_t n, const int64_t* counts, int64_t features,
+                    const uint8_t* hashed, int64_t* out) {
+  int64_t at = 0;
+  for (int64_t f = 0; f < features; ++f) {
+    const int64_t end = std::min(n, at + std::max<int64_t>(counts[f], 0));
+    if (hashed[f]) {
+      for (; at < end; ++at) out[at] = static_cast<int64_t>(hash_id(values[at]));
+    } else {
+      std::copy(values + at, values + end, out + at);
+      at = end;
+    }
+  }
+  std::copy(values + at, values + n, out + at);
+}
+
+// DynamicIds.stand_ins: each id's stand-in (its range's first row where it is a key,
+// else the id) into `out`, and whether it is a key into `is_key`.
+void embshard_stand_ins(const int64_t* keys, int64_t n, const int64_t* counts, int64_t features,
+                        const Routing* routing, int64_t* out, uint8_t* is_key) {
+  int64_t at = 0;
+  for (int64_t f = 0; f < features; ++f) {
+    const int64_t end = std::min(n, at + std::max<int64_t>(counts[f], 0));
+    const int64_t width = routing->width[f], last = routing->last[f], rows = routing->rows[f];
+    const bool ranged = routing->ranged[f], key = rows > 0 || ranged;
+    std::fill(is_key + at, is_key + end, key);
+    if (!key) {
+      std::copy(keys + at, keys + end, out + at);
+      at = end;
+      continue;
+    }
+    const int64_t* firsts = routing->firsts + routing->base[f];
+    for (; at < end; ++at) {
+      // C++'s division truncates where torch's floors; they differ on negative ids only:
+      // a ranged feature's bucket is clamped to 0 either way (a flagged id: any row
+      // stands in), and a hashed feature's keys are never negative. The product wraps
+      // as torch's does.
+      const int64_t bucket = std::min(keys[at] / width, last);
+      out[at] = ranged ? firsts[std::max<int64_t>(bucket, 0)]
+                       : static_cast<int64_t>(static_cast<uint64_t>(bucket) *
+                                              static_cast<uint64_t>(rows));
+    }
+  }
+  std::copy(keys + at, keys + n, out + at);
+  std::fill(is_key + at, is_key + n, 0);
+}
+
+// DynamicIds.put_back: the `n` bucketized ids into `out`, each key (`is_key`) back at
+// its place `where` (a permutation of [0, n); places outside it are skipped).
+void embshard_put_back(const int64_t* bucketized, const int64_t* where, const int64_t* keys,
+                       const uint8_t* is_key, int64_t n, int64_t* out) {
+  std::copy(bucketized, bucketized + n, out);
+  for (int64_t i = 0; i < n; ++i)
+    if (is_key[i] && static_cast<uint64_t>(where[i]) < static_cast<uint64_t>(n))
+      out[where[i]] = keys[i];
+}
+
+}  // extern "C"

@@ -1,0 +1,247 @@
+"""embshard's fused CPU kernels (``native.cpp``), built on first use and loaded with ctypes.
+
+The id map's remap, the initial rows of admitted keys, and the sender's raw ids to
+keys, routing stand-ins and keys put back are dozens of torch operations over small
+tensors; on CPU one C++ pass each does the same work several times faster, bit for
+bit. The source needs no torch headers: the system's C++ compiler (``$CXX``, else
+``c++``) builds it in a few seconds into ``$EMBSHARD_CACHE`` (default
+``~/.cache/embshard``), once per source and compiler. Where it cannot be built, or
+with ``EMBSHARD_NATIVE=0``, dynamic tables run on the torch operations (the same
+results, slower) after one warning. CUDA tensors always take the torch operations.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).with_name("native.cpp")
+_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+class Slots(ctypes.Structure):
+    """An id map's slot table and index (``native.cpp``'s ``Slots``)."""
+
+    _fields_ = [
+        ("keys", _P),
+        ("occupied", _P),
+        ("last_seen", _P),
+        ("hits", _P),
+        ("index_keys", _P),
+        ("index_slots", _P),
+        ("index_size", _I),
+        ("out_index_keys", _P),
+        ("out_index_slots", _P),
+        ("out_index_size", _I),
+    ]
+
+
+class Spec(ctypes.Structure):
+    """A remap call's map and rules (``native.cpp``'s ``Spec``)."""
+
+    _fields_ = [
+        ("buckets", _I),
+        ("rows", _I),
+        ("first", _I),
+        ("width", ctypes.c_uint64),
+        ("lowest_key", _I),
+        ("highest_key", _I),
+        ("policy", _I),
+        ("ttl_steps", _I),
+        ("admit_after", _I),
+        ("step", _I),
+    ]
+
+
+class Result(ctypes.Structure):
+    """What a remap call did (``native.cpp``'s ``Result``)."""
+
+    _fields_ = [
+        ("rows", _P),
+        ("admitted", _P),
+        ("admitted_keys", _P),
+        ("admitted_count", _I),
+        ("evicted", _I),
+        ("overflow", _I),
+        ("cleared", _I),
+        ("outside", _I),
+    ]
+
+
+class Routing(ctypes.Structure):
+    """A DynamicIds' settings per feature (``native.cpp``'s ``Routing``)."""
+
+    _fields_ = [(name, _P) for name in ("width", "last", "rows", "ranged", "base", "firsts")]
+
+
+def available(tensor: torch.Tensor) -> bool:
+    """Whether the kernels run on ``tensor``'s device: built, on and on CPU."""
+    return tensor.device.type == "cpu" and library() is not None
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built kernels, None where they are off or cannot be built (warned once)."""
+    if os.environ.get("EMBSHARD_NATIVE", "1") == "0":
+        return None
+    compiler = os.environ.get("CXX", "c++")
+    try:
+        path = _built(compiler)
+    except (OSError, subprocess.CalledProcessError) as error:
+        said = (getattr(error, "stderr", None) or str(error)).strip().splitlines()
+        warnings.warn(
+            f"embshard: the CPU kernels for dynamic tables did not build with {compiler!r} "
+            f"({said[-1] if said else type(error).__name__}); they run on torch operations, "
+            "several times slower",
+            stacklevel=2,
+        )
+        return None
+    lib = ctypes.CDLL(str(path))
+    slots = ctypes.POINTER(Slots)
+    lib.embshard_remap.argtypes = [
+        _P,
+        _I,
+        ctypes.POINTER(Spec),
+        slots,
+        slots,
+        ctypes.POINTER(Result),
+    ]
+    lib.embshard_remap.restype = None
+    lib.embshard_initial_rows.argtypes = [_P, _I, _I, _I, ctypes.c_double, ctypes.c_double, _P]
+    lib.embshard_initial_rows.restype = None
+    lib.embshard_keyed.argtypes = [_P, _I, _P, _I, _P, _P]
+    lib.embshard_stand_ins.argtypes = [_P, _I, _P, _I, ctypes.POINTER(Routing), _P, _P]
+    lib.embshard_put_back.argtypes = [_P, _P, _P, _P, _I, _P]
+    for kernel in (lib.embshard_keyed, lib.embshard_stand_ins, lib.embshard_put_back):
+        kernel.restype = None
+    return lib
+
+
+def _library() -> ctypes.CDLL:
+    """The built kernels, for a caller that ``available`` sent here."""
+    lib = library()
+    assert lib is not None, "the CPU kernels are not built"
+    return lib
+
+
+def _built(compiler: str) -> Path:
+    """The shared library of the source, built into the cache unless it is there."""
+    source = _SOURCE.read_bytes()
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=True
+    ).stdout
+    digest = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), version.encode()]))
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "embshard"
+    cache = Path(os.environ.get("EMBSHARD_CACHE", default))
+    path = cache / f"native-{digest.hexdigest()[:16]}.so"
+    if path.exists():
+        return path
+    cache.mkdir(parents=True, exist_ok=True)
+    # Built beside its final name, then renamed: ranks building at once never load a
+    # half-written library.
+    with tempfile.TemporaryDirectory(dir=cache) as scratch:
+        built = Path(scratch) / path.name
+        subprocess.run(
+            [compiler, *_FLAGS, "-o", str(built), str(_SOURCE)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        os.replace(built, path)
+    return path
+
+
+def remap(
+    keys: torch.Tensor, spec: Spec, slots: Slots, probation: Slots | None
+) -> tuple[Result, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One id map's remap of the CPU int64 ``keys`` (contiguous, at least one): the
+    kernel's counts, each key's row, and the admitted rows and keys (room for every
+    key; the counts say how many)."""
+    rows, admitted, admitted_keys = torch.empty(3, len(keys), dtype=torch.int64)
+    result = Result(rows.data_ptr(), admitted.data_ptr(), admitted_keys.data_ptr())
+    _library().embshard_remap(
+        keys.data_ptr(),
+        len(keys),
+        ctypes.byref(spec),
+        ctypes.byref(slots),
+        None if probation is None else ctypes.byref(probation),
+        ctypes.byref(result),
+    )
+    return result, rows, admitted, admitted_keys
+
+
+def initial_rows(
+    keys: torch.Tensor, dim: int, table_key: int, low: float, scale: float
+) -> torch.Tensor:
+    """``keys.initial_rows``' float32 rows of the CPU int64 ``keys``, in one pass."""
+    keys = keys.contiguous()
+    rows = torch.empty(len(keys), dim, dtype=torch.float32)
+    _library().embshard_initial_rows(
+        keys.data_ptr(), len(keys), dim, table_key, low, scale, rows.data_ptr()
+    )
+    return rows
+
+
+def keyed(values: torch.Tensor, counts: torch.Tensor, hashed: torch.Tensor) -> torch.Tensor:
+    """``DynamicIds.keyed``'s ids in one pass: the CPU int64 feature-major ``values``
+    (``counts``: ids a feature), the features flagged in the bool ``hashed`` as keys."""
+    values, counts = values.contiguous(), counts.to(torch.int64).contiguous()
+    out = torch.empty_like(values)
+    _library().embshard_keyed(
+        values.data_ptr(),
+        values.numel(),
+        counts.data_ptr(),
+        len(counts),
+        hashed.data_ptr(),
+        out.data_ptr(),
+    )
+    return out
+
+
+def stand_ins(
+    keys: torch.Tensor, counts: torch.Tensor, settings: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``DynamicIds.stand_ins`` in one pass over the CPU int64 feature-major ``keys``
+    (``counts``: ids a feature); ``settings``: ``Routing``'s tensors, in its order
+    (contiguous, int64 but the bool ``ranged``)."""
+    keys, counts = keys.contiguous(), counts.to(torch.int64).contiguous()
+    routing = Routing(*(s.data_ptr() for s in settings))
+    out, is_key = torch.empty_like(keys), torch.empty_like(keys, dtype=torch.bool)
+    _library().embshard_stand_ins(
+        keys.data_ptr(),
+        keys.numel(),
+        counts.data_ptr(),
+        len(counts),
+        ctypes.byref(routing),
+        out.data_ptr(),
+        is_key.data_ptr(),
+    )
+    return out, is_key
+
+
+def put_back(
+    bucketized: torch.Tensor, where: torch.Tensor, keys: torch.Tensor, is_key: torch.Tensor
+) -> torch.Tensor:
+    """``DynamicIds.put_back`` in one pass: the CPU int64 ``bucketized`` ids with each
+    key back at its place ``where`` (int64)."""
+    bucketized, where = bucketized.contiguous(), where.contiguous()
+    keys, is_key = keys.contiguous(), is_key.contiguous()
+    out = torch.empty_like(bucketized)
+    _library().embshard_put_back(
+        bucketized.data_ptr(),
+        where.data_ptr(),
+        keys.data_ptr(),
+        is_key.data_ptr(),
+        bucketized.numel(),
+        out.data_ptr(),
+    )
+    return out
