@@ -568,11 +568,28 @@ def test_without_a_compiler_the_torch_operations_run_after_a_warning(
     monkeypatch.setenv("EMBSHARD_CACHE", str(tmp_path))
     native.library.cache_clear()
     try:
-        with pytest.warns(UserWarning, match="did not build with"):
+        with pytest.warns(UserWarning, match="did not build or load with"):
             assert native.library() is None
         spec = IdMapSpec(buckets=2, rows_per_bucket=2)
         got = IdMap(spec).remap(hash_ids(torch.tensor([1, 2, 1])), 0)
         assert got.rows[0] == got.rows[2] >= 0
+    finally:
+        monkeypatch.undo()
+        native.library.cache_clear()
+
+
+def test_a_cached_library_that_does_not_load_falls_back_after_a_warning(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file in the cache that is no library (a home shared with another machine, a
+    disk that filled up) is reported, not raised."""
+    monkeypatch.undo()
+    monkeypatch.setattr(native, "_built", lambda compiler: tmp_path / "native-x.so")
+    (tmp_path / "native-x.so").write_bytes(b"not a shared library")
+    native.library.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="did not build or load with"):
+            assert native.library() is None
     finally:
         monkeypatch.undo()
         native.library.cache_clear()

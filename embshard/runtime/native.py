@@ -90,22 +90,22 @@ def available(tensor: torch.Tensor) -> bool:
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The built kernels, None where they are off or cannot be built (warned once)."""
+    """The built kernels, None where they are off or cannot be built or loaded (warned
+    once)."""
     if os.environ.get("EMBSHARD_NATIVE", "1") == "0":
         return None
     compiler = os.environ.get("CXX", "c++")
     try:
-        path = _built(compiler)
+        lib = ctypes.CDLL(str(_built(compiler)))
     except (OSError, subprocess.CalledProcessError) as error:
         said = (getattr(error, "stderr", None) or str(error)).strip().splitlines()
         warnings.warn(
-            f"embshard: the CPU kernels for dynamic tables did not build with {compiler!r} "
-            f"({said[-1] if said else type(error).__name__}); they run on torch operations, "
-            "several times slower",
+            f"embshard: the CPU kernels for dynamic tables did not build or load with "
+            f"{compiler!r} ({said[-1] if said else type(error).__name__}); they run on "
+            "torch operations, several times slower",
             stacklevel=2,
         )
         return None
-    lib = ctypes.CDLL(str(path))
     slots = ctypes.POINTER(Slots)
     lib.embshard_remap.argtypes = [
         _P,
