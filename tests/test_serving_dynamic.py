@@ -398,20 +398,36 @@ def _predict(artifact, *extra: str) -> torch.Tensor:
 
 
 def test_a_sharded_artifact_of_a_dynamic_job_scores_as_the_one_host_one(dynamic_job):
-    """Exported for 2 ranks by the planner's plan (each rank's maps: its buckets),
-    scored by 2 processes: the one-host artifact's logits (row blocks quantize as the
-    whole table's rows), up to the float summation order."""
+    """Exported for 2 ranks in row blocks and whole tables (each rank's maps: its
+    buckets), scored by 2 processes: the one-host artifact's logits (row blocks
+    quantize as the whole table's rows), up to the float summation order. By the
+    planner's plan, which may cut a table in column blocks: close."""
     one_host, sharded = dynamic_job["tmp"] / "one_int8", dynamic_job["tmp"] / "two_int8"
     args = ["export", str(dynamic_job["ckpt"]), "--quantize", "int8"]
     assert CliRunner().invoke(cli, [args[0], args[1], str(one_host), *args[2:]]).exit_code == 0
+    rows_plan = dynamic_job["tmp"] / "row_blocks.yaml"
+    row_tables = {
+        **{t: {"type": "row_wise", "sizes": [1024, 1024]} for t in ("user", "item")},
+        **{t: {"type": "table_wise", "rank": 1} for t in ("category", "city", "device")},
+    }
+    rows_plan.write_text(yaml.safe_dump({"tables": row_tables}))
     result = CliRunner().invoke(
-        cli, [args[0], args[1], str(sharded), *args[2:], "--world-size", "2"]
+        cli,
+        [args[0], args[1], str(sharded), *args[2:], "--world-size", "2", "--plan", str(rows_plan)],
     )
     assert result.exit_code == 0, result.output
     manifest = json.loads((sharded / "serving.json").read_text())
     assert sorted(manifest["sharded"]["dynamic"]) == ["item", "user"]
     torch.testing.assert_close(
         _predict(sharded, "--nproc", "2"), _predict(one_host), rtol=1e-5, atol=1e-5
+    )
+    planned = dynamic_job["tmp"] / "planned_int8"
+    result = CliRunner().invoke(
+        cli, [args[0], args[1], str(planned), *args[2:], "--world-size", "2"]
+    )
+    assert result.exit_code == 0, result.output
+    torch.testing.assert_close(
+        _predict(planned, "--nproc", "2"), _predict(one_host), rtol=0, atol=5e-4
     )
     # A grid: each rank holds a row block of each column block, two bucket ranges. A
     # column block's rows quantize with scales of their own: close, not equal.
