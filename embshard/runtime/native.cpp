@@ -209,9 +209,8 @@ struct Packed {
 // Gives each key of `takers` (places among the distinct keys, in key order) a slot of
 // its bucket: the bucket's r-th taker gets its r-th victim (empty slots in slot order,
 // then the live slots that `evictable` gives up, in the `order` above), -1 where none
-// is left. Writes the taken slots (key,
-// occupied, step, `total` sightings) and records the keys they held (`gone`) and the
-// new entries of the index (`added`, in key order).
+// is left. Writes the taken slots (key, occupied, step, `total` sightings) and records
+// the keys they held (`gone`) and the new entries of the index (`added`, in key order).
 template <typename Evictable, typename Order>
 int64_t take(Slots& slots, const Spec& spec, const std::vector<int64_t>& takers,
              const Distinct& distinct, const std::vector<int64_t>& total, Evictable evictable,
