@@ -19,6 +19,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embshard.runtime.routes import Routes
+from embshard.runtime.sparse_ops import permute_2d
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _NO_BOUND = 2**62  # the rows of a key the model does not use: none of its ids is checked
@@ -183,7 +184,7 @@ def _in_model_order(
     perm = torch.tensor(order, dtype=torch.int32, device=values.device)
     # Sized by the ids (no host read) unless some features are left out.
     kept = values.numel() if len(order) == len(keys) else int(lengths[order].sum())
-    return torch.ops.fbgemm.permute_2D_sparse_data(perm, lengths, values, weights, kept)
+    return permute_2d(perm, lengths, values, weights, kept)
 
 
 def _bounds_check(

@@ -22,6 +22,7 @@ from embshard.runtime.batch import CheckInputs, LocalBatch, check_batch, describ
 from embshard.runtime.dynamic_ids import DynamicIds
 from embshard.runtime.routes import Routes
 from embshard.runtime.scratch import Scratch
+from embshard.runtime.sparse_ops import block_bucketize, permute_1d, permute_2d
 
 # The counts exchange's int64 columns per peer: the ids sent to it, and the sender's
 # status: (batch size + 1) for a good batch, 0 for a bad one, _ENDED when its batches
@@ -200,16 +201,13 @@ class InputDistribution:
         if self.dynamic is not None:  # keys are routed by their buckets' first rows
             values, is_key = self.dynamic.stand_ins(lengths, keys)
         buckets = [
-            torch.ops.fbgemm.block_bucketize_sparse_features(
+            block_bucketize(
                 lengths.view(-1),
                 values,
-                False,
                 positions is not None or is_key is not None,
                 bucket_pass.block_sizes[values.dtype],
                 self.routes.buckets,
                 weights,
-                None,
-                -1,
                 bucket_pass.boundaries[values.dtype],
             )
             for bucket_pass in self.passes
@@ -217,13 +215,13 @@ class InputDistribution:
         table_rows = len(self.passes) * self.routes.buckets * len(self.routes.features)
         lengths = _cat([b[0] for b in buckets]).view(table_rows, batch.batch_size)
         if is_key is not None:
-            values = _cat([self.dynamic.put_back(b[1], b[4], keys, is_key) for b in buckets])
+            values = _cat([self.dynamic.put_back(b[1], b[3], keys, is_key) for b in buckets])
         else:
             values = _cat([b[1] for b in buckets])
         weights = None if weights is None else _cat([b[2] for b in buckets])
-        if positions is not None:  # b[4][i]: where id i went in its pass's buckets
+        if positions is not None:  # b[3][i]: where id i went in its pass's buckets
             ids = positions
-            positions = _cat([torch.empty_like(ids).scatter_(0, b[4].long(), ids) for b in buckets])
+            positions = _cat([torch.empty_like(ids).scatter_(0, b[3].long(), ids) for b in buckets])
         return lengths, values, weights, positions
 
     def ids_per_slot(
@@ -335,15 +333,13 @@ class InputDistribution:
         if sent.ids_per_slot is None:
             return Bags(sent.lengths, sent.values, sent.weights, sent.offsets)
         return Bags(
-            *torch.ops.fbgemm.permute_2D_sparse_data(
-                self.send_rows, sent.lengths, sent.values, sent.weights, counts.sent_ids[0]
-            )
+            *permute_2d(self.send_rows, sent.lengths, sent.values, sent.weights, counts.sent_ids[0])
         )
 
     def pack(self, routed: Routed, counts: Counts) -> torch.Tensor:
         """One buffer for all destinations: for each, its slots' lengths, ids, weights,
         as ``Routes.id_dtype`` (the copy into the buffer converts them)."""
-        lengths, values, weights = torch.ops.fbgemm.permute_2D_sparse_data(
+        lengths, values, weights = permute_2d(
             self.send_rows, routed.lengths, routed.values, routed.weights, sum(counts.sent_ids)
         )
         rows = lengths.split(self.slots_per_rank)
@@ -391,7 +387,7 @@ class InputDistribution:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """TBE input for the global batch: every slot's bags, sources in rank order."""
         bag_lengths, values, bag_weights = self.received_bags(received, recv_sizes, batch_sizes)
-        bag_lengths, values, bag_weights = torch.ops.fbgemm.permute_1D_sparse_data(
+        bag_lengths, values, bag_weights = permute_1d(
             self.slot_major(batch_sizes), bag_lengths, values, bag_weights, values.numel()
         )
         offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(bag_lengths)

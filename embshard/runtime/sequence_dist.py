@@ -28,6 +28,7 @@ from embshard.runtime.input_dist import (
 )
 from embshard.runtime.routes import Routes
 from embshard.runtime.scratch import Scratch
+from embshard.runtime.sparse_ops import permute_1d, permute_2d
 
 
 @dataclass(frozen=True)
@@ -224,12 +225,10 @@ class SequenceInputDistribution:
         """Where every id of a sequence lookup went, and where its row comes back
         (SentIds)."""
         total, ids = counts.rows_sent, routed.ids
-        lengths, positions, _ = torch.ops.fbgemm.permute_2D_sparse_data(
+        lengths, positions, _ = permute_2d(
             self.bags.send_rows, ids.lengths, ids.positions, None, total
         )
-        _, distinct, _ = torch.ops.fbgemm.permute_2D_sparse_data(
-            self.bags.send_rows, ids.lengths, ids.distinct, None, total
-        )
+        _, distinct, _ = permute_2d(self.bags.send_rows, ids.lengths, ids.distinct, None, total)
         send_row = torch.repeat_interleave(
             torch.arange(len(self.bags.send_rows), device=self.bags.device),
             lengths.sum(1),
@@ -258,10 +257,6 @@ class SequenceInputDistribution:
         bag_lengths, values, _ = bags.received_bags(received, counts.recv_sizes, counts.batch_sizes)
         arrived = torch.arange(values.numel(), device=bags.device)
         order = bags.slot_major(counts.batch_sizes)
-        _, arrived, _ = torch.ops.fbgemm.permute_1D_sparse_data(
-            order, bag_lengths, arrived, None, values.numel()
-        )
-        _, values, _ = torch.ops.fbgemm.permute_1D_sparse_data(
-            order, bag_lengths, values, None, values.numel()
-        )
+        _, arrived, _ = permute_1d(order, bag_lengths, arrived, None, values.numel())
+        _, values, _ = permute_1d(order, bag_lengths, values, None, values.numel())
         return values, arrived
