@@ -197,6 +197,8 @@ def _bounds_check(
     against ``rows - 1``, in a buffer of its own (an id of -1 is -2 there, and the
     batch stays as it came for ``describe_problem``), with offsets that are not kept
     when they are bad."""
+    if offsets.numel() == 1:  # no bags: FBGEMM's CUDA check returns without its count
+        return torch.full((1,), int(values.numel() > 0), dtype=torch.int64, device=values.device)
     problems = torch.empty(1, dtype=torch.int64, device=values.device)
     torch.ops.fbgemm.bounds_check_indices(
         rows_less_one, values - 1, offsets, BoundsCheckMode.WARNING.value, problems
