@@ -376,7 +376,11 @@ class IdMap:
     """
 
     def __init__(
-        self, spec: IdMapSpec, first: int = 0, last: int | None = None, device: str = "cpu"
+        self,
+        spec: IdMapSpec,
+        first: int = 0,
+        last: int | None = None,
+        device: str | torch.device = "cpu",
     ) -> None:
         last = spec.buckets if last is None else last
         if not 0 <= first < last <= spec.buckets:
@@ -384,7 +388,7 @@ class IdMap:
                 f"IdMap: bucket range [{first}, {last}) is not inside [0, {spec.buckets})"
             )
         self.spec, self.first, self.last = spec, first, last
-        self.device = torch.device(device)
+        self.device = torch.empty(0, device=device).device  # "cuda" as the current GPU's
         self.step: int | None = None
         self.slots = _Slots(last - first, spec.rows_per_bucket, self.device)
         self.probation = (
