@@ -187,6 +187,29 @@ def test_ranks_sharing_the_gpu_train_like_unsharded(cuda_world, world_size, plan
         assert worst["forward"] < TOL and worst["weights"] < TOL, worst
 
 
+def all_to_all_with_empty_sides() -> list[list[float]]:
+    """gloo's all-to-all of CUDA tensors where rank 1 sends nothing (it receives 2
+    from rank 0), then where no rank sends anything: what a rank with an empty batch
+    asks of it."""
+    rank = dist.get_rank()
+    received = []
+    for sent_by_0 in ([3, 2], [0, 0]):
+        send = [sent_by_0, [0, 0]][rank]
+        recv = [sent_by_0[rank], 0]
+        values = torch.arange(sum(send), dtype=torch.float32, device="cuda")
+        out = torch.empty(sum(recv), device="cuda")
+        dist.all_to_all_single(out, values, recv, send)
+        received.append(out.cpu().tolist())
+    return received
+
+
+def test_gloo_moves_empty_cuda_buffers_on_the_shared_gpu(cuda_world):
+    assert cuda_world(2).run(all_to_all_with_empty_sides, timeout=30) == [
+        [[0.0, 1.0, 2.0], []],
+        [[3.0, 4.0], []],
+    ]
+
+
 @pytest.mark.parametrize("plan", ["table_wise", "mixed"])
 def test_a_rank_with_an_empty_batch_on_the_shared_gpu(cuda_world, plan):
     assert batch_sizes(2)[1] == 0
