@@ -32,8 +32,18 @@ from pathlib import Path
 import click
 
 ROOT = Path(__file__).resolve().parent.parent
-# One rank's tests first; tests/test_cuda.py ends with several ranks sharing the GPU.
-CUDA_TESTS = ("tests/test_cuda_optimizers.py", "tests/test_train_cuda.py", "tests/test_cuda.py")
+# In this order: FBGEMM's id operations, the id map and dynamic tables, every layout
+# (one rank, then several sharing the GPU, an empty batch last), the CUDA-only
+# optimizers, training, 2-D groups.
+CUDA_TESTS = (
+    "tests/test_sparse_ops.py",
+    "tests/test_id_map.py",
+    "tests/test_dynamic.py",
+    "tests/test_cuda.py",
+    "tests/test_cuda_optimizers.py",
+    "tests/test_train_cuda.py",
+    "tests/test_twod.py",
+)
 PLANS = ("table_wise", "row_wise", "column_wise", "mixed")
 
 # Sizes of the measurements: full on a GPU, tiny for a dry run.
@@ -103,9 +113,21 @@ def cuda_tests(device: str, out: Path, budget: float) -> dict:
             returncode = tests.wait()
             sink.write(f"\n[gpu_check: stopped after {budget:.0f} s]\n")
     text = log.read_text()
-    cases = dict(re.findall(r"^(tests/\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED)", text, re.M))
+    cases = outcomes(text)
     collected = len(re.findall(r"^tests/\S+::\S+$", text, re.M)) if device == "cpu" else None
     return {"returncode": returncode, "collected": collected, "cases": cases}
+
+
+def outcomes(log: str) -> dict[str, str]:
+    """Each test's outcome in pytest's ``-v`` lines: the first outcome word after its
+    name, which the ranks' own output (on the same file) may push to a later line."""
+    names = list(re.finditer(r"^(tests/\S+::\S+) ", log, re.M))
+    cases = {}
+    for name, following in zip(names, [*names[1:], None]):
+        text = log[name.end() : following.start() if following else len(log)]
+        if found := re.search(r"\b(PASSED|FAILED|ERROR|SKIPPED)\b", text):
+            cases[name.group(1)] = found.group(1)
+    return cases
 
 
 def _init_world(device: str) -> None:
@@ -131,13 +153,19 @@ def steps_vs_bare_tbe_and_torchrec(device: str, sizes: dict) -> list[dict]:
     from bench.workloads import WORKLOADS
 
     records = []
-    for plan in PLANS:
-        workload = sizes["workload"]
-        spec = WORKLOADS[workload] if isinstance(workload, str) else workload
-        cells = step_cells(spec, sizes["batches"], plan, "power-law", sizes["steps"],
-                           sizes["warmup"], torch.device(device))  # fmt: skip
-        name = workload if isinstance(workload, str) else "quick"
+    workload = sizes["workload"]
+    name = workload if isinstance(workload, str) else "quick"
+    spec = WORKLOADS[workload] if isinstance(workload, str) else workload
+    for plan in PLANS:  # a plan that fails leaves the others' figures
+        try:
+            cells = step_cells(spec, sizes["batches"], plan, "power-law", sizes["steps"],
+                               sizes["warmup"], torch.device(device))  # fmt: skip
+        except Exception:
+            records.append({"workload": name, "plan": plan, "error": traceback.format_exc()})
+            continue
         records += [{"workload": name, **cell} for cell in cells]
+        if device == "cuda":
+            torch.cuda.empty_cache()
     return records
 
 
@@ -164,6 +192,10 @@ def summary(report: dict) -> str:
         + (f"; collected {tests['collected']}" if tests.get("collected") is not None else "")
     )
     for cell in report.get("steps", {}).get("result") or []:
+        if "error" in cell:
+            last = cell["error"].strip().splitlines()[-1]
+            lines.append(f"({cell['workload']}) {cell['plan']} FAILED: {last}")
+            continue
         ours, theirs, bare = cell["embshard"], cell["torchrec"], cell["bare_tbe"]
         kernels = [(r.get("kernels") or {}).get("kernels") for r in (ours, theirs, bare)]
         lines.append(
@@ -184,6 +216,13 @@ def summary(report: dict) -> str:
             f"({lookup['bare_tbe']['fraction_of_copy']:.0%}); copy "
             f"{lookup['copy_bytes_per_s'] / 1e9:.0f} GB/s"
         )
+        for name in ("embshard", "bare_tbe"):
+            if found := lookup[name].get("kernels"):
+                longest = "; ".join(f"{k} {ms:.3f}" for k, ms in found["longest"])
+                lines.append(
+                    f"  {name} forward: {found['kernels']} kernels, {found['copies']} copies, "
+                    f"{found['device_ms']:.3f} device ms; longest: {longest}"
+                )
     for name, part in report.items():
         if part.get("error"):
             lines.append(f"{name} FAILED: {part['error'].strip().splitlines()[-1]}")
@@ -217,9 +256,23 @@ def run_part(report: dict, name: str, out: Path, work: Callable[[], object]) -> 
     show_default=True,
     help="Seconds the cuda tests may take in all; what ran by then is reported.",
 )
+@click.option(
+    "--deadline",
+    type=click.FloatRange(min=1),
+    default=None,
+    help="Seconds from the start by which everything ends: the tests get what is left.",
+)
 @click.option("--out", type=click.Path(file_okay=False), default="gpu_report", show_default=True)
-def main(device: str, quick: bool, with_tests: bool, tests_budget: float, out: str) -> None:
+def main(
+    device: str,
+    quick: bool,
+    with_tests: bool,
+    tests_budget: float,
+    deadline: float | None,
+    out: str,
+) -> None:
     """Check and measure embshard's CUDA path; writes OUT/gpu_check.json and summary.txt."""
+    start = time.monotonic()
     import torch
 
     if device == "cuda" and not torch.cuda.is_available():
@@ -234,6 +287,8 @@ def main(device: str, quick: bool, with_tests: bool, tests_budget: float, out: s
     run_part(report, "bandwidth", path, lambda: bandwidth(device, sizes))
     if device == "cuda":
         torch.cuda.empty_cache()  # the tests' ranks share the GPU
+    if deadline is not None:
+        tests_budget = min(tests_budget, max(1.0, deadline - (time.monotonic() - start)))
     if with_tests:
         run_part(report, "cuda_tests", path, lambda: cuda_tests(device, path, tests_budget))
     print(summary(report), end="")

@@ -43,7 +43,8 @@ def timed(step: Callable[[object], None], batches: list, device: torch.device) -
 
 
 def kernels(step: Callable[[], None], device: torch.device) -> dict | None:
-    """Device kernels and memory copies of one call of ``step`` (CUDA only)."""
+    """Device kernels and memory copies of one call of ``step`` (CUDA only), their
+    device time, and the longest six by name."""
     if device.type != "cuda":
         return None
     from torch.autograd import DeviceType
@@ -53,9 +54,19 @@ def kernels(step: Callable[[], None], device: torch.device) -> dict | None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         synchronize(device)
-    names = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
-    copies = sum(n.startswith(("Memcpy", "Memset")) for n in names)
-    return {"kernels": len(names) - copies, "copies": copies}
+    work = [
+        (e.name, e.time_range.elapsed_us())
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA
+    ]
+    copies = sum(name.startswith(("Memcpy", "Memset")) for name, _ in work)
+    longest = sorted(work, key=lambda w: -w[1])[:6]
+    return {
+        "kernels": len(work) - copies,
+        "copies": copies,
+        "device_ms": sum(us for _, us in work) / 1e3,
+        "longest": [(name[:80], us / 1e3) for name, us in longest],
+    }
 
 
 def _bare_tbe(ours, device: torch.device):
@@ -210,8 +221,9 @@ def lookup_bandwidth(
                 forward()
                 synchronize(device)
                 times.append(time.perf_counter() - start)
-        figures[name] = {
-            "median_ms": 1e3 * statistics.median(times),
-            "bytes_per_s": moved / statistics.median(times),
-        }
+            figures[name] = {
+                "median_ms": 1e3 * statistics.median(times),
+                "bytes_per_s": moved / statistics.median(times),
+                "kernels": kernels(forward, device),
+            }
     return figures
