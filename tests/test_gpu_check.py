@@ -26,7 +26,8 @@ def test_gpu_check_dry_runs_every_part_on_cpu(tmp_path):
     tests = report["cuda_tests"]["result"]
     assert tests["returncode"] == 0 and tests["collected"] >= 20, tests
     cells = report["steps"]["result"]
-    assert [c["plan"] for c in cells] == ["table_wise", "row_wise", "column_wise", "mixed"]
+    plans = ["table_wise", "row_wise", "column_wise", "mixed"]
+    assert [(c["plan"], c["batch"]) for c in cells] == [(p, b) for p in plans for b in (64, 32)]
     for cell in cells:
         # Both libraries trained on the same weights and inputs: their outputs agree.
         assert cell["max_difference"] < 1e-4 < cell["max_output"], cell

@@ -58,7 +58,7 @@ SIZES = {
     },
     "quick": {
         "workload": {"tables": [(1000, 16, 2), (500, 32, 3), (200, 16, 1)], "bags": "fixed"},
-        "batches": (64,),
+        "batches": (64, 32),  # two: the second cell compares weights the first trained
         "steps": 3,
         "warmup": 1,
         "copy_bytes": 16 << 20,

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from torchrec import KeyedJaggedTensor
 
 from .floor import received_ids
 from .libraries import build, copy_weights, difference, loss
@@ -125,7 +126,8 @@ def _step_cell(ours, theirs, workload, plan_name, ids, steps, warmup, device) ->
     def train(model):
         return lambda batch: loss(model, batch).backward()
 
-    indices, offsets = received_ids(ours, batches[0])
+    indices, offsets = received_ids(ours, batches[0])  # a training step: TorchRec's too
+    train(theirs)(unseen(batches[0]))
     tbe = _bare_tbe(ours, device)
     gradient = torch.ones_like(tbe(indices, offsets))
 
@@ -144,16 +146,28 @@ def _step_cell(ours, theirs, workload, plan_name, ids, steps, warmup, device) ->
     for name, step in reversed(steppers.items()):
         again = timed(step, timed_batches, device)
         record[name] = min(record[name], again, key=lambda r: r["median_ms"])
-    for library, model, batch in (
-        ("embshard", ours, batches[-2]),  # batches neither library has seen
-        ("torchrec", theirs, batches[-1]),
-    ):
-        record[library]["kernels"] = kernels(lambda m=model, b=batch: train(m)(b), device)
-        record[library]["ops"] = count_step(model, batch).ops
+    # Two more steps on batches neither library has seen, the same ids for both (each
+    # its own copy: a KJT keeps what it computed), which keeps their weights equal for
+    # the next batch size's cell.
+    for library, model in (("embshard", ours), ("torchrec", theirs)):
+        profiled, counted = unseen(batches[-2]), unseen(batches[-1])
+        record[library]["kernels"] = kernels(lambda m=model, b=profiled: train(m)(b), device)
+        record[library]["ops"] = count_step(model, counted).ops
     record["bare_tbe"]["kernels"] = kernels(lambda: bare(None), device)
     record["over_bare_tbe"] = record["embshard"]["median_ms"] / record["bare_tbe"]["median_ms"]
     record["throughput_ratio"] = record["torchrec"]["median_ms"] / record["embshard"]["median_ms"]
     return record
+
+
+def unseen(batch: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """A copy of ``batch`` that nothing has computed anything of yet."""
+    weights = batch.weights_or_none()
+    return KeyedJaggedTensor(
+        keys=batch.keys(),
+        values=batch.values().clone(),
+        weights=None if weights is None else weights.clone(),
+        lengths=batch.lengths().clone(),
+    )
 
 
 def copy_bandwidth(nbytes: int, device: torch.device, repeats: int = 10) -> float:
