@@ -92,6 +92,13 @@ SEQUENCE_OPTIMIZERS = OPTIMIZERS | {
 }
 
 
+def test_an_empty_batch_at_one_rank_on_the_gpu(cuda_world):
+    """No bags at all through the batch check, every layout's lookup and the update."""
+    case = Case(EVERY_LAYOUT_TABLES, EVERY_LAYOUT, (0,), device="cuda")
+    [worst] = cuda_world(1).run(run_case, case)
+    assert worst["forward"] == 0 and worst["weights"] == 0 and worst["update"] == 0, worst
+
+
 @pytest.mark.parametrize("optimizer", list(SEQUENCE_OPTIMIZERS))
 def test_embedding_collection_trains_like_unsharded(cuda_world, optimizer):
     optimizer = SEQUENCE_OPTIMIZERS[optimizer]
