@@ -29,6 +29,7 @@ from torchrec.modules.embedding_configs import DataType, PoolingType
 from embshard.modules.mesh import ShardingMesh, sharding_mesh, world_mesh
 from embshard.modules.shard import shard
 from embshard.plan.specs import ShardingPlan
+from embshard.storage.lookup import TrainingTBE
 from embshard.storage.optimizers import SGD, Adagrad, Adam, Lamb
 from embshard.storage.shards import gather_table
 
@@ -78,6 +79,7 @@ class Case:
     # Sharding groups of this many ranks (a 2-D mesh, the copies synced each step); the
     # oracle stays the global batch's, which only SGD's averaged step equals.
     group_size: int | None = None
+    lookup: TrainingTBE = TrainingTBE()  # where the TBE keeps its tables
 
 
 def features_of(tables) -> list[str]:
@@ -267,6 +269,7 @@ def run_case(case: Case) -> dict[str, float]:
         mesh=mesh.mesh,
         optimizer=case.optimizer,
         comm_precision=case.comm_precision,
+        lookup=case.lookup,
     )
     oracle = float32_twin(module)
     initial = {n: b.weight.detach().clone() for n, b in oracle.embedding_bags.items()}
