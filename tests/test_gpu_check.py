@@ -37,5 +37,7 @@ def test_gpu_check_dry_runs_every_part_on_cpu(tmp_path):
     lookup = report["bandwidth"]["result"]
     assert lookup["copy_bytes_per_s"] > 0
     assert lookup["embshard"]["bytes_per_s"] > 0 and lookup["bare_tbe"]["bytes_per_s"] > 0
+    dynamic = report["dynamic"]["result"]
+    assert dynamic["device"] == "cpu" and dynamic["static_ms"] > 0 < dynamic["dynamic_ms"]
     summary = (tmp_path / "summary.txt").read_text()
     assert "lookup bandwidth" in summary and "FAILED" not in summary, summary

@@ -3,14 +3,15 @@
     python tools/gpu_check.py --out gpu_report            # on a CUDA machine
     python tools/gpu_check.py --device cpu --quick --out /tmp/dry   # a dry run anywhere
 
-It runs, each part on its own so that one failure leaves the others' results:
-the stack's versions; the tests marked ``cuda`` (pytest, their pass/fail by name);
-then, in a one-rank world (NCCL on CUDA, gloo on CPU) on bench workload (d), power-law
-ids: a training step of embshard against a bare FBGEMM TBE doing the same lookups and
-update, and against TorchRec's DMP on the same plan, tables and inputs, with kernels
-and host time a step; the forward lookup's bandwidth on tables bigger than the caches
-against the device's copy bandwidth. Writes ``gpu_check.json`` and ``summary.txt``
-to ``--out``, rewriting them after each part.
+It runs, each part on its own so that one failure leaves the others' results: the
+stack's versions; in a one-rank world (NCCL on CUDA, gloo on CPU) on bench workload
+(d), power-law ids, a training step of embshard against a bare FBGEMM TBE doing the
+same lookups and update, and against TorchRec's DMP on the same plan, tables and
+inputs, with kernels and host time a step; the forward lookup's bandwidth on tables
+bigger than the caches against the device's copy bandwidth; a step with dynamic
+tables against static ones (tools/bench_dynamic.py); then the tests marked ``cuda``
+(pytest, their outcomes by name). Writes ``gpu_check.json`` and ``summary.txt`` to
+``--out``, rewriting them after each part.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ SIZES = {
         "steps": 30,
         "warmup": 10,
         "copy_bytes": 2 << 30,
+        "dynamic": ("--steps", "10", "--warmup", "3"),
         "lookup": {"tables": 4, "rows": 1 << 22, "dim": 128, "batch": 16384, "pooling": 32},
     },
     "quick": {
@@ -64,6 +66,7 @@ SIZES = {
         "steps": 3,
         "warmup": 1,
         "copy_bytes": 16 << 20,
+        "dynamic": ("--steps", "1", "--warmup", "1"),
         "lookup": {"tables": 2, "rows": 1 << 14, "dim": 32, "batch": 256, "pooling": 4},
     },
 }
@@ -183,6 +186,17 @@ def bandwidth(device: str, sizes: dict) -> dict:
     return figures
 
 
+def dynamic_step(device: str, sizes: dict) -> dict:
+    """tools/bench_dynamic.py at one rank: workload (d)'s step with its five largest
+    tables dynamic, against the same step with static tables."""
+    command = [sys.executable, str(ROOT / "tools" / "bench_dynamic.py"), "--device", device,
+               "--world", "1", "--json", *sizes["dynamic"]]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    if done.returncode:
+        raise RuntimeError(done.stderr[-3000:])
+    return json.loads(done.stdout)
+
+
 def summary(report: dict) -> str:
     lines = [f"stack: {report.get('stack', {}).get('result')}"]
     tests = report.get("cuda_tests", {}).get("result") or {}
@@ -225,6 +239,12 @@ def summary(report: dict) -> str:
                     f"  {name} forward: {found['kernels']} kernels, {found['copies']} copies, "
                     f"{found['device_ms']:.3f} device ms; longest: {longest}"
                 )
+    dynamic = report.get("dynamic", {}).get("result")
+    if dynamic:
+        lines.append(
+            f"dynamic tables (bench_dynamic, one rank): static {dynamic['static_ms']} ms, "
+            f"dynamic {dynamic['dynamic_ms']} ms a step, ratio {dynamic['ratio_wall']}"
+        )
     for name, part in report.items():
         if part.get("error"):
             lines.append(f"{name} FAILED: {part['error'].strip().splitlines()[-1]}")
@@ -288,7 +308,8 @@ def main(
     run_part(report, "steps", path, lambda: steps_vs_bare_tbe_and_torchrec(device, sizes))
     run_part(report, "bandwidth", path, lambda: bandwidth(device, sizes))
     if device == "cuda":
-        torch.cuda.empty_cache()  # the tests' ranks share the GPU
+        torch.cuda.empty_cache()  # the processes after this share the GPU
+    run_part(report, "dynamic", path, lambda: dynamic_step(device, sizes))
     if deadline is not None:
         tests_budget = min(tests_budget, max(1.0, deadline - (time.monotonic() - start)))
     if with_tests:
