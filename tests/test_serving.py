@@ -115,6 +115,22 @@ def test_pooled_rows_equal_torchrec_quantized(precision: str, mean: bool):
             assert torch.equal(got[feature], value), (precision, size, feature)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_pooled_rows_on_the_gpu_equal_torchrec_quantized_on_the_cpu(precision: str):
+    """FBGEMM's CUDA inference kernels against TorchRec's module on the CPU: the same
+    quantized rows, summed in another order (within float32 rounding)."""
+    tables = _tables()
+    ebc = _float_ebc(tables)
+    oracle = torchrec_quantized(copy.deepcopy(ebc), precision)
+    ours = QuantizedEmbeddingBagCollection.from_float(ebc.cuda(), precision)
+    for size in (0, 1, 7, 64):
+        batch = _batch(tables, size, seed=size)
+        got, want = ours(batch.to("cuda")).to_dict(), oracle(batch).to_dict()
+        for feature, value in want.items():
+            torch.testing.assert_close(got[feature].cpu(), value, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_sequence_rows_equal_torchrec_quantized(precision: str):
     tables = [

@@ -35,14 +35,15 @@ import click
 ROOT = Path(__file__).resolve().parent.parent
 # In this order: FBGEMM's id operations, the id map and dynamic tables, every layout
 # (one rank, then several sharing the GPU, an empty batch last), FP16 tables,
-# compressed all-to-alls and managed memory, the CUDA-only optimizers, training, 2-D
-# groups.
+# compressed all-to-alls and managed memory, quantized serving, the CUDA-only
+# optimizers, training, 2-D groups.
 CUDA_TESTS = (
     "tests/test_sparse_ops.py",
     "tests/test_id_map.py",
     "tests/test_dynamic.py",
     "tests/test_cuda.py",
     "tests/test_cuda_features.py",
+    "tests/test_serving.py",
     "tests/test_cuda_optimizers.py",
     "tests/test_train_cuda.py",
     "tests/test_twod.py",
