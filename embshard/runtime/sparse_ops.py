@@ -14,11 +14,13 @@ import torch
 Jagged = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
-def _nothing_permuted(
-    permute: torch.Tensor, lengths: torch.Tensor, values: torch.Tensor, weights: torch.Tensor | None
-) -> Jagged:
-    """The rows ``permute`` picks of ``lengths``, and no ids: every picked row is empty."""
-    return lengths.index_select(0, permute), values[:0], None if weights is None else weights[:0]
+def _permuted(op, permute, lengths, values, weights, total: int) -> Jagged:
+    """FBGEMM's permute ``op``; with nothing to permute, the rows ``permute`` picks of
+    ``lengths`` and no ids: every picked row is empty."""
+    if permute.numel() == 0 or lengths.numel() == 0:
+        no_weights = None if weights is None else weights[:0]
+        return lengths.index_select(0, permute), values[:0], no_weights
+    return op(permute, lengths, values, weights, total)
 
 
 def permute_2d(
@@ -30,9 +32,8 @@ def permute_2d(
 ) -> Jagged:
     """The rows ``permute`` picks of the lengths table ``lengths`` ([rows, batch]), with
     their ids and weights (``total`` of them), in that order."""
-    if permute.numel() == 0 or lengths.numel() == 0:
-        return _nothing_permuted(permute, lengths, values, weights)
-    return torch.ops.fbgemm.permute_2D_sparse_data(permute, lengths, values, weights, total)
+    op = torch.ops.fbgemm.permute_2D_sparse_data
+    return _permuted(op, permute, lengths, values, weights, total)
 
 
 def permute_1d(
@@ -44,9 +45,8 @@ def permute_1d(
 ) -> Jagged:
     """The segments ``permute`` picks of ``lengths`` (1-D), with their ids and weights
     (``total`` of them), in that order."""
-    if permute.numel() == 0 or lengths.numel() == 0:
-        return _nothing_permuted(permute, lengths, values, weights)
-    return torch.ops.fbgemm.permute_1D_sparse_data(permute, lengths, values, weights, total)
+    op = torch.ops.fbgemm.permute_1D_sparse_data
+    return _permuted(op, permute, lengths, values, weights, total)
 
 
 def block_bucketize(
