@@ -4,6 +4,7 @@ tools use too), its cells, and the records written."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import sys
@@ -38,23 +39,32 @@ class Options:
 
 def quiet_worker() -> None:
     """Silence what a worker would print that says nothing of the run: TorchRec's
-    calls of the collectives torch 2.13 deprecates (a FutureWarning each), and kineto's
-    USDT lines at every start and stop of the profiler that counts the collectives
-    (``per_step_comm``). Kineto reads its level when a profile starts; 6 is above
-    USDT's 5, its highest (its errors, 4, are below USDT's level already)."""
+    calls of the collectives torch 2.13 deprecates (a FutureWarning each) and, in
+    TorchRec 1.6, of ``_get_pg_default_device`` (UserWarnings); torch 2.11's profiler
+    saying at its first start that it keeps one cycle's events; kineto's USDT lines at
+    every start and stop of the profiler that counts the collectives
+    (``per_step_comm``); and FBGEMM 1.6's warning at import, once per library, that its
+    own table of torch versions stops at FBGEMM 1.5 (1.6 is torch 2.11's pairing).
+    Kineto reads its level when a profile starts; 6 is above USDT's 5, its highest
+    (its errors, 4, are below USDT's level already)."""
     warnings.filterwarnings(
         "ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning
     )
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"torchrec\.distributed\.types")
+    warnings.filterwarnings("ignore", "Warning: Profiler clears events", UserWarning)
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    logging.getLogger().addFilter(
+        lambda record: "_fbgemm_torch_compat_table" not in record.getMessage()
+    )
 
 
 def _rank_main(rank: int, world: int, tmp: str, job: Callable, args: tuple) -> None:
+    quiet_worker()  # first: embshard's import imports FBGEMM
     import torch
     import torch.distributed as dist
 
     from embshard.runtime.teardown import shutdown
 
-    quiet_worker()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
                             world_size=world, timeout=timedelta(seconds=600))  # fmt: skip
