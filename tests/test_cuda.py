@@ -223,3 +223,13 @@ def test_a_rank_with_an_empty_batch_on_the_shared_gpu(cuda_world, plan):
     case = Case(tables_for(plan), plans(2)[plan], batch_sizes(2), device="cuda")
     for worst in cuda_world(2).run(run_case, case, timeout=60):
         assert worst["forward"] < TOL and worst["weights"] < TOL, worst
+
+
+def test_an_embedding_collection_with_an_empty_rank_on_the_shared_gpu(cuda_world):
+    """The row-per-id path's routing and rows back, rank 1 with no samples."""
+    optimizer = embshard.RowWiseAdagrad(lr=0.1, eps=1e-4)
+    case = Case(
+        SEQUENCE_TABLES, SEQUENCE_PLAN, (5, 0), optimizer=optimizer, sequence=True, device="cuda"
+    )
+    for worst in cuda_world(2).run(run_sequence_case, case, timeout=60):
+        assert worst["forward"] < TOL and worst["weights"] < TOL, worst
