@@ -65,6 +65,7 @@ def _rank(rank: int, world: int, store: str, args: dict, results) -> None:
         torch.cuda.set_device(rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
+    from bench.device import synchronize
     from bench.workloads import WORKLOADS
 
     spec = WORKLOADS["d"]
@@ -93,10 +94,10 @@ def _rank(rank: int, world: int, store: str, args: dict, results) -> None:
                 tables, dynamic if mode == "dynamic" else set(), batch, step, rank, args
             ).to(device)
             dist.barrier()
-            _synchronize(device)
+            synchronize(device)
             wall, cpu = time.perf_counter(), time.process_time()
             sharded(features).values().sum().backward()
-            _synchronize(device)
+            synchronize(device)
             if step >= args["warmup"]:
                 walls.append(time.perf_counter() - wall)
                 cpus.append(time.process_time() - cpu)
@@ -110,11 +111,6 @@ def _rank(rank: int, world: int, store: str, args: dict, results) -> None:
             }
     results.put((rank, figures))
     dist.destroy_process_group()
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
