@@ -43,12 +43,12 @@ BUDGET = {
         ("sequence", "mixed"): [101],
     },
     2: {
-        ("pooled", "table_wise"): [25, 25],
-        ("pooled", "row_wise"): [28, 28],
-        ("pooled", "column_wise"): [25, 25],
-        ("pooled", "mixed"): [28, 28],
-        ("sequence", "table_wise"): [115, 115],
-        ("sequence", "mixed"): [156, 156],
+        ("pooled", "table_wise"): [22, 22],
+        ("pooled", "row_wise"): [26, 26],
+        ("pooled", "column_wise"): [22, 22],
+        ("pooled", "mixed"): [26, 26],
+        ("sequence", "table_wise"): [113, 113],
+        ("sequence", "mixed"): [154, 154],
     },
 }
 

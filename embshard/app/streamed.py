@@ -79,9 +79,10 @@ def _send(
         batch, lengths=batch.ids_per_feature[:, None], offsets=None, stand_in=None
     )
     routed = input_dist.route(whole)
-    slot_ids = routed.ids_per_slot
-    if slot_ids is None:  # one rank, whose TBE takes the batch's own bags
-        slot_ids = input_dist.ids_per_slot(whole.lengths)
+    tally = routed.tally
+    if tally is None:  # one rank, whose TBE takes the batch's own bags
+        tally = input_dist.tally(whole.lengths, whole.row_ids)
+    slot_ids = input_dist.ids_per_slot(tally)
     payload = torch.zeros(input_dist.world, dtype=torch.long)
     if input_dist.world > 1:  # on one rank nothing travels
         payload.index_add_(0, input_dist.slot_rank, slot_ids * input_dist.ids_per_element)

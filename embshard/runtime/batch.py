@@ -2,11 +2,11 @@
 
 A bad batch must not leave the other ranks waiting in an all-to-all, so the check
 never raises: what can be seen without reading the data (keys, dtypes, sizes) comes
-back as a message; what needs the data (lengths, id ranges) comes back as a validity
-flag computed on the batch's device, which travels in the counts exchange (see
-``InputDistribution.exchange_counts``) without a host sync of its own, or on one rank is read
-in its one host read. When any rank's flag is down, every rank raises together, and
-the bad ranks say why (``describe_problem``). A bad batch's ids are never looked up.
+back as a message; what needs the data (lengths, id ranges) comes back as a count of
+problems computed on the batch's device, which travels in the counts exchange (see
+``InputDistribution.exchange_counts``) without a host sync of its own, or on one rank is
+read in its one host read. When any rank's count is not 0, every rank raises together,
+and the bad ranks say why (``describe_problem``). A bad batch's ids are never looked up.
 """
 
 from __future__ import annotations
@@ -28,8 +28,11 @@ _NO_BOUND = 2**62  # the rows of a key the model does not use: none of its ids i
 @dataclass(frozen=True)
 class LocalBatch:
     """A batch in the model's feature order: lengths [features, batch], ids and weights
-    in the dtypes they came in, and ``problems``: how many FBGEMM's bounds check found
-    (int64 [1], on the batch's device; 0 for a good batch).
+    in the dtypes they came in, and ``row_ids``: int64 [rows of the route's lengths table
+    + 1] on the batch's device, whose last value, ``problems``, is how many problems
+    FBGEMM's bounds check found (0 for a good batch). The route writes each row's ids in
+    front of it, so that one gather gives the counts exchange every send row's ids and
+    the problems (``InputDistribution.tally``).
 
     ``lengths`` may be bad until the counts have said the batch is good: before
     that, a kernel that reads ids by them takes ``routable_lengths``. ``offsets``
@@ -42,13 +45,18 @@ class LocalBatch:
     lengths: torch.Tensor
     values: torch.Tensor
     weights: torch.Tensor | None
-    problems: torch.Tensor
+    row_ids: torch.Tensor
     offsets: torch.Tensor | None = None
     stand_in: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
         return self.lengths.shape[1]
+
+    @property
+    def problems(self) -> torch.Tensor:
+        """The bounds check's problem count, int64 [1] (a view of ``row_ids``)."""
+        return self.row_ids[-1:]
 
     @cached_property
     def valid(self) -> torch.Tensor:
@@ -75,10 +83,14 @@ class CheckInputs:
     """The constant tensors a batch's check takes: for FBGEMM's bounds check, every
     key's rows less one (of the smallest table its feature feeds; no bound for keys
     the model does not use) in the batch's key order, and the stand-in lengths table.
-    Both are kept for the last key order and batch shape seen, as they rarely change."""
+    Both are kept for the last key order and batch shape seen, as they rarely change.
+    ``table_rows``: the rows of the route's lengths table (``LocalBatch.row_ids``)."""
 
-    def __init__(self, features: tuple[str, ...], feature_rows: tuple[int, ...], device) -> None:
+    def __init__(
+        self, features: tuple[str, ...], feature_rows: tuple[int, ...], table_rows: int, device
+    ) -> None:
         self._rows = dict(zip(features, feature_rows))
+        self.table_rows = table_rows
         self._device = device
         self._keys: tuple[tuple[str, ...], torch.Tensor] | None = None
         self._unit: tuple[tuple[tuple[int, ...], torch.dtype], torch.Tensor] | None = None
@@ -112,12 +124,13 @@ def check_batch(features: object, routes: Routes, inputs: CheckInputs) -> LocalB
     values, lengths, keys = features.values(), features.lengths(), features.keys()
     lengths = lengths.view(len(keys), lengths.numel() // len(keys))
     offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths.view(-1))
-    problems = _bounds_check(offsets, values, inputs.rows_less_one(keys))
+    row_ids = torch.empty(inputs.table_rows + 1, dtype=torch.int64, device=values.device)
+    _bounds_check(offsets, values, inputs.rows_less_one(keys), row_ids[-1:])
     weights = features.weights_or_none() if routes.weighted else None
-    given = LocalBatch(lengths, values, weights, problems, offsets, inputs.first_bag(lengths))
+    given = LocalBatch(lengths, values, weights, row_ids, offsets, inputs.first_bag(lengths))
     if list(keys) == list(routes.features):
         return given
-    return LocalBatch(*_in_model_order(features, routes, given.routable_lengths), problems)
+    return LocalBatch(*_in_model_order(features, routes, given.routable_lengths), row_ids)
 
 
 def describe_problem(features: KeyedJaggedTensor, routes: Routes) -> str:
@@ -188,19 +201,18 @@ def _in_model_order(
 
 
 def _bounds_check(
-    offsets: torch.Tensor, values: torch.Tensor, rows_less_one: torch.Tensor
-) -> torch.Tensor:
-    """How many problems FBGEMM's bounds check finds in one pass, on the batch's
-    device (no host read): negative lengths, lengths that do not add up to the ids,
-    ids outside [0, rows of their key). It skips -1 (FBGEMM's mark of a pruned row)
-    and zeroes the ids and fixes the offsets it finds bad, so it checks ``id - 1``
-    against ``rows - 1``, in a buffer of its own (an id of -1 is -2 there, and the
-    batch stays as it came for ``describe_problem``), with offsets that are not kept
-    when they are bad."""
+    offsets: torch.Tensor, values: torch.Tensor, rows_less_one: torch.Tensor, problems: torch.Tensor
+) -> None:
+    """How many problems FBGEMM's bounds check finds in one pass, into ``problems``
+    (int64 [1], on the batch's device; no host read): negative lengths, lengths that do
+    not add up to the ids, ids outside [0, rows of their key). It skips -1 (FBGEMM's
+    mark of a pruned row) and zeroes the ids and fixes the offsets it finds bad, so it
+    checks ``id - 1`` against ``rows - 1``, in a buffer of its own (an id of -1 is -2
+    there, and the batch stays as it came for ``describe_problem``), with offsets that
+    are not kept when they are bad."""
     if offsets.numel() == 1:  # no bags: FBGEMM's CUDA check returns without its count
-        return torch.full((1,), int(values.numel() > 0), dtype=torch.int64, device=values.device)
-    problems = torch.empty(1, dtype=torch.int64, device=values.device)
+        problems.fill_(int(values.numel() > 0))
+        return
     torch.ops.fbgemm.bounds_check_indices(
         rows_less_one, values - 1, offsets, BoundsCheckMode.WARNING.value, problems
     )
-    return problems

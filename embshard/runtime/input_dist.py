@@ -1,11 +1,12 @@
 """Stage 1, the input distribution: check a rank's batch, route its ids to the ranks
-that own their rows, exchange counts (the step's one host sync; a status in it lets a
-rank with a bad batch, or none, stop everyone alike) and send the packed ids (lengths,
-ids and weights of every slot, all sharding types together) in one all-to-all.
+that own their rows, exchange counts (the step's one host sync; a batch size and a
+problem count in it let a rank with a bad batch, or none, stop everyone alike) and
+send the packed ids (lengths, ids and weights of every slot, all sharding types
+together) in one all-to-all.
 
 On one rank nothing travels and no collective runs: the checked batch's bags go to
 the rank's TBE as they are (or gathered into its order), after the one host read, of
-the batch's validity flag."""
+the batch's problem count."""
 
 from __future__ import annotations
 
@@ -24,17 +25,19 @@ from embshard.runtime.routes import Routes
 from embshard.runtime.scratch import Scratch
 from embshard.runtime.sparse_ops import block_bucketize, permute_1d, permute_2d
 
-# The counts exchange's int64 columns per peer: the ids sent to it, and the sender's
-# status: (batch size + 1) for a good batch, 0 for a bad one, _ENDED when its batches
-# ran out. A lookup's ExtraCounts columns follow.
-COUNT_COLUMNS = 2
+# The counts exchange's int64 columns per peer: the ids sent to it, the sender's batch
+# size + 1 (_ENDED when its batches ran out), and the problems its batch has (0 for a
+# good one). A lookup's ExtraCounts columns follow.
+COUNT_COLUMNS = 3
+_IDS, _SIZE, _PROBLEMS = range(COUNT_COLUMNS)
 _ENDED = -1
+_SIZES_KEPT = 8
 
 
 class HeldProblem(Protocol):
     """A problem a lookup found after its step's exchanges (a dynamic table's overflow):
-    ``fine`` (a 0-dim bool on the device, no host read) joins the next batch's validity
-    flag in the counts exchange, so every rank raises together; ``take`` says what it
+    ``fine`` (a 0-dim bool on the device, no host read) joins the next batch's problem
+    count in the counts exchange, so every rank raises together; ``take`` says what it
     was (a host read, only once some rank's flag is down) and forgets it."""
 
     def fine(self) -> torch.Tensor: ...
@@ -92,15 +95,16 @@ def _from_bits(bits: torch.Tensor) -> torch.Tensor:
 class Routed:
     """A batch's bags sorted by who gets them, before the payload is built: the
     lengths table (features, or every bucketizing pass's buckets of every feature),
-    the ids and weights it describes, and how many ids each send row (a destination's
-    slot: ``InputDistribution.send_rows``) takes, on the device (read back in the
-    counts exchange); None on one rank when its TBE takes the batch's own bags, whose
-    flat offsets are then ``offsets``."""
+    the ids and weights it describes, and its ``tally`` (``InputDistribution.tally``,
+    read back in the counts exchange): how many ids each send row (a destination's
+    slot: ``InputDistribution.send_rows``) takes, then the batch's problem count once
+    per rank, on the device; None on one rank when its TBE takes the batch's own bags,
+    whose flat offsets are then ``offsets``."""
 
     lengths: torch.Tensor
     values: torch.Tensor
     weights: torch.Tensor | None
-    ids_per_slot: torch.Tensor | None
+    tally: torch.Tensor | None
     batch_size: int
     offsets: torch.Tensor | None = None
 
@@ -134,12 +138,14 @@ class InputDistribution:
         self.world = routes.world_size
         self.scratch = scratch
         self.device = device
-        self.check_inputs = CheckInputs(routes.features, routes.id_limits, device)
         self.slots_per_rank = [len(s) for s in routes.slots]
         # On one rank without hot rows every bucketizing pass keeps each feature whole
         # in bucket 0 (its own rows, none rebased): the TBE's bags are rows of the
         # batch's own lengths, each slot its feature's.
         whole = self.world == 1 and not routes.home_bucket
+        self.passes = [] if whole else [_bucket_pass(b, device) for b in routes.bucket_passes]
+        table_rows = len(routes.features) * max(1, len(self.passes) * routes.buckets)
+        self.check_inputs = CheckInputs(routes.features, routes.id_limits, table_rows, device)
         send_rows = (
             torch.tensor([routes.embeddings[s.embedding].feature for s in routes.slots[0]])
             if whole
@@ -153,7 +159,13 @@ class InputDistribution:
             torch.tensor(self.slots_per_rank, device=device),
             output_size=len(self.send_rows),
         )
-        self.passes = [] if whole else [_bucket_pass(b, device) for b in routes.bucket_passes]
+        # The tally's rows of LocalBatch.row_ids: every send row's, then the problem
+        # count (its last) once per rank.
+        self.tally_rows = torch.cat(
+            [self.send_rows.long(), torch.full((self.world,), table_rows, device=device)]
+        )
+        self._size_tables: dict[tuple[int, int], torch.Tensor] = {}
+        self._tally_indices: dict[int, torch.Tensor] = {}
         self.ids_per_element = 2 if routes.weighted else 1
         self._slot_major: tuple[tuple[int, ...], torch.Tensor] | None = None
         keyed = routes.feature_buckets or routes.feature_ranges
@@ -178,10 +190,12 @@ class InputDistribution:
                 batch.lengths, batch.values, batch.weights, None, batch.batch_size, batch.offsets
             )
         if not self.passes:  # the lengths table is the batch's
-            per_slot = self.ids_per_slot(batch.lengths, batch.ids_per_feature)
-            return Routed(batch.lengths, batch.values, batch.weights, per_slot, batch.batch_size)
+            tally = self.tally(batch.lengths, batch.row_ids)
+            return Routed(batch.lengths, batch.values, batch.weights, tally, batch.batch_size)
         lengths, values, weights, _ = self.bucketize(batch)
-        return Routed(lengths, values, weights, self.ids_per_slot(lengths), batch.batch_size)
+        return Routed(
+            lengths, values, weights, self.tally(lengths, batch.row_ids), batch.batch_size
+        )
 
     def keyed(self, batch: LocalBatch) -> LocalBatch:
         """``batch`` with its dynamic tables' raw ids as their keys (``DynamicIds.keyed``),
@@ -224,19 +238,27 @@ class InputDistribution:
             positions = _cat([torch.empty_like(ids).scatter_(0, b[3].long(), ids) for b in buckets])
         return lengths, values, weights, positions
 
-    def ids_per_slot(
-        self, lengths: torch.Tensor, per_row: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def tally(self, lengths: torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
         """Ids each row of ``Routes.send_rows()`` takes from the lengths table
-        ``lengths`` (whose row sums are ``per_row``, when known)."""
-        per_row = lengths.sum(1) if per_row is None else per_row
-        return per_row.index_select(0, self.send_rows)
+        ``lengths``, then the problem count of the batch once per rank: what the counts
+        exchange adds up, in one gather. The rows' sums are written into ``row_ids``
+        (``LocalBatch.row_ids``), in front of the problem count."""
+        torch.sum(lengths, 1, out=row_ids[:-1])
+        return row_ids.index_select(0, self.tally_rows)
+
+    def ids_per_slot(self, tally: torch.Tensor) -> torch.Tensor:
+        """The ids each send row takes, of a ``tally`` (a view)."""
+        return tally[: len(self.send_rows)]
+
+    def flag(self, tally: torch.Tensor, bad: torch.Tensor | int) -> None:
+        """Count ``bad`` (1 or a 0-dim bool) as one more problem in ``tally``."""
+        tally[len(self.send_rows) :].add_(bad)
 
     def nothing(self) -> Routed:
         """The route of a batch that cannot be sent: nothing for anyone."""
-        zeros = torch.zeros(len(self.send_rows), dtype=torch.long, device=self.device)
+        tally = torch.zeros(len(self.tally_rows), dtype=torch.long, device=self.device)
         empty = torch.zeros(0, dtype=self.routes.id_dtype, device=self.device)
-        return Routed(empty.view(0, 0), empty, None, zeros, 0)
+        return Routed(empty.view(0, 0), empty, None, tally, 0)
 
     def to_send(self, routed: Routed) -> Routed:
         """A pooled lookup sends all it routed."""
@@ -254,26 +276,26 @@ class InputDistribution:
     def exchange_counts(
         self,
         sent: Routed,
-        valid: torch.Tensor | None,
+        ended: bool,
         group: dist.ProcessGroup | None,
         extra: ExtraCounts | None = None,
     ) -> Counts:
-        """Tell every rank how many ids this rank sends it, its batch size and whether
-        its batch is good (``valid``) or it has none (None: its batches ran out), with
-        the lookup's ``extra`` columns. The step's one host sync: one read of one
-        buffer holding what arrived, what this rank sent and the extra local values;
-        the payload's sizes follow on the host."""
+        """Tell every rank how many ids this rank sends it, its batch size, or that it
+        has none (``ended``: its batches ran out), and how many problems its batch has
+        (``sent.tally``), with the lookup's ``extra`` columns. The step's one host sync:
+        one read of one buffer holding what arrived, what this rank sent and the extra
+        local values; the payload's sizes follow on the host. The counts sent are one
+        kernel: the tally added into each peer's columns, over the batch size's."""
         world, k = self.world, 0 if extra is None else extra.per_rank.shape[1]
         width = COUNT_COLUMNS + k
         local = 0 if extra is None else extra.local.numel()
-        buffer = torch.zeros(2 * world * width + local, dtype=torch.long, device=self.device)
+        buffer = torch.empty(2 * world * width + local, dtype=torch.long, device=self.device)
         received = buffer[: world * width].view(world, width)
         counts = buffer[world * width : 2 * world * width].view(world, width)
-        counts[:, 0].index_add_(0, self.slot_rank, sent.ids_per_slot)
-        if valid is None:
-            counts[:, 1] = _ENDED
-        else:
-            counts[:, 1].add_(valid, alpha=sent.batch_size + 1)
+        size = _ENDED if ended else sent.batch_size + 1
+        torch.index_add(
+            self._sizes(size, width), 0, self._tally_index(width), sent.tally, out=counts.view(-1)
+        )
         if extra is not None:
             counts[:, COUNT_COLUMNS:] = extra.per_rank
             buffer[2 * world * width :] = extra.local
@@ -281,39 +303,62 @@ class InputDistribution:
         host = buffer.tolist()
         rows = [host[width * r : width * (r + 1)] for r in range(2 * world)]
         came, went = rows[:world], rows[world:]
-        batch_sizes = [max(r[1] - 1, 0) for r in came]
+        batch_sizes = [max(r[_SIZE] - 1, 0) for r in came]
         mine, per_id = self.slots_per_rank[self.rank], self.ids_per_element
         return Counts(
-            recv_sizes=[mine * b + per_id * r[0] for b, r in zip(batch_sizes, came)],
+            recv_sizes=[mine * b + per_id * r[_IDS] for b, r in zip(batch_sizes, came)],
             batch_sizes=batch_sizes,
-            failed=any(r[1] == 0 for r in came),
-            ended=tuple(rank for rank, r in enumerate(came) if r[1] == _ENDED),
+            failed=any(r[_PROBLEMS] != 0 for r in came),
+            ended=tuple(rank for rank, r in enumerate(came) if r[_SIZE] == _ENDED),
             send_sizes=[
-                slots * sent.batch_size + per_id * r[0]
+                slots * sent.batch_size + per_id * r[_IDS]
                 for slots, r in zip(self.slots_per_rank, went)
             ],
-            sent_ids=[r[0] for r in went],
+            sent_ids=[r[_IDS] for r in went],
             extra_received=[r[COUNT_COLUMNS:] for r in came] if extra is not None else [],
             extra_sent=[r[COUNT_COLUMNS:] for r in went] if extra is not None else [],
             extra_local=host[2 * world * width :],
         )
 
+    def _sizes(self, size: int, width: int) -> torch.Tensor:
+        """The counts a rank sends before its tally is added: ``size`` (its batch size
+        + 1, or _ENDED) in every peer's size column, kept for the last few sizes."""
+        key = (size, width)
+        if key not in self._size_tables:
+            if len(self._size_tables) == _SIZES_KEPT:
+                del self._size_tables[next(iter(self._size_tables))]
+            sizes = torch.zeros(self.world, width, dtype=torch.long)
+            sizes[:, _SIZE] = size
+            self._size_tables[key] = sizes.view(-1).to(self.device)
+        return self._size_tables[key]
+
+    def _tally_index(self, width: int) -> torch.Tensor:
+        """Where each value of a tally is added in the counts sent (``world`` rows of
+        ``width``): a send row's ids into its rank's ids column, a copy of the problem
+        count into each rank's problems column. Kept: a kind of lookup has one width."""
+        if width not in self._tally_indices:
+            ranks = torch.arange(self.world, device=self.device)
+            self._tally_indices[width] = torch.cat(
+                [self.slot_rank * width + _IDS, ranks * width + _PROBLEMS]
+            )
+        return self._tally_indices[width]
+
     def counts_on_one_rank(
         self, sent: Routed, problems: torch.Tensor, extra: ExtraCounts | None = None
     ) -> Counts:
         """What the counts exchange tells the only rank, with no exchange: whether its
-        batch is good (its bounds check found no ``problems``), what it sends itself
-        and the extra columns, in the one host read (of ``problems`` alone when its
-        TBE takes the batch's own bags). Nothing travels: no payload."""
-        if sent.ids_per_slot is None:
+        batch is good (no ``problems``: its tally's, when it has one), what it sends
+        itself and the extra columns, in the one host read (of ``problems`` alone when
+        its TBE takes the batch's own bags). Nothing travels: no payload."""
+        if sent.tally is None:
             failed, ids, extra_host = bool(problems), sent.values.numel(), []
         else:
-            parts = [problems, sent.ids_per_slot]
+            parts = [sent.tally]
             if extra is not None:
                 parts += [extra.per_rank.view(-1), extra.local]
-            host = torch.cat(parts).tolist()
+            host = _cat(parts).tolist()
             slots = len(self.send_rows)
-            failed, ids, extra_host = host[0] != 0, sum(host[1 : 1 + slots]), host[1 + slots :]
+            failed, ids, extra_host = host[slots] != 0, sum(host[:slots]), host[slots + 1 :]
         k = 0 if extra is None else extra.per_rank.numel()
         return Counts(
             recv_sizes=[0],
@@ -330,7 +375,7 @@ class InputDistribution:
     def own_bags(self, sent: Routed, counts: Counts) -> Bags:
         """On one rank, the TBE's bags: the batch's own, or the rows of its lengths
         table that the TBE's slots take, gathered in their order."""
-        if sent.ids_per_slot is None:
+        if sent.tally is None:
             return Bags(sent.lengths, sent.values, sent.weights, sent.offsets)
         return Bags(
             *permute_2d(self.send_rows, sent.lengths, sent.values, sent.weights, counts.sent_ids[0])
@@ -521,15 +566,16 @@ def start_input_dist(
     if bags.world == 1:
         return _start_on_one_rank(features, stage)
     if features is None:
-        batch, routed, valid, problem = None, stage.nothing(), None, None
+        batch, routed, problem = None, stage.nothing(), None
     else:
         batch, routed, problem = _route(features, stage)
-        bad = batch is None  # its structure is wrong: a valid flag of False
-        valid = torch.zeros((), dtype=torch.bool, device=bags.device) if bad else batch.valid
-        if bags.held is not None:
-            valid = valid & bags.held.fine()
     sent = stage.to_send(routed)
-    counts = bags.exchange_counts(sent, valid, group, stage.extra_counts(batch, routed))
+    if features is not None and batch is None:  # its structure is wrong
+        bags.flag(sent.tally, 1)
+    elif batch is not None and bags.held is not None:
+        bags.flag(sent.tally, ~bags.held.fine())
+    extra = stage.extra_counts(batch, routed)
+    counts = bags.exchange_counts(sent, features is None, group, extra)
     if counts.ended:
         return _ended(counts)
     if counts.failed:
@@ -544,7 +590,7 @@ def _start_on_one_rank(
     features: KeyedJaggedTensor | None, stage: IdsRouting[RoutedT, KeptT]
 ) -> InputInFlight[KeptT]:
     """Stage 1 on one rank: no collective. The same check, the same InputError (no
-    other rank to tell), and one host read: the batch's validity flag, with what sizes
+    other rank to tell), and one host read: the batch's problem count, with what sizes
     the TBE's input where that is not the batch's own. The TBE's bags stay here."""
     bags = stage.bags
     if features is None:
@@ -553,8 +599,10 @@ def _start_on_one_rank(
     if problem is None:
         sent = stage.to_send(routed)
         problems = batch.problems
-        if bags.held is not None:
+        if bags.held is not None and sent.tally is None:
             problems = problems + (~bags.held.fine()).long()
+        elif bags.held is not None:
+            bags.flag(sent.tally, ~bags.held.fine())
         counts = bags.counts_on_one_rank(sent, problems, stage.extra_counts(batch, routed))
         if not counts.failed:
             own = bags.own_bags(sent, counts)

@@ -141,9 +141,9 @@ class SequenceInputDistribution:
         positions = torch.arange(batch.values.numel(), device=self.bags.device)
         lengths, values, _, positions = self.bags.bucketize(batch, positions)
         distinct_lengths, distinct_values, ids = self._distinct(lengths, values, positions)
-        per_slot = self.bags.ids_per_slot(distinct_lengths)
+        tally = self.bags.tally(distinct_lengths, batch.row_ids)
         return SequenceRouted(
-            Routed(distinct_lengths, distinct_values, None, per_slot, batch.batch_size), ids
+            Routed(distinct_lengths, distinct_values, None, tally, batch.batch_size), ids
         )
 
     def _distinct(
@@ -209,7 +209,7 @@ class SequenceInputDistribution:
         if batch is None or routed.ids is None:
             zeros = torch.zeros(2 + len(bags.routes.features), **long)
             return ExtraCounts(slot_ids, zeros)
-        slot_ids[bags.slot_rank, self.slot_index] = routed.bags.ids_per_slot
+        slot_ids[bags.slot_rank, self.slot_index] = bags.ids_per_slot(routed.bags.tally)
         rows = routed.ids.lengths.index_select(0, bags.send_rows).sum(1)
         sent = rows.sum()
         blocks = sent if self.one_block else (rows * self.send_row_blocks).sum()
@@ -235,7 +235,7 @@ class SequenceInputDistribution:
             output_size=total,
         )
         # A send row's distinct rows come back after those of the send rows before it.
-        sent = routed.bags.ids_per_slot
+        sent = self.bags.ids_per_slot(routed.bags.tally)
         if not self.one_block:
             sent = sent * self.send_row_blocks
         starts = torch.cumsum(sent, 0) - sent
