@@ -18,6 +18,7 @@ import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from embshard.runtime import native
 from embshard.runtime.routes import Routes
 from embshard.runtime.sparse_ops import permute_2d
 
@@ -114,18 +115,24 @@ class CheckInputs:
 
 def check_batch(features: object, routes: Routes, inputs: CheckInputs) -> LocalBatch | str:
     """The batch in model order with its bounds check's count, or a message saying
-    what is wrong with its structure. Features the model does not use are left out,
-    as TorchRec's modules ignore them; that costs one host read (of the kept ids'
-    count), the only one here."""
+    what is wrong with its structure. On CPU the check is embshard's kernel
+    (``native.bounds_check``), elsewhere FBGEMM's, on the bags' offsets (then kept for
+    a one-rank TBE). Features the model does not use are left out, as TorchRec's
+    modules ignore them; that costs one host read (of the kept ids' count), the only
+    one here."""
     problem = _structure_problem(features, routes)
     if problem:
         return problem
     assert isinstance(features, KeyedJaggedTensor)
     values, lengths, keys = features.values(), features.lengths(), features.keys()
     lengths = lengths.view(len(keys), lengths.numel() // len(keys))
-    offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths.view(-1))
     row_ids = torch.empty(inputs.table_rows + 1, dtype=torch.int64, device=values.device)
-    _bounds_check(offsets, values, inputs.rows_less_one(keys), row_ids[-1:])
+    offsets = None
+    if native.available(values):
+        native.bounds_check(lengths, values, inputs.rows_less_one(keys), row_ids[-1:])
+    else:
+        offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths.view(-1))
+        _bounds_check(offsets, values, inputs.rows_less_one(keys), row_ids[-1:])
     weights = features.weights_or_none() if routes.weighted else None
     given = LocalBatch(lengths, values, weights, row_ids, offsets, inputs.first_bag(lengths))
     if list(keys) == list(routes.features):

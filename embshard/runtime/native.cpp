@@ -1,10 +1,11 @@
-// embshard's fused CPU kernels for dynamic tables: on the owner, an id map's remap in
+// embshard's fused CPU kernels. For dynamic tables: on the owner, an id map's remap in
 // one pass over its keys and the initial rows of admitted keys; on the sender, raw ids
 // to keys, their routing stand-ins and the keys put back after bucketizing. Each does
 // what the torch operations of storage/id_map.py, runtime/keys.py and
 // runtime/dynamic_ids.py do, bit for bit, without their dozens of passes over small
-// tensors. Plain C entry points over raw buffers (runtime/native.py
-// loads them with ctypes): no torch headers, so building takes seconds, not minutes.
+// tensors. And every batch's check, in a fraction of FBGEMM's scalar CPU loop's time.
+// Plain C entry points over raw buffers (runtime/native.py loads them with ctypes): no
+// torch headers, so building takes seconds, not minutes.
 
 #include <algorithm>
 #include <cstdint>
@@ -545,5 +546,55 @@ void embshard_put_back(const int64_t* bucketized, const int64_t* where, const in
     if (is_key[i] && static_cast<uint64_t>(where[i]) < static_cast<uint64_t>(n))
       out[where[i]] = keys[i];
 }
+
+}  // extern "C"
+
+// The batch check (runtime/batch.py): how many problems a batch has, in two passes over
+// its lengths table [features, batch] and its ids, feature by feature: 1 for lengths
+// that are negative or do not add up to the `n` ids, else the ids outside
+// [0, rows_less_one[f] + 1) of their feature. What FBGEMM's bounds check finds (given
+// `id - 1` against `rows - 1`, as batch.py gives it), counted as one problem where the
+// lengths are bad; the loops vectorize.
+namespace {
+
+template <typename L, typename I>
+int64_t bounds_check(const L* lengths, int64_t features, int64_t batch, const I* ids, int64_t n,
+                     const int64_t* rows_less_one) {
+  int64_t at = 0, problems = 0;
+  for (int64_t f = 0; f < features; ++f) {
+    const L* bags = lengths + f * batch;
+    int64_t total = 0;
+    bool negative = false;
+    for (int64_t b = 0; b < batch; ++b) {
+      total += bags[b];
+      negative |= bags[b] < 0;
+    }
+    if (negative || total > n - at) return 1;
+    // Unsigned: a negative id is above every bound.
+    const uint64_t last = static_cast<uint64_t>(rows_less_one[f]);
+    int64_t outside = 0;
+    for (int64_t i = at; i < at + total; ++i)
+      outside += static_cast<uint64_t>(static_cast<int64_t>(ids[i])) > last;
+    problems += outside;
+    at += total;
+  }
+  return at == n ? problems : 1;
+}
+
+}  // namespace
+
+extern "C" {
+
+// bounds_check for each (lengths, ids) dtype pair, int32 or int64, its count into *out.
+#define EMBSHARD_BOUNDS_CHECK(NAME, L, I)                                                  \
+  void NAME(const L* lengths, int64_t features, int64_t batch, const I* ids, int64_t n,   \
+            const int64_t* rows_less_one, int64_t* out) {                                 \
+    *out = bounds_check(lengths, features, batch, ids, n, rows_less_one);                 \
+  }
+EMBSHARD_BOUNDS_CHECK(embshard_bounds_check_32_32, int32_t, int32_t)
+EMBSHARD_BOUNDS_CHECK(embshard_bounds_check_32_64, int32_t, int64_t)
+EMBSHARD_BOUNDS_CHECK(embshard_bounds_check_64_32, int64_t, int32_t)
+EMBSHARD_BOUNDS_CHECK(embshard_bounds_check_64_64, int64_t, int64_t)
+#undef EMBSHARD_BOUNDS_CHECK
 
 }  // extern "C"
