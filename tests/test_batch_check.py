@@ -29,23 +29,32 @@ def built() -> None:
     assert native.library() is not None, "the CPU kernels did not build"
 
 
-def reference(lengths: list[list[int]], ids: list[int], rows: list[int]) -> int:
+def reference(
+    lengths: list[list[int]], ids: list[int], rows: list[int]
+) -> tuple[int, list[list[int]]]:
     """1 for lengths that are negative or do not add up to the ids, else the ids outside
-    [0, rows) of their feature."""
+    [0, rows) of their feature; and the lengths to route by: the batch's, or where they
+    are bad one bag holding every id."""
     if any(n < 0 for bags in lengths for n in bags) or sum(map(sum, lengths)) != len(ids):
-        return 1
+        stand_in = [[0] * len(bags) for bags in lengths]
+        if stand_in and stand_in[0]:
+            stand_in[0][0] = len(ids)
+        return 1, stand_in
     at, outside = 0, 0
     for bags, bound in zip(lengths, rows):
         total = sum(bags)
         outside += sum(not 0 <= i < bound for i in ids[at : at + total])
         at += total
-    return outside
+    return outside, lengths
 
 
-def kernel(lengths: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> int:
+def kernel(
+    lengths: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor
+) -> tuple[int, list[list[int]]]:
     problems = torch.full((1,), -7, dtype=torch.int64)
-    native.bounds_check(lengths, ids, rows - 1, problems)
-    return int(problems)
+    routable = torch.full_like(lengths, -7)
+    native.bounds_check(lengths, ids, rows - 1, problems, routable)
+    return int(problems), routable.tolist()
 
 
 def fbgemm(lengths: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> int:
@@ -81,7 +90,7 @@ def test_the_kernel_finds_the_problems_of_the_reference_and_fbgemm(case, dtypes)
         torch.tensor(rows, dtype=torch.int64),
     )
     assert kernel(*as_tensors) == expected
-    assert (fbgemm(*as_tensors) == 0) == (expected == 0)
+    assert (fbgemm(*as_tensors) == 0) == (expected[0] == 0)
 
 
 @pytest.mark.parametrize("dtypes", DTYPES)
@@ -93,9 +102,9 @@ def test_the_kernel_checks_every_id_against_its_feature_at_the_dtype_extremes(dt
     rows = torch.tensor([5, 10], dtype=torch.int64)
     # Feature 0 holds 0 and 4 (inside 5 rows); feature 1 holds max, min and -1 (outside
     # 10 rows), 5 and 9 (inside).
-    assert kernel(lengths, ids, rows) == 3
-    assert kernel(lengths, ids.clone().fill_(1), rows) == 0
-    assert kernel(lengths[:, :0], ids[:0], rows) == 0
+    assert kernel(lengths, ids, rows) == (3, lengths.tolist())
+    assert kernel(lengths, ids.clone().fill_(1), rows) == (0, lengths.tolist())
+    assert kernel(lengths[:, :0], ids[:0], rows) == (0, [[], []])
 
 
 def test_the_kernel_is_one_op_of_its_own():
@@ -110,8 +119,9 @@ def test_the_kernel_is_one_op_of_its_own():
 
     lengths, ids = torch.ones(2, 3, dtype=torch.int64), torch.zeros(6, dtype=torch.int64)
     rows_less_one, problems = torch.zeros(2, dtype=torch.int64), torch.empty(1, dtype=torch.int64)
+    routable = torch.empty_like(lengths)
     with Ops():
-        native.bounds_check(lengths, ids, rows_less_one, problems)
+        native.bounds_check(lengths, ids, rows_less_one, problems, routable)
     assert seen == ["embshard.bounds_check.default"] and int(problems) == 0
 
 

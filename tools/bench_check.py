@@ -59,8 +59,10 @@ def main(workload: str, batch: int, ids: str, calls: int, warmup: int) -> None:
         offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths.view(-1))
         _bounds_check(offsets, values, rows_less_one, problems)
 
+    routable = torch.empty_like(lengths)
+
     def kernel() -> None:
-        native.bounds_check(lengths, values, rows_less_one, problems)
+        native.bounds_check(lengths, values, rows_less_one, problems, routable)
 
     report = {"workload": workload, "batch": batch, "ids": values.numel()}
     report["fbgemm"] = timed(fbgemm, calls, warmup)

@@ -38,7 +38,9 @@ class LocalBatch:
     ``lengths`` may be bad until the counts have said the batch is good: before
     that, a kernel that reads ids by them takes ``routable_lengths``. ``offsets``
     are their flat offsets when they are the batch's own (then on one rank the
-    TBE's), and ``stand_in`` is None when they are routable already. What is computed
+    TBE's), and ``stand_in`` is None when they are routable already (the batch's
+    where they are good, one bag holding every id where they are not: on CPU the
+    check's kernel gives them so). What is computed
     on first use costs nothing where it is not needed: on one rank the TBE takes the
     batch's own bags, after one host read of ``problems``.
     """
@@ -116,10 +118,10 @@ class CheckInputs:
 def check_batch(features: object, routes: Routes, inputs: CheckInputs) -> LocalBatch | str:
     """The batch in model order with its bounds check's count, or a message saying
     what is wrong with its structure. On CPU the check is embshard's kernel
-    (``native.bounds_check``), elsewhere FBGEMM's, on the bags' offsets (then kept for
-    a one-rank TBE). Features the model does not use are left out, as TorchRec's
-    modules ignore them; that costs one host read (of the kept ids' count), the only
-    one here."""
+    (``native.bounds_check``), which gives routable lengths too; elsewhere FBGEMM's, on
+    the bags' offsets (then kept for a one-rank TBE). Features the model does not use
+    are left out, as TorchRec's modules ignore them; that costs one host read (of the
+    kept ids' count), the only one here."""
     problem = _structure_problem(features, routes)
     if problem:
         return problem
@@ -127,14 +129,15 @@ def check_batch(features: object, routes: Routes, inputs: CheckInputs) -> LocalB
     values, lengths, keys = features.values(), features.lengths(), features.keys()
     lengths = lengths.view(len(keys), lengths.numel() // len(keys))
     row_ids = torch.empty(inputs.table_rows + 1, dtype=torch.int64, device=values.device)
-    offsets = None
-    if native.available(values):
-        native.bounds_check(lengths, values, inputs.rows_less_one(keys), row_ids[-1:])
+    weights = features.weights_or_none() if routes.weighted else None
+    if native.available(values):  # its lengths come back routable
+        routable = torch.empty_like(lengths)
+        native.bounds_check(lengths, values, inputs.rows_less_one(keys), row_ids[-1:], routable)
+        given = LocalBatch(routable, values, weights, row_ids)
     else:
         offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths.view(-1))
         _bounds_check(offsets, values, inputs.rows_less_one(keys), row_ids[-1:])
-    weights = features.weights_or_none() if routes.weighted else None
-    given = LocalBatch(lengths, values, weights, row_ids, offsets, inputs.first_bag(lengths))
+        given = LocalBatch(lengths, values, weights, row_ids, offsets, inputs.first_bag(lengths))
     if list(keys) == list(routes.features):
         return given
     return LocalBatch(*_in_model_order(features, routes, given.routable_lengths), row_ids)

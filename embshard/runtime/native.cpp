@@ -554,31 +554,44 @@ void embshard_put_back(const int64_t* bucketized, const int64_t* where, const in
 // that are negative or do not add up to the `n` ids, else the ids outside
 // [0, rows_less_one[f] + 1) of their feature. What FBGEMM's bounds check finds (given
 // `id - 1` against `rows - 1`, as batch.py gives it), counted as one problem where the
-// lengths are bad; the loops vectorize.
+// lengths are bad. The first pass also writes `routable`: the lengths, or where they
+// are bad one bag holding every id (LocalBatch.routable_lengths). The loops vectorize.
 namespace {
 
 template <typename L, typename I>
 int64_t bounds_check(const L* lengths, int64_t features, int64_t batch, const I* ids, int64_t n,
-                     const int64_t* rows_less_one) {
-  int64_t at = 0, problems = 0;
+                     const int64_t* rows_less_one, L* routable) {
+  std::vector<int64_t> totals(features);
+  int64_t all = 0;
+  bool negative = false;
   for (int64_t f = 0; f < features; ++f) {
     const L* bags = lengths + f * batch;
+    L* out = routable + f * batch;
     int64_t total = 0;
-    bool negative = false;
     for (int64_t b = 0; b < batch; ++b) {
+      out[b] = bags[b];
       total += bags[b];
       negative |= bags[b] < 0;
     }
-    if (negative || total > n - at) return 1;
+    totals[f] = total;
+    all += total;
+  }
+  if (negative || all != n) {
+    std::fill(routable, routable + features * batch, L{0});
+    if (features * batch) routable[0] = static_cast<L>(n);
+    return 1;
+  }
+  int64_t at = 0, problems = 0;
+  for (int64_t f = 0; f < features; ++f) {
     // Unsigned: a negative id is above every bound.
     const uint64_t last = static_cast<uint64_t>(rows_less_one[f]);
     int64_t outside = 0;
-    for (int64_t i = at; i < at + total; ++i)
+    for (int64_t i = at; i < at + totals[f]; ++i)
       outside += static_cast<uint64_t>(static_cast<int64_t>(ids[i])) > last;
     problems += outside;
-    at += total;
+    at += totals[f];
   }
-  return at == n ? problems : 1;
+  return problems;
 }
 
 }  // namespace
@@ -588,8 +601,8 @@ extern "C" {
 // bounds_check for each (lengths, ids) dtype pair, int32 or int64, its count into *out.
 #define EMBSHARD_BOUNDS_CHECK(NAME, L, I)                                                  \
   void NAME(const L* lengths, int64_t features, int64_t batch, const I* ids, int64_t n,   \
-            const int64_t* rows_less_one, int64_t* out) {                                 \
-    *out = bounds_check(lengths, features, batch, ids, n, rows_less_one);                 \
+            const int64_t* rows_less_one, int64_t* out, L* routable) {                    \
+    *out = bounds_check(lengths, features, batch, ids, n, rows_less_one, routable);       \
   }
 EMBSHARD_BOUNDS_CHECK(embshard_bounds_check_32_32, int32_t, int32_t)
 EMBSHARD_BOUNDS_CHECK(embshard_bounds_check_32_64, int32_t, int64_t)

@@ -129,7 +129,7 @@ def library() -> ctypes.CDLL | None:
         kernel.restype = None
     for lengths, ids in itertools.product(_BITS.values(), repeat=2):
         kernel = getattr(lib, f"embshard_bounds_check_{lengths}_{ids}")
-        kernel.argtypes = [_P, _I, _I, _P, _I, _P, _P]
+        kernel.argtypes = [_P, _I, _I, _P, _I, _P, _P, _P]
         kernel.restype = None
     return lib
 
@@ -257,25 +257,37 @@ def put_back(
 
 _OPS = torch.library.Library("embshard", "DEF")
 _OPS.define(
-    "bounds_check(Tensor lengths, Tensor values, Tensor rows_less_one, Tensor(a!) problems) -> ()"
+    "bounds_check(Tensor lengths, Tensor values, Tensor rows_less_one, Tensor(a!) problems, "
+    "Tensor(b!) routable) -> ()"
 )
 
 
 def bounds_check(
-    lengths: torch.Tensor, values: torch.Tensor, rows_less_one: torch.Tensor, problems: torch.Tensor
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    rows_less_one: torch.Tensor,
+    problems: torch.Tensor,
+    routable: torch.Tensor,
 ) -> None:
     """The batch check's problem count into ``problems`` (int64 [1]): 1 where the lengths
     table [features, batch] has a negative length or does not add up to the ids, else
-    the ids outside [0, rows) of their feature (``rows_less_one``, int64). Ids and
-    lengths int32 or int64, on CPU. What FBGEMM's ``bounds_check_indices`` finds, as
-    ``runtime/batch.py`` calls it, in one op the dispatcher sees (so op counts and
-    profiles show it as one kernel)."""
-    torch.ops.embshard.bounds_check(lengths, values, rows_less_one, problems)
+    the ids outside [0, rows) of their feature (``rows_less_one``, int64); and into
+    ``routable`` (shaped and typed as ``lengths``) the lengths, or where they are bad
+    one bag holding every id. Ids and lengths int32 or int64, on CPU. What FBGEMM's
+    ``bounds_check_indices`` finds, as ``runtime/batch.py`` calls it, in one op the
+    dispatcher sees (so op counts and profiles show it as one kernel)."""
+    torch.ops.embshard.bounds_check(lengths, values, rows_less_one, problems, routable)
 
 
 def _bounds_check_cpu(
-    lengths: torch.Tensor, values: torch.Tensor, rows_less_one: torch.Tensor, problems: torch.Tensor
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    rows_less_one: torch.Tensor,
+    problems: torch.Tensor,
+    routable: torch.Tensor,
 ) -> None:
+    assert routable.is_contiguous() and routable.shape == lengths.shape
+    assert routable.dtype == lengths.dtype
     lengths, values = lengths.contiguous(), values.contiguous()
     kernel = getattr(
         _library(), f"embshard_bounds_check_{_BITS[lengths.dtype]}_{_BITS[values.dtype]}"
@@ -289,6 +301,7 @@ def _bounds_check_cpu(
         values.numel(),
         rows_less_one.contiguous().data_ptr(),
         problems.data_ptr(),
+        routable.data_ptr(),
     )
 
 
