@@ -30,19 +30,18 @@ _NO_BOUND = 2**62  # the rows of a key the model does not use: none of its ids i
 class LocalBatch:
     """A batch in the model's feature order: lengths [features, batch], ids and weights
     in the dtypes they came in, and ``row_ids``: int64 [rows of the route's lengths table
-    + 1] on the batch's device, whose last value, ``problems``, is how many problems
-    FBGEMM's bounds check found (0 for a good batch). The route writes each row's ids in
-    front of it, so that one gather gives the counts exchange every send row's ids and
-    the problems (``InputDistribution.tally``).
+    + 1] on the batch's device, whose last value, ``problems``, is how many problems the
+    bounds check found (0 for a good batch). The route writes each row's ids in front of
+    it, so that one gather gives the counts exchange every send row's ids and the
+    problems (``InputDistribution.tally``).
 
-    ``lengths`` may be bad until the counts have said the batch is good: before
-    that, a kernel that reads ids by them takes ``routable_lengths``. ``offsets``
-    are their flat offsets when they are the batch's own (then on one rank the
-    TBE's), and ``stand_in`` is None when they are routable already (the batch's
-    where they are good, one bag holding every id where they are not: on CPU the
-    check's kernel gives them so). What is computed
-    on first use costs nothing where it is not needed: on one rank the TBE takes the
-    batch's own bags, after one host read of ``problems``.
+    ``lengths`` may be bad until the counts have said the batch is good: before that, a
+    kernel that reads ids by them takes ``routable_lengths``. ``offsets`` are their flat
+    offsets when they are the batch's own (then on one rank the TBE's), and
+    ``stand_in`` is None when they are routable already (the batch's where they are
+    good, one bag holding every id where they are not: on CPU the check's kernel gives
+    them so). What is computed on first use costs nothing where it is not needed: on
+    one rank the TBE takes the batch's own bags, after one host read of ``problems``.
     """
 
     lengths: torch.Tensor
