@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -321,6 +322,23 @@ void merge_index(Slots& slots, std::vector<int64_t>& gone,
   slots.out_index_size = out;
 }
 
+// Columns [first, first + columns) of `key`'s initial row into `out`: the counter hash
+// of (key, table, column), its 24 top bits scaled in float64 and rounded once to float32.
+void initial_row(int64_t key, int64_t first, int64_t columns, int64_t table_key, double low,
+                 double scale, float* out) {
+  const auto scramble = [](uint64_t z) {
+    z ^= z >> 30;
+    z *= kMul1;
+    z ^= z >> 27;
+    return z * kMul2;
+  };
+  const uint64_t z =
+      scramble((static_cast<uint64_t>(key) ^ static_cast<uint64_t>(table_key)) + kGamma);
+  const uint64_t start = (z ^ (z >> 31)) + kGamma + static_cast<uint64_t>(first);
+  for (int64_t c = 0; c < columns; ++c)
+    out[c] = static_cast<float>(static_cast<double>(scramble(start + c) >> 40) * scale + low);
+}
+
 }  // namespace
 
 extern "C" {
@@ -440,19 +458,21 @@ void embshard_remap(const int64_t* keys, int64_t n, const Spec* spec, Slots* slo
 // 24 top bits scaled in float64 and rounded once to float32.
 void embshard_initial_rows(const int64_t* keys, int64_t n, int64_t dim, int64_t table_key,
                            double low, double scale, float* out) {
-  const auto scramble = [](uint64_t z) {
-    z ^= z >> 30;
-    z *= kMul1;
-    z ^= z >> 27;
-    return z * kMul2;
-  };
+  for (int64_t i = 0; i < n; ++i) initial_row(keys[i], 0, dim, table_key, low, scale, out + i * dim);
+}
+
+// Admitted keys' rows written in place: each key's initial values, columns [first,
+// first + columns) of its row, into row `rows[i]` of `weights` (float32, `stride` floats
+// a row), and that row of each of the `states` tensors zeroed (`state_widths[s]` bytes
+// from `states[s] + rows[i] * state_strides[s]`), in one pass.
+void embshard_admit_rows(const int64_t* keys, const int64_t* rows, int64_t n, int64_t first,
+                         int64_t columns, int64_t table_key, double low, double scale,
+                         float* weights, int64_t stride, int64_t count, char* const* states,
+                         const int64_t* state_strides, const int64_t* state_widths) {
   for (int64_t i = 0; i < n; ++i) {
-    uint64_t z = scramble((static_cast<uint64_t>(keys[i]) ^ static_cast<uint64_t>(table_key)) +
-                          kGamma);
-    const uint64_t start = (z ^ (z >> 31)) + kGamma;
-    float* row = out + i * dim;
-    for (int64_t c = 0; c < dim; ++c)
-      row[c] = static_cast<float>(static_cast<double>(scramble(start + c) >> 40) * scale + low);
+    initial_row(keys[i], first, columns, table_key, low, scale, weights + rows[i] * stride);
+    for (int64_t s = 0; s < count; ++s)
+      std::memset(states[s] + rows[i] * state_strides[s], 0, state_widths[s]);
   }
 }
 
