@@ -324,6 +324,9 @@ void merge_index(Slots& slots, std::vector<int64_t>& gone,
 
 // Columns [first, first + columns) of `key`'s initial row into `out`: the counter hash
 // of (key, table, column), its 24 top bits scaled in float64 and rounded once to float32.
+#if defined(__x86_64__) && defined(__linux__)
+__attribute__((target_clones("avx2", "default")))
+#endif
 void initial_row(int64_t key, int64_t first, int64_t columns, int64_t table_key, double low,
                  double scale, float* out) {
   const auto scramble = [](uint64_t z) {
@@ -335,8 +338,11 @@ void initial_row(int64_t key, int64_t first, int64_t columns, int64_t table_key,
   const uint64_t z =
       scramble((static_cast<uint64_t>(key) ^ static_cast<uint64_t>(table_key)) + kGamma);
   const uint64_t start = (z ^ (z >> 31)) + kGamma + static_cast<uint64_t>(first);
+  // The 24 bits as an int32, which converts to float64 exactly as they would: a
+  // conversion that vectorizes.
   for (int64_t c = 0; c < columns; ++c)
-    out[c] = static_cast<float>(static_cast<double>(scramble(start + c) >> 40) * scale + low);
+    out[c] = static_cast<float>(
+        static_cast<double>(static_cast<int32_t>(scramble(start + c) >> 40)) * scale + low);
 }
 
 }  // namespace
@@ -469,7 +475,15 @@ void embshard_admit_rows(const int64_t* keys, const int64_t* rows, int64_t n, in
                          int64_t columns, int64_t table_key, double low, double scale,
                          float* weights, int64_t stride, int64_t count, char* const* states,
                          const int64_t* state_strides, const int64_t* state_widths) {
+  constexpr int64_t kLine = 64;  // bytes
   for (int64_t i = 0; i < n; ++i) {
+    // The rows miss the cache: ask for a later row's lines early.
+    if (i + kAhead < n) {
+      const char* row = reinterpret_cast<const char*>(weights + rows[i + kAhead] * stride);
+      for (int64_t at = 0; at < columns * 4; at += kLine) __builtin_prefetch(row + at, 1);
+      for (int64_t s = 0; s < count; ++s)
+        __builtin_prefetch(states[s] + rows[i + kAhead] * state_strides[s], 1);
+    }
     initial_row(keys[i], first, columns, table_key, low, scale, weights + rows[i] * stride);
     for (int64_t s = 0; s < count; ++s)
       std::memset(states[s] + rows[i] * state_strides[s], 0, state_widths[s]);
