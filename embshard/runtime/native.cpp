@@ -229,21 +229,38 @@ int64_t take(Slots& slots, const Spec& spec, const std::vector<int64_t>& takers,
     const size_t want = b - a;
     const int64_t base = (static_cast<int64_t>(bucket) - spec.first) * spec.rows;
     victims.clear();
-    for (int64_t slot = base; slot < base + spec.rows && victims.size() < want; ++slot)
-      if (!slots.occupied[slot]) victims.push_back(slot);
-    // Live slots only where the empty ones run out: the fewest needed, selected, then
-    // put in order.
+    // The empty slots, found by memchr's wide compares.
+    const uint8_t* const occupied = slots.occupied + base;
+    for (const uint8_t* at = occupied; victims.size() < want;) {
+      at = static_cast<const uint8_t*>(std::memchr(at, 0, occupied + spec.rows - at));
+      if (at == nullptr) break;
+      victims.push_back(base + (at++ - occupied));
+    }
+    // Live slots only where the empty ones run out: the fewest needed, kept in a heap
+    // whose top is the last of them (a slot earlier in the order replaces it), then put
+    // in order. The orders have no ties, so this is the first `needed` of a sort.
     const size_t needed = want - victims.size();
     ranked.clear();
-    for (int64_t slot = base; needed && slot < base + spec.rows; ++slot)
-      if (slots.occupied[slot] && evictable(slot))
-        ranked.push_back(order.key(slots, slot));
-    if (ranked.size() > needed) {
-      std::nth_element(ranked.begin(), ranked.begin() + needed, ranked.end());
-      ranked.resize(needed);
+    for (int64_t slot = base; needed && slot < base + spec.rows; ++slot) {
+      if (!slots.occupied[slot] || !evictable(slot)) continue;
+      const auto key = order.key(slots, slot);
+      if (ranked.size() < needed) {
+        ranked.push_back(key);
+        std::push_heap(ranked.begin(), ranked.end());
+      } else if (key < ranked.front()) {
+        std::pop_heap(ranked.begin(), ranked.end());
+        ranked.back() = key;
+        std::push_heap(ranked.begin(), ranked.end());
+      }
     }
-    std::sort(ranked.begin(), ranked.end());
+    std::sort_heap(ranked.begin(), ranked.end());
     for (const auto& key : ranked) victims.push_back(order.slot(key));
+    // The victims' keys and sightings are read and written below, each a miss: asked
+    // for together.
+    for (int64_t slot : victims) {
+      __builtin_prefetch(slots.keys + slot, 1);
+      __builtin_prefetch(slots.hits + slot, 1);
+    }
     for (size_t r = 0; r < victims.size(); ++r) {
       const int64_t u = takers[a + r], slot = victims[r];
       if (slots.occupied[slot]) {
@@ -374,6 +391,11 @@ void embshard_remap(const int64_t* keys, int64_t n, const Spec* spec, Slots* slo
   due.clear();
   seen.clear();
   for (size_t u = 0; u < u_count; ++u) {
+    // The seen slots are all over the map: ask for a later one's early.
+    if (u + kAhead < u_count && found[u + kAhead] >= 0) {
+      __builtin_prefetch(slots->last_seen + found[u + kAhead], 1);
+      __builtin_prefetch(slots->hits + found[u + kAhead], 1);
+    }
     if (found[u] >= 0) {
       slots->last_seen[found[u]] = step;
       slots->hits[found[u]] += d.counts[u];
