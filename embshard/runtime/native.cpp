@@ -62,6 +62,25 @@ struct Result {
   int64_t outside;   // keys outside the map's buckets: then nothing else is done
 };
 
+// Division of keys (below 2**63) by a bucket's width as a multiply and a shift, where
+// a 64-bit division costs dozens of cycles: m = ceil(2**(63 + l) / width), l the bits
+// of width - 1, gives floor(key / width) = floor(key * m / 2**(63 + l)) for every key
+// below 2**63 (Granlund and Montgomery, 1994), and m fits in 64 bits.
+struct BucketOf {
+  uint64_t magic;
+  int shift;
+  explicit BucketOf(uint64_t width) {
+    int bits = 0;
+    while (bits < 64 && (uint64_t{1} << bits) < width) ++bits;
+    const unsigned __int128 power = static_cast<unsigned __int128>(1) << (63 + bits);
+    magic = static_cast<uint64_t>((power + width - 1) / width);
+    shift = 63 + bits;
+  }
+  int64_t operator()(uint64_t key) const {
+    return static_cast<int64_t>((static_cast<unsigned __int128>(key) * magic) >> shift);
+  }
+};
+
 // The distinct keys of a call in key order, each one's count, and each key's place
 // among them.
 struct Distinct {
@@ -82,7 +101,9 @@ struct Scratch {
   std::vector<uint8_t> marked;
 };
 
-Scratch& scratch() {
+// Not inlined: its caller keeps the address, where an inlined thread-local's address
+// is recomputed (a call into the loader) inside loops.
+__attribute__((noinline)) Scratch& scratch() {
   static thread_local Scratch kept;
   return kept;
 }
@@ -92,13 +113,14 @@ Scratch& scratch() {
 void sort_by_bucket(std::vector<std::pair<uint64_t, int64_t>>& items, const Spec& spec) {
   std::vector<int64_t>& start = scratch().start;
   start.assign(spec.buckets + 1, 0);
-  for (const auto& item : items) start[item.first / spec.width - spec.first + 1]++;
+  const BucketOf bucket_of(spec.width);
+  for (const auto& item : items) start[bucket_of(item.first) - spec.first + 1]++;
   for (int64_t b = 0; b < spec.buckets; ++b) start[b + 1] += start[b];
   std::vector<std::pair<uint64_t, int64_t>>& sorted = scratch().sorted;
   sorted.resize(items.size());
   std::vector<int64_t>& next = scratch().next;
   next.assign(start.begin(), start.end() - 1);
-  for (const auto& item : items) sorted[next[item.first / spec.width - spec.first]++] = item;
+  for (const auto& item : items) sorted[next[bucket_of(item.first) - spec.first]++] = item;
   for (int64_t b = 0; b < spec.buckets; ++b)
     std::sort(sorted.begin() + start[b], sorted.begin() + start[b + 1]);
   items.swap(sorted);
@@ -227,16 +249,15 @@ int64_t take(Slots& slots, const Spec& spec, const std::vector<int64_t>& takers,
              Order order, std::vector<int64_t>& taken, std::vector<int64_t>& gone,
              std::vector<std::pair<int64_t, int64_t>>& added) {
   int64_t held = 0;
+  const BucketOf bucket_of(spec.width);
   std::vector<int64_t> victims;
   std::vector<decltype(order.key(slots, 0))> ranked;
   for (size_t a = 0; a < takers.size();) {
-    const uint64_t bucket = static_cast<uint64_t>(distinct.keys[takers[a]]) / spec.width;
+    const int64_t bucket = bucket_of(distinct.keys[takers[a]]);
     size_t b = a + 1;
-    while (b < takers.size() &&
-           static_cast<uint64_t>(distinct.keys[takers[b]]) / spec.width == bucket)
-      ++b;
+    while (b < takers.size() && bucket_of(distinct.keys[takers[b]]) == bucket) ++b;
     const size_t want = b - a;
-    const int64_t base = (static_cast<int64_t>(bucket) - spec.first) * spec.rows;
+    const int64_t base = (bucket - spec.first) * spec.rows;
     victims.clear();
     // The empty slots, found by memchr's wide compares.
     const uint8_t* const occupied = slots.occupied + base;
