@@ -96,7 +96,7 @@ struct Scratch {
   std::vector<std::pair<uint64_t, int64_t>> order, sorted;
   std::vector<int64_t> counts, first_seen, place, start, next;
   Distinct distinct;
-  std::vector<int64_t> found, waiting, total, due, seen, taken, gone;
+  std::vector<int64_t> found, waiting, places, waiting_places, total, due, seen, taken, gone;
   std::vector<std::pair<int64_t, int64_t>> added;
   std::vector<uint8_t> marked;
 };
@@ -195,12 +195,16 @@ int64_t gallop(const int64_t* keys, int64_t size, int64_t from, int64_t key) {
   return std::lower_bound(keys + low, keys + std::min(high, size), key) - keys;
 }
 
-// Each of the sorted distinct `keys`' flat slot in `slots`, -1 where it is not live.
-void find(const Slots& slots, const std::vector<int64_t>& keys, std::vector<int64_t>& found) {
+// Each of the sorted distinct `keys`' flat slot in `slots`, -1 where it is not live,
+// and its place in the index (where it is, or would go).
+void find(const Slots& slots, const std::vector<int64_t>& keys, std::vector<int64_t>& found,
+          std::vector<int64_t>& places) {
   found.assign(keys.size(), -1);
+  places.resize(keys.size());
   int64_t at = 0;
   for (size_t u = 0; u < keys.size(); ++u) {
     at = gallop(slots.index_keys, slots.index_size, at, keys[u]);
+    places[u] = at;
     if (at < slots.index_size && slots.index_keys[at] == keys[u]) found[u] = slots.index_slots[at];
   }
 }
@@ -242,7 +246,9 @@ struct Packed {
 // its bucket: the bucket's r-th taker gets its r-th victim (empty slots in slot order,
 // then the live slots that `evictable` gives up, in the `order` above), -1 where none
 // is left. Writes the taken slots (key, occupied, step, `total` sightings) and records
-// the keys they held (`gone`) and the new entries of the index (`added`, in key order).
+// the keys they held (`gone`, sorted within a bucket, so in key order where it held
+// none) and the new entries of the index (`added`: each taker and its slot, in key
+// order).
 template <typename Evictable, typename Order>
 int64_t take(Slots& slots, const Spec& spec, const std::vector<int64_t>& takers,
              const Distinct& distinct, const std::vector<int64_t>& total, Evictable evictable,
@@ -291,6 +297,7 @@ int64_t take(Slots& slots, const Spec& spec, const std::vector<int64_t>& takers,
       __builtin_prefetch(slots.keys + slot, 1);
       __builtin_prefetch(slots.hits + slot, 1);
     }
+    const size_t held_before = gone.size();
     for (size_t r = 0; r < victims.size(); ++r) {
       const int64_t u = takers[a + r], slot = victims[r];
       if (slots.occupied[slot]) {
@@ -302,8 +309,9 @@ int64_t take(Slots& slots, const Spec& spec, const std::vector<int64_t>& takers,
       slots.last_seen[slot] = spec.step;
       slots.hits[slot] = total[u];
       taken[u] = slot;
-      added.emplace_back(distinct.keys[u], slot);
+      added.emplace_back(u, slot);
     }
+    std::sort(gone.begin() + held_before, gone.end());
     a = b;
   }
   return held;
@@ -330,15 +338,17 @@ const std::vector<uint8_t>& marks(const Spec& spec, const std::vector<int64_t>& 
   return marked;
 }
 
-// The index without the keys `gone` and with `added` (key order): the runs of entries
-// between changes copied whole.
+// The index without the keys `gone` and with `added` (key order; each of the distinct
+// `keys`' place and its slot, its place in the index from `places`): the runs of
+// entries between changes copied whole.
 void merge_index(Slots& slots, std::vector<int64_t>& gone,
-                 const std::vector<std::pair<int64_t, int64_t>>& added) {
+                 const std::vector<std::pair<int64_t, int64_t>>& added,
+                 const std::vector<int64_t>& keys, const std::vector<int64_t>& places) {
   if (gone.empty() && added.empty()) {
     slots.out_index_size = -1;
     return;
   }
-  std::sort(gone.begin(), gone.end());
+  if (!std::is_sorted(gone.begin(), gone.end())) std::sort(gone.begin(), gone.end());
   const int64_t size = slots.index_size;
   int64_t from = 0, out = 0;
   size_t g = 0, a = 0;
@@ -353,11 +363,10 @@ void merge_index(Slots& slots, std::vector<int64_t>& gone,
     // first entry above the added key (none is equal: added keys were not live).
     const int64_t removal =
         g < gone.size() ? gallop(slots.index_keys, size, from, gone[g]) : size;
-    const int64_t insertion =
-        a < added.size() ? gallop(slots.index_keys, size, from, added[a].first) : size + 1;
+    const int64_t insertion = a < added.size() ? places[added[a].first] : size + 1;
     if (insertion <= removal) {
       copy(insertion);
-      slots.out_index_keys[out] = added[a].first;
+      slots.out_index_keys[out] = keys[added[a].first];
       slots.out_index_slots[out++] = added[a++].second;
     } else {
       copy(removal);
@@ -408,10 +417,11 @@ void embshard_remap(const int64_t* keys, int64_t n, const Spec* spec, Slots* slo
   const size_t u_count = d.keys.size();
   Scratch& kept = scratch();
   std::vector<int64_t>&found = kept.found, &waiting = kept.waiting, &total = kept.total;
-  find(*slots, d.keys, found);
+  std::vector<int64_t>&places = kept.places, &waiting_places = kept.waiting_places;
+  find(*slots, d.keys, found, places);
   total.assign(d.counts.begin(), d.counts.end());
   if (probation) {
-    find(*probation, d.keys, waiting);
+    find(*probation, d.keys, waiting, waiting_places);
     for (size_t u = 0; u < u_count; ++u)
       if (waiting[u] >= 0) total[u] += probation->hits[waiting[u]];
   }
@@ -473,7 +483,7 @@ void embshard_remap(const int64_t* keys, int64_t n, const Spec* spec, Slots* slo
     result->admitted[result->admitted_count] = taken[u];
     result->admitted_keys[result->admitted_count++] = d.keys[u];
   }
-  merge_index(*slots, gone, added);
+  merge_index(*slots, gone, added, d.keys, places);
 
   // Probation: admitted keys leave it; keys still waiting are seen, or enter it, taking
   // its empty slots, then those of the candidates seen least recently (not this call).
@@ -504,7 +514,7 @@ void embshard_remap(const int64_t* keys, int64_t n, const Spec* spec, Slots* slo
       take_by_step(*probation, *spec, entering, d, total, not_staying, probation_taken,
                    probation_gone, probation_added);
     }
-    merge_index(*probation, probation_gone, probation_added);
+    merge_index(*probation, probation_gone, probation_added, d.keys, waiting_places);
   }
 
   for (size_t u = 0; u < u_count; ++u)
