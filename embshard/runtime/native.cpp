@@ -242,6 +242,21 @@ struct Packed {
   int64_t slot(uint64_t key) const { return static_cast<int64_t>(key & ((uint64_t{1} << bits) - 1)); }
 };
 
+// Puts `key` in place of the top of the max-heap `heap` (std::push_heap's), sifting it
+// down: half the work of a pop and a push.
+template <typename Key>
+void replace_top(std::vector<Key>& heap, const Key& key) {
+  const size_t size = heap.size();
+  size_t at = 0;
+  for (size_t child = 1; child < size; child = 2 * at + 1) {
+    if (child + 1 < size && heap[child] < heap[child + 1]) ++child;
+    if (!(key < heap[child])) break;
+    heap[at] = heap[child];
+    at = child;
+  }
+  heap[at] = key;
+}
+
 // Gives each key of `takers` (places among the distinct keys, in key order) a slot of
 // its bucket: the bucket's r-th taker gets its r-th victim (empty slots in slot order,
 // then the live slots that `evictable` gives up, in the `order` above), -1 where none
@@ -284,9 +299,7 @@ int64_t take(Slots& slots, const Spec& spec, const std::vector<int64_t>& takers,
         ranked.push_back(key);
         std::push_heap(ranked.begin(), ranked.end());
       } else if (key < ranked.front()) {
-        std::pop_heap(ranked.begin(), ranked.end());
-        ranked.back() = key;
-        std::push_heap(ranked.begin(), ranked.end());
+        replace_top(ranked, key);
       }
     }
     std::sort_heap(ranked.begin(), ranked.end());
