@@ -94,7 +94,7 @@ struct Distinct {
 struct Scratch {
   std::vector<std::pair<uint64_t, int64_t>> table;
   std::vector<std::pair<uint64_t, int64_t>> order, sorted;
-  std::vector<int64_t> counts, first_seen, place, start, next;
+  std::vector<int64_t> counts, first_seen, filled, place, start, next;
   Distinct distinct;
   std::vector<int64_t> found, waiting, places, waiting_places, total, due, seen, taken, gone;
   std::vector<std::pair<int64_t, int64_t>> added;
@@ -127,7 +127,8 @@ void sort_by_bucket(std::vector<std::pair<uint64_t, int64_t>>& items, const Spec
 }
 
 // The distinct keys by a hash table of (key, place among them) (keys are below 2**63:
-// all ones marks an empty entry), then sorted.
+// all ones marks an empty entry), then sorted. The table stays allocated and empty
+// between calls: a call empties the entries it filled, not the whole table.
 const Distinct& distinct(const int64_t* keys, int64_t n, const Spec& spec) {
   constexpr uint64_t kEmpty = ~uint64_t{0};
   int bits = 4;
@@ -135,11 +136,12 @@ const Distinct& distinct(const int64_t* keys, int64_t n, const Spec& spec) {
   const uint64_t mask = (uint64_t{1} << bits) - 1;
   Scratch& kept = scratch();
   std::vector<std::pair<uint64_t, int64_t>>& table = kept.table;
-  table.assign(mask + 1, {kEmpty, 0});
+  if (table.size() < mask + 1) table.assign(mask + 1, {kEmpty, 0});
   std::vector<std::pair<uint64_t, int64_t>>& order = kept.order;
   order.clear();
-  std::vector<int64_t>&counts = kept.counts, &first_seen = kept.first_seen;
+  std::vector<int64_t>&counts = kept.counts, &first_seen = kept.first_seen, &filled = kept.filled;
   counts.clear();
+  filled.clear();
   first_seen.resize(n);
   const auto slot_of = [bits](int64_t key) {
     return (static_cast<uint64_t>(key) * kGamma) >> (64 - bits);
@@ -153,11 +155,13 @@ const Distinct& distinct(const int64_t* keys, int64_t n, const Spec& spec) {
     if (table[at].first == kEmpty) {
       table[at] = {key, static_cast<int64_t>(order.size())};
       order.emplace_back(key, static_cast<int64_t>(order.size()));
+      filled.push_back(at);
       counts.push_back(0);
     }
     first_seen[i] = table[at].second;
     counts[table[at].second]++;
   }
+  for (int64_t at : filled) table[at].first = kEmpty;
   sort_by_bucket(order, spec);
   Distinct& out = kept.distinct;
   out.keys.resize(order.size());
