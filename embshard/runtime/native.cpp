@@ -108,21 +108,35 @@ __attribute__((noinline)) Scratch& scratch() {
   return kept;
 }
 
-// `items` (key, payload) sorted by key: counted into the map's buckets (each a range
-// of keys), then each bucket's few sorted in cache.
-void sort_by_bucket(std::vector<std::pair<uint64_t, int64_t>>& items, const Spec& spec) {
+// `items` (key, payload; keys distinct, in the map's) sorted by key: counted into as
+// many ranges of keys as there are items, in order, then each range's few sorted in
+// cache. Keys are hashes, spread evenly: most ranges hold one or two; however they
+// fall, the sorts keep it O(n log n).
+void sort_by_key(std::vector<std::pair<uint64_t, int64_t>>& items, const Spec& spec) {
+  int range_bits = 0, span_bits = 0;
+  while ((size_t{1} << range_bits) < items.size()) ++range_bits;
+  const uint64_t lowest = static_cast<uint64_t>(spec.lowest_key);
+  while (span_bits < 64 && (static_cast<uint64_t>(spec.highest_key) - lowest) >> span_bits)
+    ++span_bits;
+  // Keys above the lowest are below 2**span_bits: shifted up by range_bits then down by
+  // span_bits, they fall in [0, 2**range_bits), in order.
+  const auto range_of = [=](uint64_t key) {
+    return static_cast<size_t>((static_cast<unsigned __int128>(key - lowest) << range_bits) >>
+                               span_bits);
+  };
+  const size_t ranges = size_t{1} << range_bits;
   std::vector<int64_t>& start = scratch().start;
-  start.assign(spec.buckets + 1, 0);
-  const BucketOf bucket_of(spec.width);
-  for (const auto& item : items) start[bucket_of(item.first) - spec.first + 1]++;
-  for (int64_t b = 0; b < spec.buckets; ++b) start[b + 1] += start[b];
+  start.assign(ranges + 1, 0);
+  for (const auto& item : items) start[range_of(item.first) + 1]++;
+  for (size_t r = 0; r < ranges; ++r) start[r + 1] += start[r];
   std::vector<std::pair<uint64_t, int64_t>>& sorted = scratch().sorted;
   sorted.resize(items.size());
   std::vector<int64_t>& next = scratch().next;
   next.assign(start.begin(), start.end() - 1);
-  for (const auto& item : items) sorted[next[bucket_of(item.first) - spec.first]++] = item;
-  for (int64_t b = 0; b < spec.buckets; ++b)
-    std::sort(sorted.begin() + start[b], sorted.begin() + start[b + 1]);
+  for (const auto& item : items) sorted[next[range_of(item.first)]++] = item;
+  for (size_t r = 0; r < ranges; ++r)
+    if (start[r + 1] - start[r] > 1)
+      std::sort(sorted.begin() + start[r], sorted.begin() + start[r + 1]);
   items.swap(sorted);
 }
 
@@ -162,7 +176,7 @@ const Distinct& distinct(const int64_t* keys, int64_t n, const Spec& spec) {
     counts[table[at].second]++;
   }
   for (int64_t at : filled) table[at].first = kEmpty;
-  sort_by_bucket(order, spec);
+  sort_by_key(order, spec);
   Distinct& out = kept.distinct;
   out.keys.resize(order.size());
   out.counts.resize(order.size());
