@@ -94,7 +94,7 @@ struct Distinct {
 struct Scratch {
   std::vector<std::pair<uint64_t, int64_t>> table;
   std::vector<std::pair<uint64_t, int64_t>> order, sorted;
-  std::vector<int64_t> counts, first_seen, filled, place, start, next;
+  std::vector<int64_t> counts, first_seen, place, start, next;
   Distinct distinct;
   std::vector<int64_t> found, waiting, places, waiting_places, total, due, seen, taken, gone;
   std::vector<std::pair<int64_t, int64_t>> added;
@@ -141,8 +141,7 @@ void sort_by_key(std::vector<std::pair<uint64_t, int64_t>>& items, const Spec& s
 }
 
 // The distinct keys by a hash table of (key, place among them) (keys are below 2**63:
-// all ones marks an empty entry), then sorted. The table stays allocated and empty
-// between calls: a call empties the entries it filled, not the whole table.
+// all ones marks an empty entry), then sorted.
 const Distinct& distinct(const int64_t* keys, int64_t n, const Spec& spec) {
   constexpr uint64_t kEmpty = ~uint64_t{0};
   int bits = 4;
@@ -150,12 +149,11 @@ const Distinct& distinct(const int64_t* keys, int64_t n, const Spec& spec) {
   const uint64_t mask = (uint64_t{1} << bits) - 1;
   Scratch& kept = scratch();
   std::vector<std::pair<uint64_t, int64_t>>& table = kept.table;
-  if (table.size() < mask + 1) table.assign(mask + 1, {kEmpty, 0});
+  table.assign(mask + 1, {kEmpty, 0});
   std::vector<std::pair<uint64_t, int64_t>>& order = kept.order;
   order.clear();
-  std::vector<int64_t>&counts = kept.counts, &first_seen = kept.first_seen, &filled = kept.filled;
+  std::vector<int64_t>&counts = kept.counts, &first_seen = kept.first_seen;
   counts.clear();
-  filled.clear();
   first_seen.resize(n);
   const auto slot_of = [bits](int64_t key) {
     return (static_cast<uint64_t>(key) * kGamma) >> (64 - bits);
@@ -169,13 +167,11 @@ const Distinct& distinct(const int64_t* keys, int64_t n, const Spec& spec) {
     if (table[at].first == kEmpty) {
       table[at] = {key, static_cast<int64_t>(order.size())};
       order.emplace_back(key, static_cast<int64_t>(order.size()));
-      filled.push_back(at);
       counts.push_back(0);
     }
     first_seen[i] = table[at].second;
     counts[table[at].second]++;
   }
-  for (int64_t at : filled) table[at].first = kEmpty;
   sort_by_key(order, spec);
   Distinct& out = kept.distinct;
   out.keys.resize(order.size());
