@@ -534,11 +534,14 @@ def test_initial_rows_written_in_place_are_the_reference(cpu_path: str, stride: 
     weights, per_row, per_value, keys, rows = _admission(300, 7, stride)
     before = [t.clone() for t in (weights, per_row, per_value)]
     states = (per_row, per_value)
+    versions = [t._version for t in (weights, *states)]
     wrote = write_initial_rows(weights, rows, keys, slice(5, 12), 3, "t", (-0.2, 0.3), states)
     assert wrote == (cpu_path == "kernel")
     if not wrote:
         assert all(torch.equal(t, b) for t, b in zip((weights, *states), before))
         return
+    # Autograd sees the writes, as it sees index_copy_'s.
+    assert all(t._version > v for t, v in zip((weights, *states), versions))
     expected = [t.clone() for t in before]
     for key, row in zip(keys.tolist(), rows.tolist()):
         expected[0][row] = torch.tensor(ref_initial(key, 16, 3, "t", -0.2, 0.3)[5:12])

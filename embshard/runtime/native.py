@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from torch.autograd.graph import increment_version
 
 _SOURCE = Path(__file__).with_name("native.cpp")
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
@@ -252,6 +253,9 @@ def admit_rows(
         strides,
         widths,
     )
+    # Written through their pointers: counted as the torch writes would, for autograd.
+    for tensor in (weights, *states):
+        increment_version(tensor)
     return True
 
 
