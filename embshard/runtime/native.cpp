@@ -407,8 +407,12 @@ void merge_index(Slots& slots, std::vector<int64_t>& gone,
 
 // Columns [first, first + columns) of `key`'s initial row into `out`: the counter hash
 // of (key, table, column), its 24 top bits scaled in float64 and rounded once to float32.
-#if defined(__x86_64__) && defined(__linux__)
+// On x86-64 Linux, built twice where the compiler can: the loader picks the AVX2 copy on
+// a CPU that has it (the same values: no fused multiply-add, IEEE rounding either way).
+#if defined(__x86_64__) && defined(__linux__) && defined(__has_attribute)
+#if __has_attribute(target_clones)
 __attribute__((target_clones("avx2", "default")))
+#endif
 #endif
 void initial_row(int64_t key, int64_t first, int64_t columns, int64_t table_key, double low,
                  double scale, float* out) {
