@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from embshard.errors import CheckpointError, InputError, PlanError
 from embshard.runtime import native
-from embshard.runtime.keys import bucket_of, hash_ids, initial_rows
+from embshard.runtime.keys import bucket_of, hash_ids, initial_rows, write_initial_rows
 from embshard.storage.id_map import IdMap, IdMapSpec
 
 M64, M63 = (1 << 64) - 1, (1 << 63) - 1
@@ -513,6 +513,64 @@ def test_initial_rows_of_a_large_batch_are_the_reference() -> None:
     rows = initial_rows(keys, 64, 2, "big", (-0.5, 0.5))
     for i in (0, 4095, 4096, 4097, 8191, 8192, 8999):
         assert rows[i].tolist() == ref_initial(keys[i].item(), 64, 2, "big", -0.5, 0.5)
+
+
+def _admission(rows: int, width: int, stride: int) -> tuple[torch.Tensor, ...]:
+    """Weights of ``rows`` x ``width`` in rows of ``stride`` floats, a per-row state and
+    a per-value one, none of them zero; admitted keys and their distinct rows."""
+    generator = torch.Generator().manual_seed(5)
+    weights = torch.rand(rows, stride, generator=generator)[:, :width]
+    states = torch.rand(rows, 1, generator=generator), torch.rand(rows, width, generator=generator)
+    keys = torch.randint(0, 2**63 - 1, (rows // 2,), generator=generator, dtype=torch.int64)
+    return weights, *states, keys, torch.randperm(rows, generator=generator)[: rows // 2]
+
+
+@pytest.mark.parametrize("stride", [7, 16])
+def test_initial_rows_written_in_place_are_the_reference(cpu_path: str, stride: int) -> None:
+    """A column block's admitted rows (columns 5 to 12 of 16): the kernel writes the
+    reference's values into them in place, in rows of any stride, as the copy of
+    ``initial_rows`` does, and zeroes their optimizer state; the rest is untouched.
+    Without the kernel nothing is written."""
+    weights, per_row, per_value, keys, rows = _admission(300, 7, stride)
+    before = [t.clone() for t in (weights, per_row, per_value)]
+    states = (per_row, per_value)
+    versions = [t._version for t in (weights, *states)]
+    wrote = write_initial_rows(weights, rows, keys, slice(5, 12), 3, "t", (-0.2, 0.3), states)
+    assert wrote == (cpu_path == "kernel")
+    if not wrote:
+        assert all(torch.equal(t, b) for t, b in zip((weights, *states), before))
+        return
+    # Autograd sees the writes, as it sees index_copy_'s.
+    assert all(t._version > v for t, v in zip((weights, *states), versions))
+    expected = [t.clone() for t in before]
+    for key, row in zip(keys.tolist(), rows.tolist()):
+        expected[0][row] = torch.tensor(ref_initial(key, 16, 3, "t", -0.2, 0.3)[5:12])
+        expected[1][row], expected[2][row] = 0, 0
+    assert all(torch.equal(t, e) for t, e in zip((weights, *states), expected))
+    copied = before[0].index_copy_(0, rows, initial_rows(keys, 16, 3, "t", (-0.2, 0.3))[:, 5:12])
+    assert torch.equal(weights, copied)
+
+
+@pytest.mark.parametrize(
+    "layout", ["float16 weights", "columns apart", "a state's columns apart", "on meta"]
+)
+def test_initial_rows_in_place_leave_other_layouts_to_the_copy(layout: str) -> None:
+    """Weights not float32, or a tensor whose rows' values are not side by side on CPU:
+    the kernel writes nothing and says so, and the caller copies ``initial_rows``."""
+    weights, per_row, per_value, keys, rows = _admission(40, 6, 6)
+    if layout == "float16 weights":
+        weights = weights.half()
+    elif layout == "columns apart":
+        weights = weights.t().contiguous().t()
+    elif layout == "a state's columns apart":
+        per_value = per_value.t().contiguous().t()
+    else:
+        weights = weights.to("meta")
+    before = [t.clone() for t in (weights, per_row, per_value)]
+    args = (weights, rows, keys, slice(0, 6), 1, "t", (-1.0, 1.0), (per_row, per_value))
+    assert not write_initial_rows(*args)
+    for t, b in zip((weights, per_row, per_value), before):
+        assert t.is_meta or torch.equal(t, b)
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "ttl", "none"])

@@ -10,6 +10,7 @@ starts an admitted key's row at ``initial_rows``.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 import torch
 
@@ -97,6 +98,14 @@ def _table_key(seed: int, table: str) -> int:
     return _signed(int.from_bytes(digest, "little"))
 
 
+def _scaled(bounds: tuple[float, float]) -> tuple[float, float]:
+    """The low bound and the factor of the hash's 24 bits: exact in [0, 1), scaling them
+    by 2**-24 rounds nothing, so folding it into (high - low) gives the same float64
+    values."""
+    low, high = bounds
+    return low, 2.0**-24 * (high - low)
+
+
 def initial_rows(
     keys: torch.Tensor, dim: int, seed: int, table: str, bounds: tuple[float, float]
 ) -> torch.Tensor:
@@ -105,10 +114,7 @@ def initial_rows(
 
     Value ``[i, c]`` is a counter-based hash of (seed, table, key, column): it does not
     depend on the row the key got, the batch, the device or the world size."""
-    low, high = bounds
-    # 24 bits, exact in [0, 1): scaling by 2**-24 rounds nothing, so folding it into
-    # (high - low) gives the same float64 values.
-    factor = 2.0**-24 * (high - low)
+    low, factor = _scaled(bounds)
     if native.available(keys):
         return native.initial_rows(keys.to(torch.int64), dim, _table_key(seed, table), low, factor)
     # mix64(key + column) is the finalizer of (key + _GAMMA) + column; its last
@@ -126,3 +132,22 @@ def initial_rows(
         _scramble(bits, spare)
         torch.add(_shr(bits, 40, spare).mul(scale), low, out=rows[first : first + step])
     return rows
+
+
+def write_initial_rows(
+    weights: torch.Tensor,
+    rows: torch.Tensor,
+    keys: torch.Tensor,
+    columns: slice,
+    seed: int,
+    table: str,
+    bounds: tuple[float, float],
+    states: Sequence[torch.Tensor] = (),
+) -> bool:
+    """Write ``initial_rows``' ``columns`` of ``keys`` into rows ``rows`` of ``weights``
+    (as many columns as it has) and zero those rows of ``states`` (2-D), in one pass of
+    the CPU kernel, without the rows' temporary; False, writing nothing, where the kernel
+    cannot (``native.admit_rows``): the caller copies ``initial_rows``."""
+    low, factor = _scaled(bounds)
+    key = _table_key(seed, table)
+    return native.admit_rows(keys, rows, weights, states, columns.start, key, low, factor)

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -62,6 +63,25 @@ struct Result {
   int64_t outside;   // keys outside the map's buckets: then nothing else is done
 };
 
+// Division of keys (below 2**63) by a bucket's width as a multiply and a shift, where
+// a 64-bit division costs dozens of cycles: m = ceil(2**(63 + l) / width), l the bits
+// of width - 1, gives floor(key / width) = floor(key * m / 2**(63 + l)) for every key
+// below 2**63 (Granlund and Montgomery, 1994), and m fits in 64 bits.
+struct BucketOf {
+  uint64_t magic;
+  int shift;
+  explicit BucketOf(uint64_t width) {
+    int bits = 0;
+    while (bits < 64 && (uint64_t{1} << bits) < width) ++bits;
+    const unsigned __int128 power = static_cast<unsigned __int128>(1) << (63 + bits);
+    magic = static_cast<uint64_t>((power + width - 1) / width);
+    shift = 63 + bits;
+  }
+  int64_t operator()(uint64_t key) const {
+    return static_cast<int64_t>((static_cast<unsigned __int128>(key) * magic) >> shift);
+  }
+};
+
 // The distinct keys of a call in key order, each one's count, and each key's place
 // among them.
 struct Distinct {
@@ -77,30 +97,47 @@ struct Scratch {
   std::vector<std::pair<uint64_t, int64_t>> order, sorted;
   std::vector<int64_t> counts, first_seen, place, start, next;
   Distinct distinct;
-  std::vector<int64_t> found, waiting, total, due, seen, taken, gone;
+  std::vector<int64_t> found, waiting, places, waiting_places, total, due, seen, taken, gone;
   std::vector<std::pair<int64_t, int64_t>> added;
   std::vector<uint8_t> marked;
 };
 
-Scratch& scratch() {
+// Not inlined: its caller keeps the address, where an inlined thread-local's address
+// is recomputed (a call into the loader) inside loops.
+__attribute__((noinline)) Scratch& scratch() {
   static thread_local Scratch kept;
   return kept;
 }
 
-// `items` (key, payload) sorted by key: counted into the map's buckets (each a range
-// of keys), then each bucket's few sorted in cache.
-void sort_by_bucket(std::vector<std::pair<uint64_t, int64_t>>& items, const Spec& spec) {
+// `items` (key, payload; keys distinct, in the map's) sorted by key: counted into as
+// many ranges of keys as there are items, in order, then each range's few sorted in
+// cache. Keys are hashes, spread evenly: most ranges hold one or two; however they
+// fall, the sorts keep it O(n log n).
+void sort_by_key(std::vector<std::pair<uint64_t, int64_t>>& items, const Spec& spec) {
+  int range_bits = 0, span_bits = 0;
+  while ((size_t{1} << range_bits) < items.size()) ++range_bits;
+  const uint64_t lowest = static_cast<uint64_t>(spec.lowest_key);
+  while (span_bits < 64 && (static_cast<uint64_t>(spec.highest_key) - lowest) >> span_bits)
+    ++span_bits;
+  // Keys above the lowest are below 2**span_bits: shifted up by range_bits then down by
+  // span_bits, they fall in [0, 2**range_bits), in order.
+  const auto range_of = [=](uint64_t key) {
+    return static_cast<size_t>((static_cast<unsigned __int128>(key - lowest) << range_bits) >>
+                               span_bits);
+  };
+  const size_t ranges = size_t{1} << range_bits;
   std::vector<int64_t>& start = scratch().start;
-  start.assign(spec.buckets + 1, 0);
-  for (const auto& item : items) start[item.first / spec.width - spec.first + 1]++;
-  for (int64_t b = 0; b < spec.buckets; ++b) start[b + 1] += start[b];
+  start.assign(ranges + 1, 0);
+  for (const auto& item : items) start[range_of(item.first) + 1]++;
+  for (size_t r = 0; r < ranges; ++r) start[r + 1] += start[r];
   std::vector<std::pair<uint64_t, int64_t>>& sorted = scratch().sorted;
   sorted.resize(items.size());
   std::vector<int64_t>& next = scratch().next;
   next.assign(start.begin(), start.end() - 1);
-  for (const auto& item : items) sorted[next[item.first / spec.width - spec.first]++] = item;
-  for (int64_t b = 0; b < spec.buckets; ++b)
-    std::sort(sorted.begin() + start[b], sorted.begin() + start[b + 1]);
+  for (const auto& item : items) sorted[next[range_of(item.first)]++] = item;
+  for (size_t r = 0; r < ranges; ++r)
+    if (start[r + 1] - start[r] > 1)
+      std::sort(sorted.begin() + start[r], sorted.begin() + start[r + 1]);
   items.swap(sorted);
 }
 
@@ -136,7 +173,7 @@ const Distinct& distinct(const int64_t* keys, int64_t n, const Spec& spec) {
     first_seen[i] = table[at].second;
     counts[table[at].second]++;
   }
-  sort_by_bucket(order, spec);
+  sort_by_key(order, spec);
   Distinct& out = kept.distinct;
   out.keys.resize(order.size());
   out.counts.resize(order.size());
@@ -153,8 +190,17 @@ const Distinct& distinct(const int64_t* keys, int64_t n, const Spec& spec) {
 }
 
 // The first place at or after `from` in the sorted `keys` whose key is not below `key`:
-// a galloping search, as the keys searched for come in order.
+// a galloping search, as the keys searched for come in order. Most searches end a few
+// places on: the next kNear keys below `key` are counted first, without a branch to
+// mispredict.
 int64_t gallop(const int64_t* keys, int64_t size, int64_t from, int64_t key) {
+  constexpr int64_t kNear = 16;
+  if (from + kNear <= size) {
+    int64_t below = 0;
+    for (int64_t i = 0; i < kNear; ++i) below += keys[from + i] < key;
+    if (below < kNear) return from + below;
+    from += kNear;
+  }
   int64_t low = from, high = from, stride = 1;
   while (high < size && keys[high] < key) {
     low = high + 1;
@@ -164,12 +210,16 @@ int64_t gallop(const int64_t* keys, int64_t size, int64_t from, int64_t key) {
   return std::lower_bound(keys + low, keys + std::min(high, size), key) - keys;
 }
 
-// Each of the sorted distinct `keys`' flat slot in `slots`, -1 where it is not live.
-void find(const Slots& slots, const std::vector<int64_t>& keys, std::vector<int64_t>& found) {
+// Each of the sorted distinct `keys`' flat slot in `slots`, -1 where it is not live,
+// and its place in the index (where it is, or would go).
+void find(const Slots& slots, const std::vector<int64_t>& keys, std::vector<int64_t>& found,
+          std::vector<int64_t>& places) {
   found.assign(keys.size(), -1);
+  places.resize(keys.size());
   int64_t at = 0;
   for (size_t u = 0; u < keys.size(); ++u) {
     at = gallop(slots.index_keys, slots.index_size, at, keys[u]);
+    places[u] = at;
     if (at < slots.index_size && slots.index_keys[at] == keys[u]) found[u] = slots.index_slots[at];
   }
 }
@@ -207,43 +257,75 @@ struct Packed {
   int64_t slot(uint64_t key) const { return static_cast<int64_t>(key & ((uint64_t{1} << bits) - 1)); }
 };
 
+// Puts `key` in place of the top of the max-heap `heap` (std::push_heap's), sifting it
+// down: half the work of a pop and a push.
+template <typename Key>
+void replace_top(std::vector<Key>& heap, const Key& key) {
+  const size_t size = heap.size();
+  size_t at = 0;
+  for (size_t child = 1; child < size; child = 2 * at + 1) {
+    if (child + 1 < size && heap[child] < heap[child + 1]) ++child;
+    if (!(key < heap[child])) break;
+    heap[at] = heap[child];
+    at = child;
+  }
+  heap[at] = key;
+}
+
 // Gives each key of `takers` (places among the distinct keys, in key order) a slot of
 // its bucket: the bucket's r-th taker gets its r-th victim (empty slots in slot order,
 // then the live slots that `evictable` gives up, in the `order` above), -1 where none
 // is left. Writes the taken slots (key, occupied, step, `total` sightings) and records
-// the keys they held (`gone`) and the new entries of the index (`added`, in key order).
+// the keys they held (`gone`, sorted within a bucket, so in key order where it held
+// none) and the new entries of the index (`added`: each taker and its slot, in key
+// order).
 template <typename Evictable, typename Order>
 int64_t take(Slots& slots, const Spec& spec, const std::vector<int64_t>& takers,
              const Distinct& distinct, const std::vector<int64_t>& total, Evictable evictable,
              Order order, std::vector<int64_t>& taken, std::vector<int64_t>& gone,
              std::vector<std::pair<int64_t, int64_t>>& added) {
   int64_t held = 0;
+  const BucketOf bucket_of(spec.width);
   std::vector<int64_t> victims;
   std::vector<decltype(order.key(slots, 0))> ranked;
   for (size_t a = 0; a < takers.size();) {
-    const uint64_t bucket = static_cast<uint64_t>(distinct.keys[takers[a]]) / spec.width;
+    const int64_t bucket = bucket_of(distinct.keys[takers[a]]);
     size_t b = a + 1;
-    while (b < takers.size() &&
-           static_cast<uint64_t>(distinct.keys[takers[b]]) / spec.width == bucket)
-      ++b;
+    while (b < takers.size() && bucket_of(distinct.keys[takers[b]]) == bucket) ++b;
     const size_t want = b - a;
-    const int64_t base = (static_cast<int64_t>(bucket) - spec.first) * spec.rows;
+    const int64_t base = (bucket - spec.first) * spec.rows;
     victims.clear();
-    for (int64_t slot = base; slot < base + spec.rows && victims.size() < want; ++slot)
-      if (!slots.occupied[slot]) victims.push_back(slot);
-    // Live slots only where the empty ones run out: the fewest needed, selected, then
-    // put in order.
+    // The empty slots, found by memchr's wide compares.
+    const uint8_t* const occupied = slots.occupied + base;
+    for (const uint8_t* at = occupied; victims.size() < want;) {
+      at = static_cast<const uint8_t*>(std::memchr(at, 0, occupied + spec.rows - at));
+      if (at == nullptr) break;
+      victims.push_back(base + (at++ - occupied));
+    }
+    // Live slots only where the empty ones run out: the fewest needed, kept in a heap
+    // whose top is the last of them (a slot earlier in the order replaces it), then put
+    // in order. The orders have no ties, so this is the first `needed` of a sort.
     const size_t needed = want - victims.size();
     ranked.clear();
-    for (int64_t slot = base; needed && slot < base + spec.rows; ++slot)
-      if (slots.occupied[slot] && evictable(slot))
-        ranked.push_back(order.key(slots, slot));
-    if (ranked.size() > needed) {
-      std::nth_element(ranked.begin(), ranked.begin() + needed, ranked.end());
-      ranked.resize(needed);
+    for (int64_t slot = base; needed && slot < base + spec.rows; ++slot) {
+      if (!slots.occupied[slot] || !evictable(slot)) continue;
+      const auto key = order.key(slots, slot);
+      if (ranked.size() < needed) {
+        ranked.push_back(key);
+        std::push_heap(ranked.begin(), ranked.end());
+      } else if (key < ranked.front()) {
+        replace_top(ranked, key);
+      }
     }
-    std::sort(ranked.begin(), ranked.end());
+    std::sort_heap(ranked.begin(), ranked.end());
     for (const auto& key : ranked) victims.push_back(order.slot(key));
+    // The victims' keys and sightings are read and written below, each a miss: asked
+    // for together.
+    for (int64_t slot : victims) {
+      __builtin_prefetch(slots.keys + slot, 1);
+      __builtin_prefetch(slots.hits + slot, 1);
+    }
+    const size_t held_before = gone.size();
     for (size_t r = 0; r < victims.size(); ++r) {
       const int64_t u = takers[a + r], slot = victims[r];
       if (slots.occupied[slot]) {
@@ -255,8 +337,9 @@ int64_t take(Slots& slots, const Spec& spec, const std::vector<int64_t>& takers,
       slots.last_seen[slot] = spec.step;
       slots.hits[slot] = total[u];
       taken[u] = slot;
-      added.emplace_back(distinct.keys[u], slot);
+      added.emplace_back(u, slot);
     }
+    std::sort(gone.begin() + held_before, gone.end());
     a = b;
   }
   return held;
@@ -283,15 +366,17 @@ const std::vector<uint8_t>& marks(const Spec& spec, const std::vector<int64_t>& 
   return marked;
 }
 
-// The index without the keys `gone` and with `added` (key order): the runs of entries
-// between changes copied whole.
+// The index without the keys `gone` and with `added` (key order; each of the distinct
+// `keys`' place and its slot, its place in the index from `places`): the runs of
+// entries between changes copied whole.
 void merge_index(Slots& slots, std::vector<int64_t>& gone,
-                 const std::vector<std::pair<int64_t, int64_t>>& added) {
+                 const std::vector<std::pair<int64_t, int64_t>>& added,
+                 const std::vector<int64_t>& keys, const std::vector<int64_t>& places) {
   if (gone.empty() && added.empty()) {
     slots.out_index_size = -1;
     return;
   }
-  std::sort(gone.begin(), gone.end());
+  if (!std::is_sorted(gone.begin(), gone.end())) std::sort(gone.begin(), gone.end());
   const int64_t size = slots.index_size;
   int64_t from = 0, out = 0;
   size_t g = 0, a = 0;
@@ -306,11 +391,10 @@ void merge_index(Slots& slots, std::vector<int64_t>& gone,
     // first entry above the added key (none is equal: added keys were not live).
     const int64_t removal =
         g < gone.size() ? gallop(slots.index_keys, size, from, gone[g]) : size;
-    const int64_t insertion =
-        a < added.size() ? gallop(slots.index_keys, size, from, added[a].first) : size + 1;
+    const int64_t insertion = a < added.size() ? places[added[a].first] : size + 1;
     if (insertion <= removal) {
       copy(insertion);
-      slots.out_index_keys[out] = added[a].first;
+      slots.out_index_keys[out] = keys[added[a].first];
       slots.out_index_slots[out++] = added[a++].second;
     } else {
       copy(removal);
@@ -320,6 +404,33 @@ void merge_index(Slots& slots, std::vector<int64_t>& gone,
   }
   copy(size);
   slots.out_index_size = out;
+}
+
+// Columns [first, first + columns) of `key`'s initial row into `out`: the counter hash
+// of (key, table, column), its 24 top bits scaled in float64 and rounded once to float32.
+// On x86-64 Linux, built twice where the compiler can: the loader picks the AVX2 copy on
+// a CPU that has it (the same values: no fused multiply-add, IEEE rounding either way).
+#if defined(__x86_64__) && defined(__linux__) && defined(__has_attribute)
+#if __has_attribute(target_clones)
+__attribute__((target_clones("avx2", "default")))
+#endif
+#endif
+void initial_row(int64_t key, int64_t first, int64_t columns, int64_t table_key, double low,
+                 double scale, float* out) {
+  const auto scramble = [](uint64_t z) {
+    z ^= z >> 30;
+    z *= kMul1;
+    z ^= z >> 27;
+    return z * kMul2;
+  };
+  const uint64_t z =
+      scramble((static_cast<uint64_t>(key) ^ static_cast<uint64_t>(table_key)) + kGamma);
+  const uint64_t start = (z ^ (z >> 31)) + kGamma + static_cast<uint64_t>(first);
+  // The 24 bits as an int32, which converts to float64 exactly as they would: a
+  // conversion that vectorizes.
+  for (int64_t c = 0; c < columns; ++c)
+    out[c] = static_cast<float>(
+        static_cast<double>(static_cast<int32_t>(scramble(start + c) >> 40)) * scale + low);
 }
 
 }  // namespace
@@ -338,10 +449,11 @@ void embshard_remap(const int64_t* keys, int64_t n, const Spec* spec, Slots* slo
   const size_t u_count = d.keys.size();
   Scratch& kept = scratch();
   std::vector<int64_t>&found = kept.found, &waiting = kept.waiting, &total = kept.total;
-  find(*slots, d.keys, found);
+  std::vector<int64_t>&places = kept.places, &waiting_places = kept.waiting_places;
+  find(*slots, d.keys, found, places);
   total.assign(d.counts.begin(), d.counts.end());
   if (probation) {
-    find(*probation, d.keys, waiting);
+    find(*probation, d.keys, waiting, waiting_places);
     for (size_t u = 0; u < u_count; ++u)
       if (waiting[u] >= 0) total[u] += probation->hits[waiting[u]];
   }
@@ -351,6 +463,11 @@ void embshard_remap(const int64_t* keys, int64_t n, const Spec* spec, Slots* slo
   due.clear();
   seen.clear();
   for (size_t u = 0; u < u_count; ++u) {
+    // The seen slots are all over the map: ask for a later one's early.
+    if (u + kAhead < u_count && found[u + kAhead] >= 0) {
+      __builtin_prefetch(slots->last_seen + found[u + kAhead], 1);
+      __builtin_prefetch(slots->hits + found[u + kAhead], 1);
+    }
     if (found[u] >= 0) {
       slots->last_seen[found[u]] = step;
       slots->hits[found[u]] += d.counts[u];
@@ -398,7 +515,7 @@ void embshard_remap(const int64_t* keys, int64_t n, const Spec* spec, Slots* slo
     result->admitted[result->admitted_count] = taken[u];
     result->admitted_keys[result->admitted_count++] = d.keys[u];
   }
-  merge_index(*slots, gone, added);
+  merge_index(*slots, gone, added, d.keys, places);
 
   // Probation: admitted keys leave it; keys still waiting are seen, or enter it, taking
   // its empty slots, then those of the candidates seen least recently (not this call).
@@ -429,7 +546,7 @@ void embshard_remap(const int64_t* keys, int64_t n, const Spec* spec, Slots* slo
       take_by_step(*probation, *spec, entering, d, total, not_staying, probation_taken,
                    probation_gone, probation_added);
     }
-    merge_index(*probation, probation_gone, probation_added);
+    merge_index(*probation, probation_gone, probation_added, d.keys, waiting_places);
   }
 
   for (size_t u = 0; u < u_count; ++u)
@@ -441,19 +558,29 @@ void embshard_remap(const int64_t* keys, int64_t n, const Spec* spec, Slots* slo
 // 24 top bits scaled in float64 and rounded once to float32.
 void embshard_initial_rows(const int64_t* keys, int64_t n, int64_t dim, int64_t table_key,
                            double low, double scale, float* out) {
-  const auto scramble = [](uint64_t z) {
-    z ^= z >> 30;
-    z *= kMul1;
-    z ^= z >> 27;
-    return z * kMul2;
-  };
+  for (int64_t i = 0; i < n; ++i) initial_row(keys[i], 0, dim, table_key, low, scale, out + i * dim);
+}
+
+// Admitted keys' rows written in place: each key's initial values, columns [first,
+// first + columns) of its row, into row `rows[i]` of `weights` (float32, `stride` floats
+// a row), and that row of each of the `states` tensors zeroed (`state_widths[s]` bytes
+// from `states[s] + rows[i] * state_strides[s]`), in one pass.
+void embshard_admit_rows(const int64_t* keys, const int64_t* rows, int64_t n, int64_t first,
+                         int64_t columns, int64_t table_key, double low, double scale,
+                         float* weights, int64_t stride, int64_t count, char* const* states,
+                         const int64_t* state_strides, const int64_t* state_widths) {
+  constexpr int64_t kLine = 64;  // bytes
   for (int64_t i = 0; i < n; ++i) {
-    uint64_t z = scramble((static_cast<uint64_t>(keys[i]) ^ static_cast<uint64_t>(table_key)) +
-                          kGamma);
-    const uint64_t start = (z ^ (z >> 31)) + kGamma;
-    float* row = out + i * dim;
-    for (int64_t c = 0; c < dim; ++c)
-      row[c] = static_cast<float>(static_cast<double>(scramble(start + c) >> 40) * scale + low);
+    // The rows miss the cache: ask for a later row's lines early.
+    if (i + kAhead < n) {
+      const char* row = reinterpret_cast<const char*>(weights + rows[i + kAhead] * stride);
+      for (int64_t at = 0; at < columns * 4; at += kLine) __builtin_prefetch(row + at, 1);
+      for (int64_t s = 0; s < count; ++s)
+        __builtin_prefetch(states[s] + rows[i + kAhead] * state_strides[s], 1);
+    }
+    initial_row(keys[i], first, columns, table_key, low, scale, weights + rows[i] * stride);
+    for (int64_t s = 0; s < count; ++s)
+      std::memset(states[s] + rows[i] * state_strides[s], 0, state_widths[s]);
   }
 }
 

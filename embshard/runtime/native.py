@@ -22,9 +22,11 @@ import os
 import subprocess
 import tempfile
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from torch.autograd.graph import increment_version
 
 _SOURCE = Path(__file__).with_name("native.cpp")
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
@@ -122,6 +124,11 @@ def library() -> ctypes.CDLL | None:
     lib.embshard_remap.restype = None
     lib.embshard_initial_rows.argtypes = [_P, _I, _I, _I, ctypes.c_double, ctypes.c_double, _P]
     lib.embshard_initial_rows.restype = None
+    lib.embshard_admit_rows.argtypes = [
+        *(_P, _P, _I, _I, _I, _I, ctypes.c_double, ctypes.c_double),
+        *(_P, _I, _I, _P, _P, _P),
+    ]
+    lib.embshard_admit_rows.restype = None
     lib.embshard_keyed.argtypes = [_P, _I, _P, _I, _P, _P]
     lib.embshard_stand_ins.argtypes = [_P, _I, _P, _I, ctypes.POINTER(Routing), _P, _P]
     lib.embshard_put_back.argtypes = [_P, _P, _P, _P, _I, _P]
@@ -197,6 +204,67 @@ def initial_rows(
         keys.data_ptr(), len(keys), dim, table_key, low, scale, rows.data_ptr()
     )
     return rows
+
+
+def _rows_in_place(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is 2-D on CPU with each row's elements side by side."""
+    return (
+        tensor.device.type == "cpu"
+        and tensor.dim() == 2
+        and (tensor.shape[1] <= 1 or tensor.stride(1) == 1)
+    )
+
+
+def admit_rows(
+    keys: torch.Tensor,
+    rows: torch.Tensor,
+    weights: torch.Tensor,
+    states: Sequence[torch.Tensor],
+    first: int,
+    table_key: int,
+    low: float,
+    scale: float,
+) -> bool:
+    """Write the initial values of the CPU int64 ``keys`` (``initial_rows``' columns
+    ``first`` on, as many as ``weights`` has) into rows ``rows`` of ``weights`` and zero
+    those rows of the 2-D ``states``, in one pass; False, writing nothing, where the
+    kernels are off or the weights are not float32 or a tensor's rows are not laid out
+    side by side on CPU (the caller then copies ``initial_rows``)."""
+    if (
+        not available(keys)
+        or weights.dtype != torch.float32
+        or not all(_rows_in_place(t) for t in (weights, *states))
+    ):
+        return False
+    keys, rows = keys.to(torch.int64).contiguous(), rows.to(torch.int64).contiguous()
+    pointers = (_P * max(len(states), 1))(*(s.data_ptr() for s in states))
+    strides, widths = (
+        (ctypes.c_int64 * max(len(states), 1))(*values)
+        for values in (
+            [s.stride(0) * s.element_size() for s in states],
+            [s.shape[1] * s.element_size() for s in states],
+        )
+    )
+    _library().embshard_admit_rows(
+        keys.data_ptr(),
+        rows.data_ptr(),
+        len(keys),
+        first,
+        weights.shape[1],
+        table_key,
+        low,
+        scale,
+        weights.data_ptr(),
+        weights.stride(0),
+        len(states),
+        pointers,
+        strides,
+        widths,
+    )
+    # Written through their pointers: counted as the torch writes would, for autograd.
+    for tensor in (weights, *states):
+        increment_version(tensor)
+    return True
 
 
 def keyed(values: torch.Tensor, counts: torch.Tensor, hashed: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
 from embshard.errors import PlanError
 from embshard.plan.specs import ShardedTable, TableShard
-from embshard.runtime.keys import initial_rows
+from embshard.runtime.keys import initial_rows, write_initial_rows
 from embshard.runtime.routes import Slot
 from embshard.storage.id_map import IdMap, IdMapSpec, RemapResult
 from embshard.storage.init import init_bounds
@@ -213,10 +213,15 @@ class _Shard:
         """Write the admitted ids' initial rows (this block's columns of them) and reset
         their rows' optimizer state (FBGEMM's starts at zero): an evicted id's row starts
         afresh for its new id."""
-        rows = result.admitted
+        rows, keys = result.admitted, result.admitted_keys
         if not len(rows) or self.weights is None:
             return
-        start = initial_rows(result.admitted_keys, self.dim, self.spec.seed, self.name, self.bounds)
+        seed, name, bounds = self.spec.seed, self.name, self.bounds
+        if write_initial_rows(
+            self.weights, rows, keys, self.columns, seed, name, bounds, self.states
+        ):
+            return
+        start = initial_rows(keys, self.dim, seed, name, bounds)
         with torch.no_grad():
             self.weights.index_copy_(0, rows, start[:, self.columns].to(self.weights.dtype))
             for state in self.states:
