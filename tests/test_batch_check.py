@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from embshard.runtime import native
-from embshard.runtime.batch import _bounds_check
+from embshard.runtime.batch import fbgemm_bounds_check
 
 DTYPES = [
     (lengths, ids) for lengths in (torch.int32, torch.int64) for ids in (torch.int32, torch.int64)
@@ -59,8 +59,7 @@ def kernel(
 
 def fbgemm(lengths: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> int:
     problems = torch.empty(1, dtype=torch.int64)
-    offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths.reshape(-1))
-    _bounds_check(offsets, ids, rows - 1, problems)
+    fbgemm_bounds_check(lengths, ids, rows - 1, problems)
     return int(problems)
 
 

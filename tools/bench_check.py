@@ -22,7 +22,7 @@ import click
 import torch
 
 from embshard.runtime import native
-from embshard.runtime.batch import _bounds_check
+from embshard.runtime.batch import fbgemm_bounds_check
 
 
 def timed(call: Callable[[], object], calls: int, warmup: int) -> dict[str, float]:
@@ -56,8 +56,7 @@ def main(workload: str, batch: int, ids: str, calls: int, warmup: int) -> None:
     problems = torch.empty(1, dtype=torch.int64)
 
     def fbgemm() -> None:
-        offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths.view(-1))
-        _bounds_check(offsets, values, rows_less_one, problems)
+        fbgemm_bounds_check(lengths, values, rows_less_one, problems)
 
     routable = torch.empty_like(lengths)
 

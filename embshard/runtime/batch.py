@@ -134,8 +134,7 @@ def check_batch(features: object, routes: Routes, inputs: CheckInputs) -> LocalB
         native.bounds_check(lengths, values, inputs.rows_less_one(keys), row_ids[-1:], routable)
         given = LocalBatch(routable, values, weights, row_ids)
     else:
-        offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths.view(-1))
-        _bounds_check(offsets, values, inputs.rows_less_one(keys), row_ids[-1:])
+        offsets = fbgemm_bounds_check(lengths, values, inputs.rows_less_one(keys), row_ids[-1:])
         given = LocalBatch(lengths, values, weights, row_ids, offsets, inputs.first_bag(lengths))
     if list(keys) == list(routes.features):
         return given
@@ -209,19 +208,22 @@ def _in_model_order(
     return permute_2d(perm, lengths, values, weights, kept)
 
 
-def _bounds_check(
-    offsets: torch.Tensor, values: torch.Tensor, rows_less_one: torch.Tensor, problems: torch.Tensor
-) -> None:
-    """How many problems FBGEMM's bounds check finds in one pass, into ``problems``
-    (int64 [1], on the batch's device; no host read): negative lengths, lengths that do
-    not add up to the ids, ids outside [0, rows of their key). It skips -1 (FBGEMM's
-    mark of a pruned row) and zeroes the ids and fixes the offsets it finds bad, so it
-    checks ``id - 1`` against ``rows - 1``, in a buffer of its own (an id of -1 is -2
-    there, and the batch stays as it came for ``describe_problem``), with offsets that
-    are not kept when they are bad."""
+def fbgemm_bounds_check(
+    lengths: torch.Tensor, values: torch.Tensor, rows_less_one: torch.Tensor, problems: torch.Tensor
+) -> torch.Tensor:
+    """The bags' flat offsets, and into ``problems`` (int64 [1], on the batch's device;
+    no host read) how many problems FBGEMM's bounds check finds in one pass over the
+    lengths table and the ids: negative lengths, lengths that do not add up to the ids,
+    ids outside [0, rows of their key). It skips -1 (FBGEMM's mark of a pruned row) and
+    zeroes the ids and fixes the offsets it finds bad, so it checks ``id - 1`` against
+    ``rows - 1``, in a buffer of its own (an id of -1 is -2 there, and the batch stays
+    as it came for ``describe_problem``), and the offsets are only to be used when it
+    finds nothing. Where embshard's kernel does not run (``native.bounds_check``)."""
+    offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths.reshape(-1))
     if offsets.numel() == 1:  # no bags: FBGEMM's CUDA check returns without its count
         problems.fill_(int(values.numel() > 0))
-        return
+        return offsets
     torch.ops.fbgemm.bounds_check_indices(
         rows_less_one, values - 1, offsets, BoundsCheckMode.WARNING.value, problems
     )
+    return offsets
