@@ -19,9 +19,7 @@ from math import gcd
 import torch
 import torch.nn.functional as F
 
-from embshard.runtime.scratch import Scratch
-
-_BATCH_SIZES_KEPT = 8
+from embshard.runtime.scratch import Scratch, kept
 
 
 @dataclass(frozen=True)
@@ -113,12 +111,7 @@ class ColumnPlacement:
     def runs(self, batch: int, device: torch.device) -> RunIndices:
         """The indices for ``batch`` samples on ``device``, built at its first use and
         kept for the last few batch sizes."""
-        key = (batch, device)
-        if key not in self._indices:
-            if len(self._indices) == _BATCH_SIZES_KEPT:
-                del self._indices[next(iter(self._indices))]
-            self._indices[key] = self._build(batch, device)
-        return self._indices[key]
+        return kept(self._indices, (batch, device), lambda: self._build(batch, device))
 
     def _build(self, batch: int, device: torch.device) -> RunIndices:
         width, runs_per_sample = self.width, self.output_dim // self.width

@@ -22,7 +22,7 @@ from embshard.errors import InputError
 from embshard.runtime.batch import CheckInputs, LocalBatch, check_batch, describe_problem
 from embshard.runtime.dynamic_ids import DynamicIds
 from embshard.runtime.routes import Routes
-from embshard.runtime.scratch import Scratch
+from embshard.runtime.scratch import Scratch, kept
 from embshard.runtime.sparse_ops import block_bucketize, permute_1d, permute_2d
 
 # The counts exchange's int64 columns per peer: the ids sent to it, the sender's batch
@@ -31,7 +31,6 @@ from embshard.runtime.sparse_ops import block_bucketize, permute_1d, permute_2d
 COUNT_COLUMNS = 3
 _IDS, _SIZE, _PROBLEMS = range(COUNT_COLUMNS)
 _ENDED = -1
-_SIZES_KEPT = 8
 
 
 class HeldProblem(Protocol):
@@ -323,25 +322,24 @@ class InputDistribution:
     def _sizes(self, size: int, width: int) -> torch.Tensor:
         """The counts a rank sends before its tally is added: ``size`` (its batch size
         + 1, or _ENDED) in every peer's size column, kept for the last few sizes."""
-        key = (size, width)
-        if key not in self._size_tables:
-            if len(self._size_tables) == _SIZES_KEPT:
-                del self._size_tables[next(iter(self._size_tables))]
+
+        def make() -> torch.Tensor:
             sizes = torch.zeros(self.world, width, dtype=torch.long)
             sizes[:, _SIZE] = size
-            self._size_tables[key] = sizes.view(-1).to(self.device)
-        return self._size_tables[key]
+            return sizes.view(-1).to(self.device)
+
+        return kept(self._size_tables, (size, width), make)
 
     def _tally_index(self, width: int) -> torch.Tensor:
         """Where each value of a tally is added in the counts sent (``world`` rows of
         ``width``): a send row's ids into its rank's ids column, a copy of the problem
         count into each rank's problems column. Kept: a kind of lookup has one width."""
-        if width not in self._tally_indices:
+
+        def make() -> torch.Tensor:
             ranks = torch.arange(self.world, device=self.device)
-            self._tally_indices[width] = torch.cat(
-                [self.slot_rank * width + _IDS, ranks * width + _PROBLEMS]
-            )
-        return self._tally_indices[width]
+            return torch.cat([self.slot_rank * width + _IDS, ranks * width + _PROBLEMS])
+
+        return kept(self._tally_indices, width, make)
 
     def counts_on_one_rank(
         self, sent: Routed, problems: torch.Tensor, extra: ExtraCounts | None = None

@@ -1,10 +1,28 @@
-"""Buffers a rank keeps from step to step, handed out again only when free."""
+"""Buffers a rank keeps from step to step, handed out again only when free; and
+small constant tensors kept for the last few shapes seen."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Hashable
+from typing import TypeVar
 
 import torch
+
+KeptT = TypeVar("KeptT")
+
+
+def kept(
+    cache: dict[Hashable, KeptT], key: Hashable, make: Callable[[], KeptT], limit: int = 8
+) -> KeptT:
+    """``cache[key]``, made by ``make`` at its first use; past ``limit`` entries the
+    oldest is dropped. For what a step needs per batch size (index tensors, tables of
+    sizes), which rarely changes: a new one costs ops and a copy to the device."""
+    if key not in cache:
+        if len(cache) == limit:
+            del cache[next(iter(cache))]
+        cache[key] = make()
+    return cache[key]
 
 
 class Scratch:
