@@ -280,6 +280,8 @@ def test_remap_matches_reference(spec: IdMapSpec, first: int, pool: list[int], s
         assert got.rows.tolist() == [rows[i] for i in order]
         assert list(zip(got.admitted.tolist(), got.admitted_keys.tolist())) == admitted
         assert (got.evicted.item(), got.overflow.item()) == (evicted, overflow)
+        # Counted where no host read is needed: by the kernel, or a call with no keys.
+        assert got.missing == (rows.count(-1) if native.library() or not ids else None)
         assert slot_states(idmap) == ref_states(ref.slots)
         if spec.admit_after > 1:
             assert slot_states(idmap, "probation_") == ref_states(ref.probation)
@@ -604,6 +606,7 @@ def test_the_kernel_and_the_torch_operations_agree_on_busy_maps(
             results[path] = idmap.remap(keys, step // 2)
         for field in ("rows", "admitted", "admitted_keys", "evicted", "overflow"):
             assert torch.equal(getattr(results["kernel"], field), getattr(results["torch"], field))
+        assert results["kernel"].missing == (results["torch"].rows < 0).sum().item()
     kernel, torch_ops = maps["kernel"], maps["torch"]
     assert kernel.state_dict().keys() == torch_ops.state_dict().keys()
     for name, tensor in kernel.state_dict().items():

@@ -80,6 +80,7 @@ class Result(ctypes.Structure):
         ("overflow", _I),
         ("cleared", _I),
         ("outside", _I),
+        ("missing", _I),
     ]
 
 

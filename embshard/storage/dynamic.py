@@ -313,9 +313,9 @@ class DynamicTables:
             (shard, [(bounds[s], bounds[s + 1]) for s in mine])
             for shard, mine in zip(self._shards, self._shard_slots)
         ]
-        if learn:
-            self._learn(indices, selected, step)
-        else:
+        if learn and self._learn(indices, selected, step):
+            return indices, offsets, weights
+        if not learn:
             for shard, ranges in selected:
                 keys = _cut(indices, ranges)
                 self.keys_remapped += len(keys)
@@ -340,13 +340,17 @@ class DynamicTables:
         indices: torch.Tensor,
         selected: list[tuple[_Shard, list[tuple[int, int]]]],
         step: int,
-    ) -> None:
+    ) -> bool:
         """Remap each shard's keys (the ``indices`` of its ranges) at ``step``, admitting
-        and evicting, with its copies' keys on a 2-D mesh; count what the maps did."""
+        and evicting, with its copies' keys on a 2-D mesh; count what the maps did.
+        Whether every key is known to have got a row (the CPU kernel counts them): then
+        no id needs dropping."""
         shared = self._with_replicas([_cut(indices, ranges) for _, ranges in selected])
+        complete = True
         for (shard, ranges), (keys, start) in zip(selected, shared):
             self.keys_remapped += len(keys)
             result = shard.idmap.remap(keys, step)
+            complete = complete and result.missing == 0
             mine = sum(last - first for first, last in ranges)
             _paste(indices, ranges, result.rows[start : start + mine])
             shard.admit(result)
@@ -356,6 +360,7 @@ class DynamicTables:
             self._counts[shard.stat] += torch.stack([admitted, result.evicted, result.overflow])
             if shard.spec.policy == "none":
                 self._refused[shard.stat] += result.overflow
+        return complete
 
     def _with_replicas(self, keys: list[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
         """Each shard's ``keys`` with its copies' in the other sharding groups (the

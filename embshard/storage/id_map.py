@@ -96,13 +96,16 @@ class RemapResult:
     key this call and those keys, in key order (initialize those rows from
     ``initial_rows(admitted_keys, ...)``). ``evicted``: live keys that lost their row;
     ``overflow``: keys due a row that found none in their bucket. The counts are 0-d
-    int64 tensors, so reading them is the caller's choice of host sync."""
+    int64 tensors, so reading them is the caller's choice of host sync. ``missing``:
+    how many of ``rows`` are -1 where that is known without a host read (the CPU
+    kernel's count), else None."""
 
     rows: torch.Tensor
     admitted: torch.Tensor
     admitted_keys: torch.Tensor
     evicted: torch.Tensor
     overflow: torch.Tensor
+    missing: int | None = None
 
 
 @dataclass(frozen=True)
@@ -460,7 +463,7 @@ class IdMap:
         if len(keys) == 0:
             self.step = step
             zero = torch.zeros((), dtype=torch.int64, device=self.device)
-            return RemapResult(empty, empty, empty, zero, zero)
+            return RemapResult(empty, empty, empty, zero, zero, missing=0)
         if native.available(keys):
             return self._remap_native(keys, step)
         outside = self._outside(keys)
@@ -544,6 +547,7 @@ class IdMap:
             admitted_keys=admitted_keys[:count],
             evicted=torch.tensor(result.evicted),
             overflow=torch.tensor(result.overflow),
+            missing=result.missing,
         )
 
     def _due(self, slots: _Slots, keys: torch.Tensor) -> _Due:
