@@ -19,6 +19,9 @@ HARNESS = ROOT / "tests" / "slow_gloo_threads.py"
 # in 10 (19 of 20 ranks, docs/faults.md): 3 launches of an ending that aborts that often
 # all pass less than once in a million (as is, 4 launches in 30 aborted).
 LAUNCHES = 3
+# The ending that aborts, launched until it does: it aborts most launches, so this
+# usually costs one, and a busy machine that closes the window in some still finds it.
+CONTROL_LAUNCHES = 6
 
 SCRIPT = '''\
 """A user's script: a DLRM sharded by shard_model, two training steps, a table gathered,
@@ -105,9 +108,15 @@ def test_a_script_ending_with_shutdown_exits_cleanly_every_time(tmp_path):
 
 
 def test_the_same_script_ending_with_destroy_process_group_aborts_on_slow_threads(tmp_path):
-    ends = launches(tmp_path, "dist.destroy_process_group()")
-    other = [
-        output[-3000:] for ended, output in ends if ended not in ("exited 0", "aborted", "hung")
-    ]
-    assert not other, other  # no failure but at exit
-    assert any(ended in ("aborted", "hung") for ended, _ in ends), [e for e, _ in ends]
+    """Launched until one launch aborts (or hangs), at most ``CONTROL_LAUNCHES`` times: a
+    busy machine makes the harness's window rarer, not absent."""
+    script = tmp_path / "user_script.py"
+    script.write_text(SCRIPT + "dist.destroy_process_group()\n")
+    ends = []
+    for i in range(CONTROL_LAUNCHES):
+        ended, output = launch(script, tmp_path / f"checkpoints_{i}")
+        assert ended in ("exited 0", "aborted", "hung"), output[-3000:]  # fails only at exit
+        ends.append(ended)
+        if ended != "exited 0":
+            break
+    assert ends[-1] in ("aborted", "hung"), ends
