@@ -13,7 +13,8 @@ are evicted); the static run gives the same tables ids by the same law over thei
 rows. Each rank times forward and backward (the fused optimizer included) of its
 batch of 512; the figures are the medians of the measured steps over ranks' slowest,
 wall and the process's CPU time (with one thread, the CPU time does not count the
-time a busy machine made the process wait). On CUDA a step's wall time runs until the
+time a busy machine made the process wait), and the ids admitted and evicted a
+measured step (all ranks). On CUDA a step's wall time runs until the
 GPU has finished it, and the ratio that counts is the wall times'.
 """
 
@@ -88,8 +89,10 @@ def _rank(rank: int, world: int, store: str, args: dict, results) -> None:
             optimizer=embshard.RowWiseAdagrad(lr=0.01),
             dynamic={f"t{i}": id_map for i in dynamic} if mode == "dynamic" else None,
         )
-        walls, cpus = [], []
+        walls, cpus, before = [], [], {}
         for step in range(args["warmup"] + args["steps"]):
+            if mode == "dynamic" and step == args["warmup"]:
+                before = sharded.dynamic_stats()  # a collective: every rank, same step
             features = _batch(
                 tables, dynamic if mode == "dynamic" else set(), batch, step, rank, args
             ).to(device)
@@ -102,12 +105,12 @@ def _rank(rank: int, world: int, store: str, args: dict, results) -> None:
                 walls.append(time.perf_counter() - wall)
                 cpus.append(time.process_time() - cpu)
         figures[mode] = (walls, cpus)
-        if mode == "dynamic":
+        if mode == "dynamic":  # the measured steps' admissions and evictions
             stats = sharded.dynamic_stats()
-            steps = args["warmup"] + args["steps"]
             figures["per_step"] = {
-                "admitted": sum(s.admitted for s in stats.values()) // steps,
-                "evicted": sum(s.evicted for s in stats.values()) // steps,
+                what: sum(getattr(stats[t], what) - getattr(before[t], what) for t in stats)
+                // args["steps"]
+                for what in ("admitted", "evicted")
             }
     results.put((rank, figures))
     dist.destroy_process_group()
