@@ -507,6 +507,30 @@ def test_steps_too_large_to_pack_with_a_slot_give_the_reference(
     assert step >= 2**59 and evictions > 0
 
 
+@pytest.mark.parametrize("policy", ["lru", "ttl"])
+@pytest.mark.parametrize("new", [30, 64, 65, 90])
+def test_a_full_bucket_giving_up_many_slots_at_once_gives_the_reference(
+    policy: str, new: int
+) -> None:
+    """A full bucket of 100 slots, half of them seen a step later, takes ``new`` keys
+    in one call: the kernel takes up to 64 victims one smallest key at a time and more
+    through a heap, across ties of the last step seen (broken by slot)."""
+    spec = IdMapSpec(
+        buckets=1, rows_per_bucket=100, policy=policy, ttl_steps=1 if policy == "ttl" else None
+    )
+    idmap, ref = IdMap(spec), Reference(spec, 0, 1)
+    pool = keys_of(list(range(100 + new)))
+    calls = [(pool[:100], 0), (pool[:50:2] + pool[51:100:2], 1), (pool[100:] + pool[:2], 2)]
+    for ids, step in calls:
+        rows, admitted, evicted, overflow = ref.remap(ids, step)
+        got = idmap.remap(torch.tensor(ids, dtype=torch.int64), step)
+        assert got.rows.tolist() == rows
+        assert list(zip(got.admitted.tolist(), got.admitted_keys.tolist())) == admitted
+        assert (got.evicted.item(), got.overflow.item()) == (evicted, overflow)
+        assert slot_states(idmap) == ref_states(ref.slots)
+    assert evicted == new
+
+
 def test_initial_rows_of_a_large_batch_are_the_reference() -> None:
     """Rows are made a few thousand at a time: the rows at either side of a cut are
     still each key's own."""
