@@ -313,9 +313,10 @@ class DynamicTables:
             (shard, [(bounds[s], bounds[s + 1]) for s in mine])
             for shard, mine in zip(self._shards, self._shard_slots)
         ]
-        if learn and self._learn(indices, selected, step):
-            return indices, offsets, weights
-        if not learn:
+        if learn:
+            if self._learn(indices, selected, step):
+                return indices, offsets, weights  # every key got a row: none to drop
+        else:
             for shard, ranges in selected:
                 keys = _cut(indices, ranges)
                 self.keys_remapped += len(keys)
