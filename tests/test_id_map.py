@@ -507,14 +507,15 @@ def test_steps_too_large_to_pack_with_a_slot_give_the_reference(
     assert step >= 2**59 and evictions > 0
 
 
-@pytest.mark.parametrize("policy", ["lru", "ttl"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "ttl"])
 @pytest.mark.parametrize("new", [30, 64, 65, 90])
 def test_a_full_bucket_giving_up_many_slots_at_once_gives_the_reference(
     policy: str, new: int
 ) -> None:
     """A full bucket of 100 slots, half of them seen a step later, takes ``new`` keys
     in one call: the kernel takes up to 64 victims one smallest key at a time and more
-    through a heap, across ties of the last step seen (broken by slot)."""
+    through a heap, across ties of the sightings and the last step seen (broken by
+    slot)."""
     spec = IdMapSpec(
         buckets=1, rows_per_bucket=100, policy=policy, ttl_steps=1 if policy == "ttl" else None
     )
