@@ -22,6 +22,7 @@ constexpr uint64_t kGamma = 0x9E3779B97F4A7C15ull, kMul1 = 0xBF58476D1CE4E5B9ull
 
 constexpr int64_t kAhead = 16;  // how far ahead a loop of random reads prefetches
 constexpr size_t kFewVictims = 64;  // a bucket's victims taken one smallest key at a time
+constexpr int64_t kDenseChanges = 32;  // an index merged entry by entry: changes this close
 
 // The bits that hold `value`: 0 for 0.
 int bit_length(uint64_t value) { return value ? 64 - __builtin_clzll(value) : 0; }
@@ -461,6 +462,36 @@ void merge_index(Slots& slots, std::vector<int64_t>& gone,
   const int64_t size = slots.index_size;
   int64_t from = 0, out = 0;
   size_t g = 0, a = 0;
+  if (kDenseChanges * static_cast<int64_t>(gone.size() + added.size()) > size) {
+    // Changes a few entries apart: one pass over the entries, two predictable compares
+    // each, where finding and copying each run between changes costs more.
+    const int64_t* const index_keys = slots.index_keys;
+    const int64_t* const index_slots = slots.index_slots;
+    int64_t* const out_keys = slots.out_index_keys;
+    int64_t* const out_slots = slots.out_index_slots;
+    const int64_t none = size + 1;
+    int64_t insertion = a < added.size() ? places[added[a].first] : none;
+    int64_t removal = g < gone.size() ? gone[g] : -1;
+    for (int64_t i = 0; i < size; ++i) {
+      while (insertion == i) {
+        out_keys[out] = keys[added[a].first];
+        out_slots[out++] = added[a++].second;
+        insertion = a < added.size() ? places[added[a].first] : none;
+      }
+      if (index_keys[i] == removal) {
+        removal = ++g < gone.size() ? gone[g] : -1;
+        continue;
+      }
+      out_keys[out] = index_keys[i];
+      out_slots[out++] = index_slots[i];
+    }
+    for (; a < added.size(); ++a) {
+      out_keys[out] = keys[added[a].first];
+      out_slots[out++] = added[a].second;
+    }
+    slots.out_index_size = out;
+    return;
+  }
   const auto copy = [&](int64_t until) {
     std::copy(slots.index_keys + from, slots.index_keys + until, slots.out_index_keys + out);
     std::copy(slots.index_slots + from, slots.index_slots + until, slots.out_index_slots + out);
