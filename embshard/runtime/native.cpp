@@ -113,7 +113,7 @@ struct Distinct {
 // A call's temporaries (megabytes on a large map), kept per thread between calls:
 // fresh memory costs a page fault a page.
 struct Scratch {
-  std::vector<std::pair<uint64_t, int64_t>> table;
+  std::vector<uint32_t> table;
   std::vector<std::pair<uint64_t, int64_t>> order, sorted;
   std::vector<int64_t> counts, first_seen, place, start, next;
   Distinct distinct;
@@ -165,13 +165,12 @@ void sort_by_key(std::vector<std::pair<uint64_t, int64_t>>& items, const Spec& s
 // The distinct keys by a hash table of (key, place among them) (keys are below 2**63:
 // all ones marks an empty entry), then sorted.
 const Distinct& distinct(const int64_t* keys, int64_t n, const Spec& spec) {
-  constexpr uint64_t kEmpty = ~uint64_t{0};
   int bits = 4;
   while ((int64_t{1} << bits) < n + n / 2) ++bits;
   const uint64_t mask = (uint64_t{1} << bits) - 1;
   Scratch& kept = scratch();
-  std::vector<std::pair<uint64_t, int64_t>>& table = kept.table;
-  table.assign(mask + 1, {kEmpty, 0});
+  std::vector<uint32_t>& table = kept.table;
+  table.assign(mask + 1, 0);
   std::vector<std::pair<uint64_t, int64_t>>& order = kept.order;
   order.clear();
   std::vector<int64_t>&counts = kept.counts, &first_seen = kept.first_seen;
@@ -185,14 +184,16 @@ const Distinct& distinct(const int64_t* keys, int64_t n, const Spec& spec) {
     if (i + kAhead < n) __builtin_prefetch(&table[slot_of(keys[i + kAhead])]);
     const uint64_t key = static_cast<uint64_t>(keys[i]);
     uint64_t at = slot_of(keys[i]);
-    while (table[at].first != kEmpty && table[at].first != key) at = (at + 1) & mask;
-    if (table[at].first == kEmpty) {
-      table[at] = {key, static_cast<int64_t>(order.size())};
-      order.emplace_back(key, static_cast<int64_t>(order.size()));
+    uint32_t entry;
+    while ((entry = table[at]) != 0 && order[entry - 1].first != key) at = (at + 1) & mask;
+    if (entry == 0) {
+      entry = static_cast<uint32_t>(order.size() + 1);
+      table[at] = entry;
+      order.emplace_back(key, static_cast<int64_t>(entry - 1));
       counts.push_back(0);
     }
-    first_seen[i] = table[at].second;
-    counts[table[at].second]++;
+    first_seen[i] = entry - 1;
+    counts[entry - 1]++;
   }
   sort_by_key(order, spec);
   Distinct& out = kept.distinct;
