@@ -28,6 +28,9 @@ constexpr int64_t kDenseChanges = 32;  // an index merged entry by entry: change
 // The bits that hold `value`: 0 for 0.
 int bit_length(uint64_t value) { return value ? 64 - __builtin_clzll(value) : 0; }
 
+// The bits that tell `count` things apart: those of the largest index, count - 1.
+int index_bits(uint64_t count) { return count > 1 ? bit_length(count - 1) : 0; }
+
 // A loop that vectorizes, built several times on x86-64 Linux where the compiler can:
 // the loader picks the AVX-512 copy (GCC) or the AVX2 copy on a CPU that has it.
 #if defined(__x86_64__) && defined(__linux__) && defined(__has_attribute)
@@ -92,8 +95,7 @@ struct BucketOf {
   uint64_t magic;
   int shift;
   explicit BucketOf(uint64_t width) {
-    int bits = 0;
-    while (bits < 64 && (uint64_t{1} << bits) < width) ++bits;
+    const int bits = index_bits(width);
     const unsigned __int128 power = static_cast<unsigned __int128>(1) << (63 + bits);
     magic = static_cast<uint64_t>((power + width - 1) / width);
     shift = 63 + bits;
@@ -136,11 +138,9 @@ __attribute__((noinline)) Scratch& scratch() {
 // cache. Keys are hashes, spread evenly: most ranges hold one or two; however they
 // fall, the sorts keep it O(n log n).
 void sort_by_key(std::vector<std::pair<uint64_t, int64_t>>& items, const Spec& spec) {
-  int range_bits = 0, span_bits = 0;
-  while ((size_t{1} << range_bits) < items.size()) ++range_bits;
+  const int range_bits = index_bits(items.size());
   const uint64_t lowest = static_cast<uint64_t>(spec.lowest_key);
-  while (span_bits < 64 && (static_cast<uint64_t>(spec.highest_key) - lowest) >> span_bits)
-    ++span_bits;
+  const int span_bits = bit_length(static_cast<uint64_t>(spec.highest_key) - lowest);
   // Keys above the lowest are below 2**span_bits: shifted up by range_bits then down by
   // span_bits, they fall in [0, 2**range_bits), in order.
   const auto range_of = [=](uint64_t key) {
@@ -166,8 +166,7 @@ void sort_by_key(std::vector<std::pair<uint64_t, int64_t>>& items, const Spec& s
 // The distinct keys by a hash table of (key, place among them) (keys are below 2**63:
 // all ones marks an empty entry), then sorted.
 const Distinct& distinct(const int64_t* keys, int64_t n, const Spec& spec) {
-  int bits = 4;
-  while ((int64_t{1} << bits) < n + n / 2) ++bits;
+  const int bits = std::max(4, index_bits(n + n / 2));
   const uint64_t mask = (uint64_t{1} << bits) - 1;
   Scratch& kept = scratch();
   std::vector<uint32_t>& table = kept.table;
@@ -351,7 +350,7 @@ void live_victims(const Slots& slots, const Spec& spec, int64_t base, size_t nee
       uint64_t most = 0;  // sightings
       for (int64_t slot = base; slot < base + rows; ++slot)
         most = std::max(most, static_cast<uint64_t>(slots.hits[slot]));
-      const int slot_bits = bit_length(static_cast<uint64_t>(spec.buckets * spec.rows - 1));
+      const int slot_bits = index_bits(spec.buckets * spec.rows);
       const int step_bits = bit_length(static_cast<uint64_t>(spec.step));
       if (bit_length(most) + step_bits + slot_bits <= 64) {
         const auto key = [&](int64_t slot) {
@@ -443,8 +442,7 @@ int64_t take_by_step(Slots& slots, const Spec& spec, const std::vector<int64_t>&
                      const Distinct& distinct, const std::vector<int64_t>& total,
                      Evictable evictable, std::vector<int64_t>& taken,
                      std::vector<int64_t>& gone, std::vector<std::pair<int64_t, int64_t>>& added) {
-  int bits = 1;
-  while ((int64_t{1} << bits) < spec.buckets * spec.rows) ++bits;
+  const int bits = std::max(1, index_bits(spec.buckets * spec.rows));
   if (static_cast<uint64_t>(spec.step) < (uint64_t{1} << (64 - bits)))
     return take(slots, spec, takers, distinct, total, evictable, Packed{bits}, taken, gone, added);
   return take(slots, spec, takers, distinct, total, evictable, ByStep{}, taken, gone, added);
