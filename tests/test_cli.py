@@ -23,13 +23,10 @@ from embshard.app.config import Device, load_config
 from embshard.app.planning import topology_for
 from embshard.app.show import draw_table, summary
 from embshard.plan.specs import ShardingPlan, row_wise
-from embshard.planner.search import (
-    CostModel,
-    format_bytes,
-    parse_bytes,
-    plan_loads,
-    planned_tables,
-)
+from embshard.planner.cost import CostModel
+from embshard.planner.search import plan_loads
+from embshard.planner.tables import planned_tables
+from embshard.planner.topology import format_bytes, parse_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ROOT / "configs" / "small.yaml"

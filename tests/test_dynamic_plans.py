@@ -24,14 +24,9 @@ from embshard.app.data import build_data
 from embshard.app.planning import count_traffic, lookup_balanced_plan, plan_config, topology_for
 from embshard.errors import ConfigError, PlanningError
 from embshard.plan.specs import Kind, column_wise, row_wise, table_wise
-from embshard.planner.search import (
-    CPU_REMAP_RATE,
-    GPU_REMAP_RATE,
-    TableConstraint,
-    Topology,
-    plan_loads,
-    plan_tables,
-)
+from embshard.planner.search import plan_loads, plan_tables
+from embshard.planner.tables import TableConstraint
+from embshard.planner.topology import CPU_REMAP_RATE, GPU_REMAP_RATE, Topology
 from embshard.planner.traffic import TableTraffic, TrafficStats, balanced_plan
 from embshard.storage.id_map import IdMap, IdMapSpec
 

@@ -16,7 +16,9 @@ from embshard import ShardingPlan, Topology, grid, plan_tables
 from embshard.app.config import load_config
 from embshard.app.data import Feed, build_data
 from embshard.app.simulate import simulate
-from embshard.planner.search import CostModel, PlannedTable, plan_loads, plan_report
+from embshard.planner.cost import CostModel
+from embshard.planner.search import plan_loads, plan_report
+from embshard.planner.tables import PlannedTable
 from embshard.planner.traffic import TableTraffic, TrafficStats
 
 ROOT = Path(__file__).resolve().parent.parent

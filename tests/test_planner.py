@@ -38,15 +38,10 @@ from embshard.plan.specs import (
     row_wise,
     table_wise,
 )
-from embshard.planner.search import (
-    CostModel,
-    TableConstraint,
-    Topology,
-    parse_bytes,
-    plan_loads,
-    plan_tables,
-    planned_tables,
-)
+from embshard.planner.cost import CostModel
+from embshard.planner.search import plan_loads, plan_tables
+from embshard.planner.tables import TableConstraint, planned_tables
+from embshard.planner.topology import Topology, parse_bytes
 from embshard.planner.traffic import TableTraffic, TrafficStats
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,7 +18,8 @@ from embshard.app.config import load_config
 from embshard.app.data import Feed, build_data
 from embshard.app.sim_memory import MODES, MemoryNeed, input_need
 from embshard.app.simulate import SimulationError, simulate
-from embshard.planner.search import Topology, plan_loads
+from embshard.planner.search import plan_loads
+from embshard.planner.topology import Topology
 from embshard.runtime.routes import build_routes
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,7 +20,9 @@ from embshard.app.data import build_data, power_law_ids
 from embshard.app.planning import measure_traffic, plan_config
 from embshard.app.simulate import simulate
 from embshard.errors import PlanningError
-from embshard.planner.search import TableConstraint, Topology, plan_loads, plan_tables
+from embshard.planner.search import plan_loads, plan_tables
+from embshard.planner.tables import TableConstraint
+from embshard.planner.topology import Topology
 from embshard.planner.traffic import (
     TableTraffic,
     TrafficStats,

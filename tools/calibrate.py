@@ -19,7 +19,10 @@ from pathlib import Path
 
 from bench import WORKLOADS, make_plan, table_configs
 
-from embshard.planner.search import CostModel, Topology, plan_loads, planned_tables
+from embshard.planner.cost import CostModel
+from embshard.planner.search import plan_loads
+from embshard.planner.tables import planned_tables
+from embshard.planner.topology import Topology
 
 
 def estimate_ms(workload: str, plan_name: str, world: int, **topology: float) -> float:

@@ -768,7 +768,9 @@ def show(
     from embshard.app.show import draw_plan, plot_plan, shard_boxes, summary
     from embshard.errors import ConfigError, PlanError, PlanningError
     from embshard.plan.specs import ShardingPlan, plural
-    from embshard.planner.search import CostModel, plan_loads, planned_tables
+    from embshard.planner.cost import CostModel
+    from embshard.planner.search import plan_loads
+    from embshard.planner.tables import planned_tables
 
     try:
         model = load_config(config, use="plan", check_files=False)

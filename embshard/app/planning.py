@@ -13,19 +13,12 @@ from embshard.app.config import GroupSize, TrainConfig
 from embshard.app.data import Batch, build_data
 from embshard.errors import ConfigError, PlanningError
 from embshard.plan.specs import ShardingPlan
+from embshard.planner.cost import CostModel
 from embshard.planner.groups import candidate_sizes, plan_groups
-from embshard.planner.search import (
-    SIZE_FIELDS,
-    CostModel,
-    PlanReport,
-    TableConstraint,
-    Topology,
-    format_bytes,
-    parse_bytes,
-    plan_report,
-    plan_tables,
-    planned_tables,
-)
+from embshard.planner.report import PlanReport
+from embshard.planner.search import plan_report, plan_tables
+from embshard.planner.tables import TableConstraint, planned_tables
+from embshard.planner.topology import SIZE_FIELDS, Topology, format_bytes, parse_bytes
 from embshard.planner.traffic import TableTraffic, TrafficStats, balanced_plan
 from embshard.runtime.keys import bucket_of, hash_ids
 from embshard.storage.id_map import IdMapSpec

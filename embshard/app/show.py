@@ -9,14 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from embshard.plan.specs import ShardedTable, TableShard, plural
-from embshard.planner.search import (
-    CostModel,
-    PlannedTable,
-    RankLoad,
-    Topology,
-    byte_unit,
-    format_bytes,
-)
+from embshard.planner.cost import CostModel
+from embshard.planner.report import RankLoad
+from embshard.planner.tables import PlannedTable
+from embshard.planner.topology import Topology, byte_unit, format_bytes
 
 _SYMBOLS = string.digits + string.ascii_lowercase + string.ascii_uppercase
 

@@ -54,6 +54,7 @@ from embshard.app.train import fused_optimizer
 from embshard.errors import EmbshardError
 from embshard.modules.mesh import forget_meshes
 from embshard.plan.specs import ShardedTable, ShardingPlan, plural
+from embshard.planner.cost import LOOKUP_PASSES
 from embshard.planner.groups import (
     group_topology,
     ring_bytes,
@@ -61,7 +62,8 @@ from embshard.planner.groups import (
     sync_bytes,
     sync_seconds,
 )
-from embshard.planner.search import LOOKUP_PASSES, Topology, format_bytes, plan_loads
+from embshard.planner.search import plan_loads
+from embshard.planner.topology import Topology, format_bytes
 from embshard.runtime.input_dist import InputDistribution, start_input_dist
 from embshard.runtime.routes import Routes, build_routes
 from embshard.runtime.scratch import Scratch

@@ -56,7 +56,8 @@ from embshard.modules.mesh import default_device, sharding_mesh
 from embshard.modules.pipeline import drain, prefetch
 from embshard.modules.shard_model import shard_model, sharded_collections, sync_replicas
 from embshard.plan.specs import ShardingPlan, plural
-from embshard.planner.search import format_bytes, plan_loads
+from embshard.planner.search import plan_loads
+from embshard.planner.topology import format_bytes
 from embshard.runtime.teardown import shutdown
 from embshard.storage.optimizers import FUSED_OPTIMIZERS, SGD, FusedOptimizer
 

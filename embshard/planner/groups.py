@@ -19,15 +19,10 @@ from typing import Any
 
 from embshard.errors import PlanError, PlanningError
 from embshard.plan.specs import ShardingPlan, plural
-from embshard.planner.search import (
-    SAME_WITHIN,
-    AnyTable,
-    PlanReport,
-    RankLoad,
-    Topology,
-    as_config,
-    format_bytes,
-)
+from embshard.planner.report import PlanReport, RankLoad
+from embshard.planner.search import SAME_WITHIN
+from embshard.planner.tables import AnyTable, as_config
+from embshard.planner.topology import Topology, format_bytes
 from embshard.storage.optimizers import state_values
 
 Planner = Callable[[Topology], tuple[ShardingPlan, PlanReport]]

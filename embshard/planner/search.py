@@ -1,18 +1,5 @@
-"""Sharding planner: a cost model of embshard's data path and a balanced placement.
-
-Costs are seconds per training step on the rank that owns a shard:
-
-- lookup: the ids routed to the shard times its row bytes, read forward and read and
-  written backward (3 passes), over the rank's gather bandwidth;
-- communication, priced alpha-beta (bytes over the bandwidth of the links the
-  all-to-alls cross): the ids and bag lengths it receives, and the pooled rows it
-  sends forward and whose gradients it receives backward: one per bag, or for a
-  sequence table (an EmbeddingCollection's) one per id it received.
-
-Every rank also pays the same base: four collectives' latency and its own batch's
-ids and pooled rows; it is reported, not balanced. Memory is weights plus the fused
-optimizer's state, within each rank's memory less what is reserved for buffers,
-activations and (on GPU) the CUDA context.
+"""Sharding planner: a balanced placement of the tables under the cost model
+(``planner/cost.py``).
 
 ``plan_tables`` takes TorchRec's ``EmbeddingBagConfig``s and ``EmbeddingConfig``s
 (sequence tables) with each feature's mean pooling beside them (or tables that carry
@@ -34,13 +21,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
-from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, EmbeddingConfig
 
 from embshard.errors import PlanningError
 from embshard.plan.specs import (
@@ -55,508 +39,26 @@ from embshard.plan.specs import (
     row_wise,
     table_wise,
 )
-from embshard.planner.traffic import (
-    TableTraffic,
-    TrafficStats,
-    balanced_sizes,
-    hot_rows,
+from embshard.planner.cost import ROW_SPLIT, CostModel
+from embshard.planner.report import UNCUT, PlanReport, RankLoad, TableChoice
+from embshard.planner.tables import (
+    AnyTable,
+    PlannedTable,
+    TableConstraint,
+    as_config,
+    planned_tables,
 )
+from embshard.planner.topology import Topology, format_bytes
+from embshard.planner.traffic import TableTraffic, TrafficStats, balanced_sizes, hot_rows
 from embshard.storage.id_map import IdMapSpec
-from embshard.storage.optimizers import FUSED_OPTIMIZERS, state_values
+from embshard.storage.optimizers import FUSED_OPTIMIZERS
 
-GiB = 2**30
-# Ids a second one rank's id maps remap (a dynamic table's keys to rows, admitted rows
-# initialized, ids without rows dropped). CPU: tools/bench_dynamic.py on the project's
-# 2-core machine, where a rank's dynamic tables add 17 ms of CPU to a step for the
-# 59,392 keys it remaps, on the CPU kernels (3.5e6 a second). GPU: assumed, not
-# measured (the map's tests pass on one; its rate there is not timed).
-CPU_REMAP_RATE = 3.5e6
-GPU_REMAP_RATE = 1.0e9
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-    "KB": 1e3,
-    "MB": 1e6,
-    "GB": 1e9,
-    "TB": 1e12,
-}
 _KINDS = (Kind.TABLE_WISE, Kind.ROW_WISE, Kind.COLUMN_WISE)  # what the packing cuts tables into
 _SHARDINGS = (*_KINDS, Kind.DATA_PARALLEL)
-_UNCUT = (Kind.TABLE_WISE, Kind.DATA_PARALLEL)  # what _unsplit leaves alone
 _COPY_ONLY = (Kind.DATA_PARALLEL,)
-_ROW_SPLIT = (Kind.ROW_WISE, Kind.GRID)  # kinds whose pieces get the ids of their rows only
 # A dynamic table's layouts: each row block a contiguous range of its buckets with their
 # map; each column block has a map of its own (of all the rows), priced on its rank.
 DYNAMIC_KINDS = (Kind.TABLE_WISE, Kind.ROW_WISE, Kind.COLUMN_WISE)
-
-
-def parse_bytes(text: str | int | float) -> int:
-    """``80GiB``, ``512 MiB``, ``1.5TB`` or a number of bytes."""
-    if isinstance(text, int | float):
-        return int(text)
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).upper() not in _UNITS:
-        raise ValueError(f"cannot read {text!r} as a size (like 80GiB, 512MiB, 1.5TB)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
-
-
-def byte_unit(size: float) -> tuple[str, int]:
-    """The largest binary unit (B to TiB) that ``size`` reaches, and its size in bytes."""
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(size) >= scale:
-            return unit, scale
-    return "B", 1
-
-
-def format_bytes(size: float) -> str:
-    unit, scale = byte_unit(size)
-    return f"{size:.0f} B" if scale == 1 else f"{size / scale:.1f} {unit}"
-
-
-SIZE_FIELDS = ("memory_per_rank", "reserved_memory")
-_TOPOLOGY_RULES = {
-    "world_size": ("a whole number of at least 1", lambda v, t: isinstance(v, int) and v >= 1),
-    "ranks_per_host": ("a whole number of at least 1", lambda v, t: isinstance(v, int) and v >= 1),
-    "memory_per_rank": ("more than 0", lambda v, t: v > 0),
-    "intra_bandwidth": ("more than 0", lambda v, t: v > 0),
-    "intra_latency": ("at least 0", lambda v, t: v >= 0),
-    "inter_bandwidth": ("more than 0", lambda v, t: v > 0),
-    "inter_latency": ("at least 0", lambda v, t: v >= 0),
-    "lookup_bandwidth": ("more than 0", lambda v, t: v > 0),
-    "remap_rate": ("more than 0", lambda v, t: v > 0),
-    "reserved_memory": (
-        "at least 0 and less than memory_per_rank",
-        lambda v, t: 0 <= v < t.memory_per_rank,
-    ),
-}
-
-
-@dataclass(frozen=True)
-class Topology:
-    """The machines: ranks, their memory, and the links between them (bytes/s, s).
-
-    ``reserved_memory`` of each rank's memory is left to all-to-all buffers,
-    activations and the CUDA context; tables get the rest.
-    """
-
-    world_size: int
-    ranks_per_host: int
-    memory_per_rank: int
-    intra_bandwidth: float
-    intra_latency: float
-    inter_bandwidth: float
-    inter_latency: float
-    lookup_bandwidth: float
-    remap_rate: float  # ids a second a rank's id maps remap (dynamic tables)
-    reserved_memory: int = 0
-
-    def __post_init__(self) -> None:
-        """Every value checked on construction, so no cost comes out negative."""
-        for name, (rule, ok) in _TOPOLOGY_RULES.items():
-            value = getattr(self, name)
-            number = isinstance(value, int | float) and not isinstance(value, bool)
-            if not (number and math.isfinite(value) and ok(value, self)):
-                shown = format_bytes(value) if number and name in SIZE_FIELDS else repr(value)
-                raise PlanningError(f"topology {name}: must be {rule}, got {shown}")
-
-    @classmethod
-    def cpu(cls, world_size: int, **overrides: Any) -> Topology:
-        """Processes on CPU hosts, one thread each: gloo over loopback inside a host,
-        10 GbE between; an eighth of each rank's memory reserved. Inside a host, the
-        project's 2-core machine's figures (``tools/gloo_alltoall.py``: 0.2 ms for a
-        small all-to-all, 1.1 GB/s for 4 MiB a peer; FBGEMM's forward, backward and
-        update at about 4 GB/s counted as three passes over the rows;
-        ``tools/calibrate.py`` sets the model against the bench)."""
-        values = {
-            "ranks_per_host": world_size,
-            "memory_per_rank": 8 * GiB,
-            "intra_bandwidth": 1.2e9,
-            "intra_latency": 200e-6,
-            "inter_bandwidth": 1.25e9,
-            "inter_latency": 250e-6,
-            "lookup_bandwidth": 4e9,
-            "remap_rate": CPU_REMAP_RATE,
-        } | overrides
-        values.setdefault("reserved_memory", values["memory_per_rank"] // 8)
-        return cls(world_size, **values)
-
-    @classmethod
-    def gpu(cls, world_size: int, **overrides: Any) -> Topology:
-        """8 x 80 GiB GPUs per host (H100-like): NVLink inside (about 370 GB/s of
-        all-to-all a GPU), a 400 Gb/s InfiniBand NIC a GPU between (about 45 GB/s);
-        4 GiB of each reserved (a quarter where a GPU has less than 16 GiB)."""
-        values = {
-            "ranks_per_host": 8,
-            "memory_per_rank": 80 * GiB,
-            "intra_bandwidth": 370e9,
-            "intra_latency": 5e-6,
-            "inter_bandwidth": 45e9,
-            "inter_latency": 10e-6,
-            "lookup_bandwidth": 1e12,
-            "remap_rate": GPU_REMAP_RATE,
-        } | overrides
-        values.setdefault("reserved_memory", min(4 * GiB, values["memory_per_rank"] // 4))
-        return cls(world_size, **values)
-
-    @property
-    def usable_memory(self) -> int:
-        """What the tables and their optimizer state may use of a rank."""
-        return self.memory_per_rank - self.reserved_memory
-
-    def host_ranks(self, host: int) -> range:
-        """The ranks of ``host``: ranks ``host * ranks_per_host`` onwards, as torchrun
-        numbers them."""
-        start = host * self.ranks_per_host
-        return range(start, min(start + self.ranks_per_host, self.world_size))
-
-    def seconds(self, inside: float, across: float) -> float:
-        """Moving ``inside`` bytes between ranks of a host (a rank's bytes to itself
-        among them) and ``across`` bytes between hosts; each rank has its own link
-        across hosts (a NIC a GPU), not shared with the others of its host."""
-        return inside / self.intra_bandwidth + across / self.inter_bandwidth
-
-    def seconds_per_byte(self) -> float:
-        """A shard's all-to-all bytes: every rank's batch asks for it alike, so they go
-        to every rank evenly, those of its own host (itself included) inside it."""
-        if self.world_size <= 1:
-            return 0.0
-        inside = min(self.ranks_per_host, self.world_size) / self.world_size
-        return self.seconds(inside, 1 - inside)
-
-    def collective_latency(self) -> float:
-        """An all-to-all's latency: one message to each other rank, of its host or not."""
-        if self.world_size <= 1:
-            return 0.0
-        local = min(self.ranks_per_host, self.world_size)
-        return (local - 1) * self.intra_latency + (self.world_size - local) * self.inter_latency
-
-
-@dataclass(frozen=True)
-class TableConstraint:
-    """Limits on one table's sharding: allowed types (``table_wise``, ``row_wise``,
-    ``column_wise``, ``data_parallel``), the ranks its shards may use, a fixed number of
-    column blocks."""
-
-    types: tuple[str, ...] | None = None
-    ranks: tuple[int, ...] | None = None
-    column_blocks: int | None = None
-
-
-@dataclass(frozen=True)
-class PlannedTable:
-    """What the cost model needs of a table: its shape, and per sample its bags (one
-    per feature) and ids (the features' mean pooling, summed); ``sequence`` for an
-    EmbeddingCollection's table, which returns a row per id, not per bag; the bytes of
-    a weight (2 for FP16 tables). A dynamic table (``dynamic``) has ``rows_per_bucket``
-    rows a bucket, kept whole by its row cuts, and its id map's ``map_bytes`` a row on
-    the rank holding it (each column block holds a map of its rows); it is table-wise,
-    row-wise or column-wise, with no hot rows or copies."""
-
-    name: str
-    num_embeddings: int
-    embedding_dim: int
-    bags_per_sample: int
-    ids_per_sample: float
-    sequence: bool = False
-    weight_bytes: int = 4
-    dynamic: bool = False
-    rows_per_bucket: int = 1
-    map_bytes: int = 0
-
-    @property
-    def buckets(self) -> int:
-        """The units its row blocks are whole multiples of: a static table's rows."""
-        return self.num_embeddings // self.rows_per_bucket
-
-    def row_blocks(self, blocks: int) -> list[int]:
-        """``blocks`` row block sizes as even as whole buckets allow (differing by a
-        bucket at most), the larger first."""
-        base, extra = divmod(self.buckets, blocks)
-        return [(base + (i < extra)) * self.rows_per_bucket for i in range(blocks)]
-
-
-@runtime_checkable
-class DescribedTable(Protocol):
-    """A table that brings its own TorchRec config and mean pooling (a training
-    config's table)."""
-
-    mean_pooling: float
-
-    def torchrec_config(self) -> EmbeddingBagConfig | EmbeddingConfig: ...
-
-
-AnyTable = EmbeddingBagConfig | EmbeddingConfig | DescribedTable
-
-
-def as_config(table: AnyTable) -> EmbeddingBagConfig | EmbeddingConfig:
-    return table.torchrec_config() if isinstance(table, DescribedTable) else table
-
-
-def planned_tables(
-    tables: Sequence[AnyTable],
-    mean_pooling: Mapping[str, float] | None = None,
-    stats: TrafficStats | None = None,
-    dynamic: Mapping[str, IdMapSpec] | None = None,
-) -> list[PlannedTable]:
-    """The tables as the cost model sees them. ``mean_pooling`` gives the mean ids per
-    bag by feature or by table name (a feature's own entry wins); 1.0 where it says
-    nothing, or a ``TableConfig``'s own ``mean_pooling``. Measured ``stats`` win over
-    both: a table's ids per sample are then those counted. ``dynamic``: the dynamic
-    tables' id maps by table, as ``shard`` takes them."""
-    pooling = dict(mean_pooling or {})
-    maps = dict(dynamic or {})
-    configs = [
-        (as_config(t), t.mean_pooling if isinstance(t, DescribedTable) else 1.0) for t in tables
-    ]
-    known = {c.name for c, _ in configs} | {f for c, _ in configs for f in c.feature_names}
-    unknown = sorted(set(pooling) - known)
-    if unknown:
-        raise PlanningError(f"mean_pooling names no table or feature of the model: {unknown}")
-    bad = {k: v for k, v in pooling.items() if not isinstance(v, int | float) or v < 0}
-    if bad:
-        raise PlanningError(f"mean_pooling must be non-negative numbers, got {bad}")
-    measured = _traffic(stats, [c for c, _ in configs])
-    _check_maps(maps, [c for c, _ in configs])
-    planned = []
-    for config, default in configs:
-        own = pooling.get(config.name, default)
-        ids = sum(pooling.get(f, own) for f in config.feature_names)
-        if config.name in measured:
-            traffic = measured[config.name]
-            ids = traffic.lookups / max(traffic.samples, 1)
-        planned.append(
-            PlannedTable(
-                config.name,
-                config.num_embeddings,
-                config.embedding_dim,
-                len(config.feature_names),
-                float(ids),
-                isinstance(config, EmbeddingConfig),
-                2 if config.data_type == DataType.FP16 else 4,
-                *_dynamic_fields(maps.get(config.name)),
-            )
-        )
-    return planned
-
-
-def _dynamic_fields(spec: IdMapSpec | None) -> tuple[bool, int, int]:
-    """``PlannedTable``'s ``dynamic``, ``rows_per_bucket`` and ``map_bytes``."""
-    if spec is None:
-        return False, 1, 0
-    return True, spec.rows_per_bucket, spec.bytes_per_row()
-
-
-def _check_maps(
-    maps: Mapping[str, IdMapSpec], configs: Sequence[EmbeddingBagConfig | EmbeddingConfig]
-) -> None:
-    """Every id map names a table whose rows are its buckets'."""
-    rows = {c.name: c.num_embeddings for c in configs}
-    unknown = sorted(set(maps) - set(rows))
-    if unknown:
-        raise PlanningError(f"dynamic names no table of the model: {unknown}")
-    wrong = {
-        n: (rows[n], s.buckets, s.rows_per_bucket)
-        for n, s in maps.items()
-        if rows[n] != s.buckets * s.rows_per_bucket
-    }
-    if wrong:
-        raise PlanningError(
-            "dynamic tables whose num_embeddings is not buckets x rows_per_bucket "
-            f"(num_embeddings, buckets, rows_per_bucket): {wrong}"
-        )
-
-
-def _traffic(
-    stats: TrafficStats | None, configs: Sequence[EmbeddingBagConfig | EmbeddingConfig]
-) -> dict[str, TableTraffic]:
-    """The measured traffic by table, checked against the tables' rows."""
-    if stats is None:
-        return {}
-    rows = {c.name: c.num_embeddings for c in configs}
-    wrong = {
-        n: (t.num_embeddings, rows.get(n))
-        for n, t in stats.tables.items()
-        if rows.get(n) != t.num_embeddings or (len(t.ids) and t.ids[-1] >= t.num_embeddings)
-    }
-    if wrong:
-        raise PlanningError(
-            f"traffic stats do not match the tables (measured rows, table rows): {wrong}"
-        )
-    return dict(stats.tables)
-
-
-_ID_BYTES = 8  # ids and bag lengths travel as int64
-LOOKUP_PASSES = 3  # forward read; backward read and write
-
-
-@dataclass(frozen=True)
-class CostModel:
-    topology: Topology
-    batch_size: int  # per rank
-    optimizer: str = "rowwise_adagrad"  # the fused optimizer, whose state it prices
-
-    def __post_init__(self) -> None:
-        if self.optimizer not in FUSED_OPTIMIZERS:
-            raise PlanningError(
-                f"optimizer must be one of {list(FUSED_OPTIMIZERS)}, got {self.optimizer!r}"
-            )
-
-    def ids(self, table: PlannedTable) -> float:
-        return self.topology.world_size * self.batch_size * table.ids_per_sample
-
-    def bags(self, table: PlannedTable) -> float:
-        return self.topology.world_size * self.batch_size * table.bags_per_sample
-
-    def outputs(self, table: PlannedTable) -> float:
-        """The rows the lookups return: one per bag, or per id for a sequence table."""
-        return self.ids(table) if table.sequence else self.bags(table)
-
-    def memory(self, table: PlannedTable, rows: int, cols: int) -> int:
-        """Bytes of a (rows x cols) shard of ``table``: its weights, the optimizer's
-        state, fp32 whatever the weights' type, and a dynamic table's id map (whose
-        shards are whole rows)."""
-        state = state_values(self.optimizer, rows, cols)
-        return table.weight_bytes * rows * cols + 4 * state + table.map_bytes * rows
-
-    def shard_cost(self, table: PlannedTable, kind: str, rows: float, cols: float) -> float:
-        """Seconds per step the owner of a (rows x cols) shard of ``table`` spends.
-
-        Linear in ``rows`` and ``cols``, so k pieces of a table cost ``A + B k`` in all
-        however they are cut: a row piece (row-wise, or a grid's) gets its share of the
-        ids but every bag's length, a column piece every id and bag. A pooled piece
-        sends a row back for every bag (a partial sum, for a row piece); a sequence
-        piece one for each id it got; a dynamic table's piece remaps each id it gets
-        (``Topology.remap_rate``). A data-parallel copy: ``replica_cost``."""
-        if kind == Kind.DATA_PARALLEL:
-            return self.replica_cost(table)
-        share = rows / table.num_embeddings if kind in _ROW_SPLIT else 1.0
-        ids, bags = self.ids(table) * share, self.bags(table)
-        out = ids if table.sequence else bags
-        lookup = ids * cols * table.weight_bytes * LOOKUP_PASSES / self.topology.lookup_bandwidth
-        remap = ids / self.topology.remap_rate if table.dynamic else 0.0
-        moved = (ids + bags) * _ID_BYTES + 2 * out * cols * 4
-        return lookup + remap + moved * self.topology.seconds_per_byte()
-
-    def whole_cost(self, table: PlannedTable) -> float:
-        return self.shard_cost(table, Kind.TABLE_WISE, table.num_embeddings, table.embedding_dim)
-
-    def requester_cost(self, table: PlannedTable) -> float:
-        """What each rank pays to have ``table`` served by others: its own ids out, its
-        rows (``outputs``) back and their gradient out."""
-        world = self.topology.world_size
-        ids = (self.ids(table) + self.bags(table)) / world * _ID_BYTES
-        rows = self.outputs(table) * table.embedding_dim / world * 4 * 2
-        return (ids + rows) * self.topology.seconds_per_byte()
-
-    def replica_cost(self, table: PlannedTable) -> float:
-        """What a data-parallel copy of ``table`` adds to each rank, net of the
-        ``requester_cost`` it saves (so it may be negative)."""
-        return self.copy_cost(table, table.num_embeddings, 1.0) - self.requester_cost(table)
-
-    def copy_cost(self, table: PlannedTable, rows: int, share: float) -> float:
-        """What a copy of ``table``'s first ``rows`` rows, which ``share`` of its ids
-        fall in, adds to each rank: looking up its own batch's ids of them, reading and
-        updating every copied row through the TBE each step, and their gradient
-        all-reduced (a ring: twice the bytes)."""
-        world = self.topology.world_size
-        looked_up = rows + self.batch_size * table.ids_per_sample * share
-        lookup = looked_up * table.embedding_dim * table.weight_bytes * LOOKUP_PASSES
-        gradient = rows * table.embedding_dim * 4  # fp32, all-reduced
-        reduce = 2 * (world - 1) / world * gradient * self.topology.seconds_per_byte()
-        return lookup / self.topology.lookup_bandwidth + reduce
-
-    def base_cost(self, tables: Sequence[PlannedTable]) -> float:
-        """What every rank pays alike: 4 collectives' latency, its own ids and rows (a
-        plan with data-parallel copies adds its all-reduce's latency to every rank's
-        own cost, and each copy its ``replica_cost``)."""
-        return 4 * self.topology.collective_latency() + sum(self.requester_cost(t) for t in tables)
-
-
-@dataclass
-class RankLoad:
-    rank: int
-    memory: int = 0
-    cost: float = 0.0
-    shards: list[str] = field(default_factory=list)
-
-
-@dataclass
-class TableChoice:
-    table: str
-    sharding: str
-    pieces: int
-    reason: str  # why: the report reads "sharding, because reason"
-    sequence: bool = False  # an EmbeddingCollection's table
-
-    def line(self) -> str:
-        """What was done, then why: ``t: column_wise in 2 pieces, because ...``."""
-        name = f"{self.table} (sequence)" if self.sequence else self.table
-        cut = self.sharding not in _UNCUT
-        done = f"{self.sharding} in {plural(self.pieces, 'piece')}" if cut else self.sharding
-        return f"{name}: {done}, because {self.reason}"
-
-
-class ReportSection(Protocol):
-    """A part a report carries for a kind of plan (a 2-D plan's sharding groups): its
-    JSON and its lines of text."""
-
-    def to_dict(self) -> dict[str, Any]: ...
-
-    def lines(self) -> list[str]: ...
-
-
-@dataclass
-class PlanReport:
-    ranks: list[RankLoad]
-    tables: list[TableChoice]
-    base_cost: float
-    lower_bound: float
-    topology: Topology  # a sharding group's, for a 2-D plan
-    group: ReportSection | None = None  # a 2-D plan's groups (planner.groups.GroupChoice)
-
-    @property
-    def slowest(self) -> float:
-        return max(r.cost for r in self.ranks)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "world_size": self.topology.world_size,
-            "memory_per_rank": self.topology.memory_per_rank,
-            "reserved_memory": self.topology.reserved_memory,
-            "base_cost_s": self.base_cost,
-            "slowest_rank_cost_s": self.slowest,
-            "lower_bound_s": self.lower_bound,
-            "ranks": [vars(r) for r in self.ranks],
-            "tables": [vars(t) for t in self.tables],
-        } | ({"sharding_group": self.group.to_dict()} if self.group else {})
-
-    def to_text(self, max_ranks: int = 64) -> str:
-        lines = [
-            f"{'rank':>5} {'memory':>10} {'cost ms':>9}  shards",
-        ]
-        for load in self.ranks[:max_ranks]:
-            shards = ", ".join(load.shards)
-            if len(shards) > 70:
-                shards = shards[:67] + "..."
-            lines.append(
-                f"{load.rank:>5} {format_bytes(load.memory):>10} {1e3 * load.cost:>9.3f}  {shards}"
-            )
-        if len(self.ranks) > max_ranks:
-            lines.append(f"  ... {plural(len(self.ranks) - max_ranks, 'more rank')}")
-        lines.append(
-            f"slowest rank {1e3 * self.slowest:.3f} ms"
-            f" + base {1e3 * self.base_cost:.3f} ms per step; "
-            f"lower bound {1e3 * self.lower_bound:.3f} ms; "
-            f"memory per rank {format_bytes(self.topology.memory_per_rank)}, "
-            f"{format_bytes(self.topology.reserved_memory)} reserved"
-        )
-        lines += self.group.lines() if self.group else []
-        lines += [f"  {c.line()}" for c in self.tables]
-        return "\n".join(lines)
 
 
 def _shapes(
@@ -1289,7 +791,7 @@ def _unsplit(packing: _Packing, tables: Sequence[_Table], model: CostModel) -> d
     can be. Then why each table is sharded as it is."""
     target = packing.slowest
     split = sorted(
-        (t for t in tables if packing.layouts[t.spec.name][0] not in _UNCUT),
+        (t for t in tables if packing.layouts[t.spec.name][0] not in UNCUT),
         key=lambda t: (t.whole_memory, t.spec.name),
     )
     changed = True
@@ -1600,7 +1102,7 @@ def plan_loads(
             load.memory += model.memory(table, shard.rows, shard.cols)
             # Priced as the rows its measured lookups would fill.
             share = shard.rows / table.num_embeddings
-            if traffic is not None and sharded.kind in _ROW_SPLIT:
+            if traffic is not None and sharded.kind in ROW_SPLIT:
                 share = traffic.share(shard.row_offset, shard.rows)
             if shard.replica and sharded.hot_rows:
                 load.cost += model.copy_cost(table, shard.rows, share)
