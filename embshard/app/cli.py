@@ -290,7 +290,7 @@ def inspect(directory: str, as_json: bool) -> None:
     import json
 
     from embshard.checkpoint import managed_collision
-    from embshard.checkpoint.store import describe
+    from embshard.checkpoint.contents import describe
     from embshard.errors import CheckpointError
     from embshard.plan.specs import Kind, plural
 
@@ -385,7 +385,7 @@ def verify(directory: str) -> None:
 def export(directory: str, out: str, module: str | None) -> None:
     """Write DIRECTORY's model as a plain unsharded state dict (torch.save) to OUT:
     the whole model's keys, or with --module one module's. No optimizer state."""
-    from embshard.checkpoint.store import export as export_checkpoint
+    from embshard.checkpoint.contents import export as export_checkpoint
     from embshard.errors import CheckpointError
     from embshard.plan.specs import plural
 
