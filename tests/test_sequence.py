@@ -17,8 +17,8 @@ from torchrec import EmbeddingCollection, KeyedJaggedTensor
 from torchrec.modules.embedding_configs import DataType
 
 import embshard
-import embshard.checkpoint.store as ckpt
 from embshard import ShardingPlan, column_wise, data_parallel, grid, row_wise, table_wise
+from embshard import checkpoint as ckpt
 from embshard.modules.sequence import ShardedEmbeddingCollection
 
 TOL = 1e-5
