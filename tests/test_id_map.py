@@ -532,6 +532,24 @@ def test_a_full_bucket_giving_up_many_slots_at_once_gives_the_reference(
     assert evicted == new
 
 
+def test_keys_that_fall_close_together_give_the_reference() -> None:
+    """Thousands of keys in a sliver of the key space, first seen in descending order,
+    fall in one range of the kernel's counting sort, where its insertion pass gives way
+    to a full sort; hashed keys, spread evenly, take the insertion pass. Admission is in
+    key order either way."""
+    spec = IdMapSpec(buckets=4, rows_per_bucket=500, policy="lru")
+    idmap, ref = IdMap(spec), Reference(spec, 0, 4)
+    close = list(range(5_000, 2_000, -1))
+    spread = keys_of(list(range(3_000)))
+    for step, ids in enumerate([close, spread, close[::2] + spread[::3]]):
+        rows, admitted, evicted, overflow = ref.remap(ids, step)
+        got = idmap.remap(torch.tensor(ids, dtype=torch.int64), step)
+        assert got.rows.tolist() == rows
+        assert list(zip(got.admitted.tolist(), got.admitted_keys.tolist())) == admitted
+        assert (got.evicted.item(), got.overflow.item()) == (evicted, overflow)
+        assert slot_states(idmap) == ref_states(ref.slots)
+
+
 def test_initial_rows_of_a_large_batch_are_the_reference() -> None:
     """Rows are made a few thousand at a time: the rows at either side of a cut are
     still each key's own."""

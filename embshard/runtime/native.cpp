@@ -134,9 +134,11 @@ __attribute__((noinline)) Scratch& scratch() {
 }
 
 // `items` (key, payload; keys distinct, in the map's) sorted by key: counted into as
-// many ranges of keys as there are items, in order, then each range's few sorted in
-// cache. Keys are hashes, spread evenly: most ranges hold one or two; however they
-// fall, the sorts keep it O(n log n).
+// many ranges of keys as there are items, in order, then each range's few put in order
+// by one insertion pass over them all (a key moves within its range only). Keys are
+// hashes, spread evenly: most ranges hold one or two. Where many fall together, the
+// pass gives up after a few moves a key and one sort finishes: O(n log n) however they
+// fall.
 void sort_by_key(std::vector<std::pair<uint64_t, int64_t>>& items, const Spec& spec) {
   const int range_bits = index_bits(items.size());
   const uint64_t lowest = static_cast<uint64_t>(spec.lowest_key);
@@ -157,9 +159,16 @@ void sort_by_key(std::vector<std::pair<uint64_t, int64_t>>& items, const Spec& s
   std::vector<int64_t>& next = scratch().next;
   next.assign(start.begin(), start.end() - 1);
   for (const auto& item : items) sorted[next[range_of(item.first)]++] = item;
-  for (size_t r = 0; r < ranges; ++r)
-    if (start[r + 1] - start[r] > 1)
-      std::sort(sorted.begin() + start[r], sorted.begin() + start[r + 1]);
+  const size_t most_moves = 8 * sorted.size();
+  size_t moves = 0;
+  for (size_t i = 1; i < sorted.size() && moves <= most_moves; ++i) {
+    const std::pair<uint64_t, int64_t> item = sorted[i];
+    size_t at = i;
+    for (; at > 0 && item.first < sorted[at - 1].first; --at) sorted[at] = sorted[at - 1];
+    sorted[at] = item;
+    moves += i - at;
+  }
+  if (moves > most_moves) std::sort(sorted.begin(), sorted.end());
   items.swap(sorted);
 }
 
@@ -287,6 +296,20 @@ uint64_t smallest(const uint64_t* __restrict keys, int64_t n) {
   return least;
 }
 
+// Sorts [first, last): by insertion where they are few (a bucket's evicted keys), as
+// std::sort's set-up costs more than the sort there.
+template <typename It>
+void sort_few(It first, It last) {
+  constexpr std::ptrdiff_t kFew = 32;
+  if (last - first > kFew) return std::sort(first, last);
+  for (It at = first; at != last; ++at) {
+    const auto item = *at;
+    It to = at;
+    for (; to != first && item < *(to - 1); --to) *to = *(to - 1);
+    *to = item;
+  }
+}
+
 // Puts `key` in place of the top of the max-heap `heap` (std::push_heap's), sifting it
 // down: half the work of a pop and a push.
 template <typename Key>
@@ -314,8 +337,11 @@ void smallest_keys(const Slots& slots, int64_t base, int64_t rows, size_t needed
   const uint64_t slot_mask = (uint64_t{1} << slot_bits) - 1;
   std::vector<uint64_t>& keys = scratch().keyed;
   keys.resize(rows);
-  for (int64_t r = 0; r < rows; ++r)
-    keys[r] = slots.occupied[base + r] && evictable(base + r) ? key(base + r) : kNone;
+  // Without a branch, so that it vectorizes: a slot that is no candidate gets kNone.
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint64_t candidate = slots.occupied[base + r] & uint8_t{evictable(base + r)};
+    keys[r] = key(base + r) | (candidate - 1);
+  }
   // Each chunk's smallest, so that taking one rescans only its chunk.
   std::vector<uint64_t>& least = scratch().least;
   const int64_t chunks = (rows + kChunk - 1) / kChunk;
@@ -430,7 +456,7 @@ int64_t take(Slots& slots, const Spec& spec, const std::vector<int64_t>& takers,
       taken[u] = slot;
       added.emplace_back(u, slot);
     }
-    std::sort(gone.begin() + held_before, gone.end());
+    sort_few(gone.begin() + held_before, gone.end());
     a = b;
   }
   return held;
