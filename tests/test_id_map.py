@@ -189,6 +189,18 @@ def ref_states(tables: dict[int, list[Entry | None]]) -> list[tuple[int, int, in
     ]
 
 
+def remap_as_the_reference(idmap: IdMap, ref: Reference, ids: list[int], step: int) -> int:
+    """One call of both at ``step``: the same rows, admissions (slot and key, in order),
+    evictions, overflow and slots. Returns the evictions."""
+    rows, admitted, evicted, overflow = ref.remap(ids, step)
+    got = idmap.remap(torch.tensor(ids, dtype=torch.int64), step)
+    assert got.rows.tolist() == rows
+    assert list(zip(got.admitted.tolist(), got.admitted_keys.tolist())) == admitted
+    assert (got.evicted.item(), got.overflow.item()) == (evicted, overflow)
+    assert slot_states(idmap) == ref_states(ref.slots)
+    return evicted
+
+
 def in_range(pool: list[int], buckets: int, first: int, last: int) -> list[int]:
     return [raw for raw in pool if first <= ref_bucket(raw, buckets) < last]
 
@@ -497,13 +509,7 @@ def test_steps_too_large_to_pack_with_a_slot_give_the_reference(
     evictions = 0
     for step, ids in id_stream(pool, seed=11, steps=60):
         step += 2**59 - 15
-        rows, admitted, evicted, overflow = ref.remap(ids, step)
-        evictions += evicted
-        got = idmap.remap(torch.tensor(ids, dtype=torch.int64), step)
-        assert got.rows.tolist() == rows
-        assert list(zip(got.admitted.tolist(), got.admitted_keys.tolist())) == admitted
-        assert (got.evicted.item(), got.overflow.item()) == (evicted, overflow)
-        assert slot_states(idmap) == ref_states(ref.slots)
+        evictions += remap_as_the_reference(idmap, ref, ids, step)
     assert step >= 2**59 and evictions > 0
 
 
@@ -523,12 +529,7 @@ def test_a_full_bucket_giving_up_many_slots_at_once_gives_the_reference(
     pool = keys_of(list(range(100 + new)))
     calls = [(pool[:100], 0), (pool[:50:2] + pool[51:100:2], 1), (pool[100:] + pool[:2], 2)]
     for ids, step in calls:
-        rows, admitted, evicted, overflow = ref.remap(ids, step)
-        got = idmap.remap(torch.tensor(ids, dtype=torch.int64), step)
-        assert got.rows.tolist() == rows
-        assert list(zip(got.admitted.tolist(), got.admitted_keys.tolist())) == admitted
-        assert (got.evicted.item(), got.overflow.item()) == (evicted, overflow)
-        assert slot_states(idmap) == ref_states(ref.slots)
+        evicted = remap_as_the_reference(idmap, ref, ids, step)
     assert evicted == new
 
 
@@ -542,12 +543,7 @@ def test_keys_that_fall_close_together_give_the_reference() -> None:
     close = list(range(5_000, 2_000, -1))
     spread = keys_of(list(range(3_000)))
     for step, ids in enumerate([close, spread, close[::2] + spread[::3]]):
-        rows, admitted, evicted, overflow = ref.remap(ids, step)
-        got = idmap.remap(torch.tensor(ids, dtype=torch.int64), step)
-        assert got.rows.tolist() == rows
-        assert list(zip(got.admitted.tolist(), got.admitted_keys.tolist())) == admitted
-        assert (got.evicted.item(), got.overflow.item()) == (evicted, overflow)
-        assert slot_states(idmap) == ref_states(ref.slots)
+        remap_as_the_reference(idmap, ref, ids, step)
 
 
 def test_initial_rows_of_a_large_batch_are_the_reference() -> None:
