@@ -133,12 +133,27 @@ __attribute__((noinline)) Scratch& scratch() {
   return kept;
 }
 
+// Sorts [first, last) by insertion, cheap where the items are few or each lies a few
+// places from its own, as std::sort's set-up costs more there; past 8 moves an item it
+// gives way to std::sort, so it stays O(n log n) however they come.
+template <typename It>
+void sort_nearly_sorted(It first, It last) {
+  const size_t most_moves = 8 * static_cast<size_t>(last - first);
+  size_t moves = 0;
+  for (It at = first; at != last && moves <= most_moves; ++at) {
+    const auto item = *at;
+    It to = at;
+    for (; to != first && item < *(to - 1); --to) *to = *(to - 1);
+    *to = item;
+    moves += static_cast<size_t>(at - to);
+  }
+  if (moves > most_moves) std::sort(first, last);
+}
+
 // `items` (key, payload; keys distinct, in the map's) sorted by key: counted into as
 // many ranges of keys as there are items, in order, then each range's few put in order
-// by one insertion pass over them all (a key moves within its range only). Keys are
-// hashes, spread evenly: most ranges hold one or two. Where many fall together, the
-// pass gives up after a few moves a key and one sort finishes: O(n log n) however they
-// fall.
+// by insertion (a key moves within its range only). Keys are hashes, spread evenly:
+// most ranges hold one or two; where many fall together, a full sort finishes.
 void sort_by_key(std::vector<std::pair<uint64_t, int64_t>>& items, const Spec& spec) {
   const int range_bits = index_bits(items.size());
   const uint64_t lowest = static_cast<uint64_t>(spec.lowest_key);
@@ -159,16 +174,7 @@ void sort_by_key(std::vector<std::pair<uint64_t, int64_t>>& items, const Spec& s
   std::vector<int64_t>& next = scratch().next;
   next.assign(start.begin(), start.end() - 1);
   for (const auto& item : items) sorted[next[range_of(item.first)]++] = item;
-  const size_t most_moves = 8 * sorted.size();
-  size_t moves = 0;
-  for (size_t i = 1; i < sorted.size() && moves <= most_moves; ++i) {
-    const std::pair<uint64_t, int64_t> item = sorted[i];
-    size_t at = i;
-    for (; at > 0 && item.first < sorted[at - 1].first; --at) sorted[at] = sorted[at - 1];
-    sorted[at] = item;
-    moves += i - at;
-  }
-  if (moves > most_moves) std::sort(sorted.begin(), sorted.end());
+  sort_nearly_sorted(sorted.begin(), sorted.end());
   items.swap(sorted);
 }
 
@@ -294,20 +300,6 @@ uint64_t smallest(const uint64_t* __restrict keys, int64_t n) {
   uint64_t least = ~uint64_t{0};
   for (int64_t i = 0; i < n; ++i) least = std::min(least, keys[i]);
   return least;
-}
-
-// Sorts [first, last): by insertion where they are few (a bucket's evicted keys), as
-// std::sort's set-up costs more than the sort there.
-template <typename It>
-void sort_few(It first, It last) {
-  constexpr std::ptrdiff_t kFew = 32;
-  if (last - first > kFew) return std::sort(first, last);
-  for (It at = first; at != last; ++at) {
-    const auto item = *at;
-    It to = at;
-    for (; to != first && item < *(to - 1); --to) *to = *(to - 1);
-    *to = item;
-  }
 }
 
 // Puts `key` in place of the top of the max-heap `heap` (std::push_heap's), sifting it
@@ -456,7 +448,7 @@ int64_t take(Slots& slots, const Spec& spec, const std::vector<int64_t>& takers,
       taken[u] = slot;
       added.emplace_back(u, slot);
     }
-    sort_few(gone.begin() + held_before, gone.end());
+    sort_nearly_sorted(gone.begin() + held_before, gone.end());
     a = b;
   }
   return held;
