@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from embshard.checkpoint import managed_collision as mc
@@ -21,7 +20,6 @@ from embshard.checkpoint.store import (
     TABLE_PARENTS,
     load_alone,
     read_description,
-    read_failed,
     read_metadata,
     resolve,
 )
@@ -37,10 +35,7 @@ def read_tensors(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
         for key, entry in metadata.state_dict_metadata.items()
         if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
     }
-    try:
-        load_alone(tensors, path)
-    except CheckpointException as e:
-        raise read_failed(path, e) from None
+    load_alone(tensors, path)
     return {key.removeprefix(prefix): value for key, value in tensors.items()}
 
 
@@ -101,10 +96,7 @@ def _saved_steps(path: Path, entries: dict[str, Any]) -> dict[str, int]:
         if key.startswith("sparse_optimizer.") and key.endswith(ending)
     }
     if steps:
-        try:
-            load_alone(steps, path)
-        except CheckpointException as e:
-            raise read_failed(path, e) from None
+        load_alone(steps, path)
     return {
         key.removeprefix("sparse_optimizer.").removesuffix(ending): int(value)
         for key, value in steps.items()
@@ -124,10 +116,7 @@ def describe(path: str | Path) -> dict[str, Any]:
     steps = _saved_steps(path, entries)
 
     def read(tensors: dict[str, torch.Tensor]) -> None:
-        try:
-            load_alone(tensors, path)
-        except CheckpointException as e:
-            raise read_failed(path, e) from None
+        load_alone(tensors, path)
 
     for fqn, table in info["tables"].items():
         weight = entries[f"model.{fqn}.weight"]

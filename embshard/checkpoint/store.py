@@ -252,10 +252,16 @@ def read_metadata(path: str | Path) -> Metadata:
 
 
 def load_alone(state: dict[str, Any], path: Path) -> None:
-    """DCP load in this process alone, whatever the process group."""
+    """DCP load in this process alone, whatever the process group; what DCP cannot read
+    is a CheckpointError naming the checkpoint."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner(), no_dist=True)
+        try:
+            dcp.load(
+                state, storage_reader=SafeReader(path), planner=SafeLoadPlanner(), no_dist=True
+            )
+        except CheckpointException as e:
+            raise read_failed(path, e) from None
 
 
 def read_description(path: str | Path) -> dict[str, Any]:
@@ -264,7 +270,7 @@ def read_description(path: str | Path) -> dict[str, Any]:
     try:
         load_alone(holder, Path(path))
         return json.loads(holder[META])
-    except (CheckpointException, ValueError) as e:
+    except ValueError as e:  # what the reader or JSON cannot decode
         raise read_failed(path, e) from None
 
 
