@@ -124,8 +124,9 @@ def test_the_kernel_is_one_op_of_its_own():
     assert seen == ["embshard.bounds_check.default"] and int(problems) == 0
 
 
-def test_the_check_benchmark_times_both_checks():
-    """tools/bench_check.py, on a small batch: both checks timed, on the workload's ids."""
+def test_the_check_benchmark_times_both_checks_and_bucketizers():
+    """tools/bench_check.py, on a small batch: both checks and both bucketizers timed,
+    on the workload's ids."""
     tool = Path(__file__).parents[1] / "tools" / "bench_check.py"
     args = ["--batch", "16", "--calls", "3", "--warmup", "1"]
     done = subprocess.run([sys.executable, str(tool), *args], capture_output=True, text=True)
@@ -133,3 +134,5 @@ def test_the_check_benchmark_times_both_checks():
     report = json.loads(done.stdout.splitlines()[-1])
     assert report["ids"] == 16 * 214  # (d)'s 214 ids a sample
     assert report["fbgemm"]["wall_ms"] > 0 and report["embshard_kernel"]["wall_ms"] > 0
+    assert report["fbgemm_bucketize"]["wall_ms"] > 0
+    assert report["embshard_bucketize"]["wall_ms"] > 0

@@ -1,13 +1,18 @@
 """embshard.runtime.sparse_ops against FBGEMM's CPU operations, empty cases included:
-on CUDA too, where FBGEMM's own kernels return their input or refuse to launch."""
+on CUDA too, where FBGEMM's own kernels return their input or refuse to launch; and
+embshard's CPU bucketizing kernel against FBGEMM's and a plain reference written here,
+for every dtype pair, bucket count and kind of bad id."""
 
 from __future__ import annotations
 
 import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from embshard.runtime.sparse_ops import block_bucketize, permute_1d, permute_2d
+from embshard.runtime import native
+from embshard.runtime.sparse_ops import BucketBounds, block_bucketize, permute_1d, permute_2d
 
 I32 = torch.int32
 
@@ -65,18 +70,134 @@ def test_permutes_give_fbgemms_cpu_results_on_every_device(device):
 @pytest.mark.parametrize("with_positions", [False, True])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_bucketize_gives_fbgemms_cpu_results_on_every_device(device, with_positions):
-    block_sizes = torch.tensor([5])
+    bounds = BucketBounds.of(((0, 5, 10),), torch.device(device))
     for lengths, values, weights in cases_bucketize():
         full = torch.ops.fbgemm.block_bucketize_sparse_features(
-            lengths, values, False, with_positions, block_sizes, 2, weights, None, -1, None
+            lengths, values, False, with_positions, torch.tensor([5]), 2, weights, None, -1, None
         )
         want = (full[0], full[1], full[2], full[4])
-        got = block_bucketize(
-            *moved((lengths, values), device),
-            with_positions,
-            block_sizes.to(device),
-            2,
-            *moved((weights,), device),
-            None,
-        )
+        got = block_bucketize(*moved((lengths, values, weights), device), bounds, with_positions)
         same(got, want)
+
+
+DTYPES = [(a, b) for a in (torch.int32, torch.int64) for b in (torch.int32, torch.int64)]
+
+
+@st.composite
+def bucketings(draw):
+    """(lengths [features, batch], ids, each feature's boundaries): up to 20 buckets, some
+    empty (repeated boundaries, as a hot-rows pass's first bucket of a feature without
+    hot rows), ids inside, beyond the last boundary and negative."""
+    features, batch = draw(st.integers(1, 3)), draw(st.integers(1, 5))
+    buckets = draw(st.sampled_from([1, 2, 3, 4, 5, 8, 11, 16, 20]))
+    bounds = []
+    for _ in range(features):
+        steps = draw(st.lists(st.integers(0, 6), min_size=buckets, max_size=buckets))
+        bounds.append(tuple([0, *[sum(steps[: k + 1]) for k in range(buckets)]]))
+    lengths = [draw(st.lists(st.integers(0, 4), min_size=batch, max_size=batch)) for _ in bounds]
+    count = sum(map(sum, lengths))
+    top = max(b[-1] for b in bounds)
+    ids = draw(st.lists(st.integers(-3, top + 3), min_size=count, max_size=count))
+    return lengths, ids, tuple(bounds)
+
+
+def reference_bucketize(lengths, ids, bounds, bits):
+    """Plain Python: each id's bucket, and its id there, bag by bag; an id outside every
+    bucket (read as an unsigned ``bits``-bit number) to bucket id % buckets as id //
+    buckets. Lengths that are negative or overrun the ids are cut short."""
+    buckets = len(bounds[0]) - 1
+    out = {}  # (bucket, feature, bag) -> [(new id, where it came from)]
+    at = 0
+    for f, bags in enumerate(lengths):
+        for b, length in enumerate(bags):
+            for i in range(at, min(len(ids), at + max(length, 0))):
+                raw = ids[i] % 2**bits
+                p = sum(edge <= raw for edge in bounds[f]) - 1
+                inside = p < buckets
+                bucket, new_id = (
+                    (p, raw - bounds[f][p]) if inside else (raw % buckets, raw // buckets)
+                )
+                out.setdefault((bucket, f, b), []).append((new_id, i))
+            at = min(len(ids), at + max(length, 0))
+    new_lengths, new_ids, order = [], [], [0] * len(ids)
+    for p in range(buckets):
+        for f, bags in enumerate(lengths):
+            for b in range(len(bags)):
+                got = out.get((p, f, b), [])
+                new_lengths.append(len(got))
+                for new_id, i in got:
+                    order[i] = len(new_ids)
+                    new_ids.append(new_id - 2**bits if new_id >= 2 ** (bits - 1) else new_id)
+    return new_lengths, new_ids, order
+
+
+@settings(max_examples=300, deadline=None)
+@given(bucketings(), st.sampled_from(DTYPES), st.booleans(), st.booleans())
+def test_the_kernel_bucketizes_as_fbgemm_and_the_reference(case, dtypes, weighted, positions):
+    lengths, ids, bounds = case
+    length_dtype, id_dtype = dtypes
+    lengths_t = torch.tensor(lengths, dtype=length_dtype).view(-1)
+    ids_t = torch.tensor(ids, dtype=id_dtype)
+    weights = torch.randn(len(ids)) if weighted else None
+    buckets = len(bounds[0]) - 1
+    got = native.block_bucketize(
+        lengths_t, ids_t, weights, native.bucket_bounds(bounds), buckets, positions
+    )
+    full = torch.ops.fbgemm.block_bucketize_sparse_features(
+        lengths_t,
+        ids_t,
+        False,
+        positions,
+        torch.tensor([max(1, b[1]) for b in bounds], dtype=id_dtype),
+        buckets,
+        weights,
+        None,
+        -1,
+        [torch.tensor(b, dtype=id_dtype) for b in bounds],
+    )
+    same(got, (full[0], full[1], full[2], full[4]))
+    new_lengths, new_ids, order = reference_bucketize(
+        lengths, ids, bounds, torch.iinfo(id_dtype).bits
+    )
+    assert got[0].tolist() == new_lengths and got[1].tolist() == new_ids
+    if positions:
+        assert got[3].tolist() == order
+
+
+@pytest.mark.parametrize("dtypes", DTYPES)
+def test_the_kernel_cuts_bad_lengths_short(dtypes):
+    """A bad batch's lengths (negative, overrunning the ids) never make the kernel read
+    or write outside its buffers: it reads them as cut short."""
+    length_dtype, id_dtype = dtypes
+    lengths, ids, bounds = [[2, -3, 9], [4, 1, 0]], [0, 7, 3, 9, 1], ((0, 4, 8), (0, 5, 10))
+    got = native.block_bucketize(
+        torch.tensor(lengths, dtype=length_dtype).view(-1),
+        torch.tensor(ids, dtype=id_dtype),
+        None,
+        native.bucket_bounds(bounds),
+        2,
+        True,
+    )
+    new_lengths, new_ids, order = reference_bucketize(
+        lengths, ids, bounds, torch.iinfo(id_dtype).bits
+    )
+    assert got[0].tolist() == new_lengths and got[1].tolist() == new_ids
+    assert got[3].tolist() == order
+
+
+def test_the_kernel_is_one_op_of_its_own():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    lengths, ids = torch.tensor([1, 2]), torch.tensor([3, 9, 1])
+    table = native.bucket_bounds(((0, 5, 10),))
+    with Ops():
+        got = native.block_bucketize(lengths, ids, None, table, 2, False)
+    assert [s for s in seen if "empty" not in s] == ["embshard.block_bucketize.default"]
+    assert got[0].tolist() == [1, 1, 0, 1] and got[1].tolist() == [3, 1, 4]

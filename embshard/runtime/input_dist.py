@@ -23,7 +23,7 @@ from embshard.runtime.batch import CheckInputs, LocalBatch, check_batch, describ
 from embshard.runtime.dynamic_ids import DynamicIds
 from embshard.runtime.routes import Routes
 from embshard.runtime.scratch import Scratch, kept
-from embshard.runtime.sparse_ops import block_bucketize, permute_1d, permute_2d
+from embshard.runtime.sparse_ops import BucketBounds, block_bucketize, permute_1d, permute_2d
 
 # The counts exchange's int64 columns per peer: the ids sent to it, the sender's batch
 # size + 1 (_ENDED when its batches ran out), and the problems its batch has (0 for a
@@ -142,7 +142,7 @@ class InputDistribution:
         # in bucket 0 (its own rows, none rebased): the TBE's bags are rows of the
         # batch's own lengths, each slot its feature's.
         whole = self.world == 1 and not routes.home_bucket
-        self.passes = [] if whole else [_bucket_pass(b, device) for b in routes.bucket_passes]
+        self.passes = [] if whole else [BucketBounds.of(b, device) for b in routes.bucket_passes]
         table_rows = len(routes.features) * max(1, len(self.passes) * routes.buckets)
         self.check_inputs = CheckInputs(routes.features, routes.id_limits, table_rows, device)
         send_rows = (
@@ -217,13 +217,11 @@ class InputDistribution:
             block_bucketize(
                 lengths.view(-1),
                 values,
-                positions is not None or is_key is not None,
-                bucket_pass.block_sizes[values.dtype],
-                self.routes.buckets,
                 weights,
-                bucket_pass.boundaries[values.dtype],
+                bounds,
+                positions is not None or is_key is not None,
             )
-            for bucket_pass in self.passes
+            for bounds in self.passes
         ]
         table_rows = len(self.passes) * self.routes.buckets * len(self.routes.features)
         lengths = _cat([b[0] for b in buckets]).view(table_rows, batch.batch_size)
@@ -459,25 +457,6 @@ class InputDistribution:
             weights.append(chunk[start + count :])
         bag_weights = _from_bits(torch.cat(weights)) if self.routes.weighted else None
         return torch.cat(lengths), torch.cat(ids), bag_weights
-
-
-@dataclass(frozen=True)
-class _BucketPass:
-    """One bucketizing pass's block sizes and each feature's boundaries, in both id
-    dtypes: FBGEMM takes them in the ids' own."""
-
-    block_sizes: dict[torch.dtype, torch.Tensor]
-    boundaries: dict[torch.dtype, list[torch.Tensor]]
-
-
-def _bucket_pass(bounds: tuple[tuple[int, ...], ...], device: torch.device) -> _BucketPass:
-    # Block sizes are only used by FBGEMM when boundaries are absent; the boundaries rule.
-    sizes = [max(1, b[1] - b[0]) for b in bounds]
-    dtypes = (torch.int32, torch.int64)
-    return _BucketPass(
-        {d: torch.tensor(sizes, dtype=d, device=device) for d in dtypes},
-        {d: [torch.tensor(b, dtype=d, device=device) for b in bounds] for d in dtypes},
-    )
 
 
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -3,7 +3,8 @@
 // to keys, their routing stand-ins and the keys put back after bucketizing. Each does
 // what the torch operations of storage/id_map.py, runtime/keys.py and
 // runtime/dynamic_ids.py do, bit for bit, without their dozens of passes over small
-// tensors. And every batch's check, in a fraction of FBGEMM's scalar CPU loop's time.
+// tensors. And every batch's check and its row-wise routing, in a fraction of the time
+// of FBGEMM's scalar CPU loops.
 // Plain C entry points over raw buffers (runtime/native.py loads them with ctypes): no
 // torch headers, so building takes seconds, not minutes.
 
@@ -876,5 +877,127 @@ EMBSHARD_BOUNDS_CHECK(embshard_bounds_check_32_64, int32_t, int64_t)
 EMBSHARD_BOUNDS_CHECK(embshard_bounds_check_64_32, int64_t, int32_t)
 EMBSHARD_BOUNDS_CHECK(embshard_bounds_check_64_64, int64_t, int64_t)
 #undef EMBSHARD_BOUNDS_CHECK
+
+}  // extern "C"
+
+// Row-wise routing (runtime/sparse_ops.py): FBGEMM's block_bucketize_sparse_features
+// given each feature's row boundaries, in two passes over the ids where FBGEMM's CPU
+// operation makes two binary searches an id. Bucket p of feature f holds the ids in
+// [bounds[f][p], bounds[f][p + 1]), less bounds[f][p]; an id outside every bucket (a
+// bad batch's: negative ones are read unsigned, as FBGEMM reads them) goes to bucket
+// id % buckets as id / buckets. Outputs are bucket-major: every bag of bucket 0, then
+// of bucket 1; a bag's ids keep their order. `order` (if given) is where each id went.
+// Lengths that are negative or overrun the ids are read as if cut short: a bad batch's
+// routable lengths add up, and nothing is read or written out of bounds.
+namespace {
+
+constexpr uint32_t kOutside = 1u << 31;  // a bucket code's mark of an id outside all
+
+// The bucket of `id` among `bounds` (`width` values from 0, those past the buckets + 1
+// all ones), marked kOutside where it is outside them all. K: the width where it is
+// known when compiling (compares the compiler unrolls), else 0. Compares without a
+// branch: a binary search's branches mispredict on ids spread over the buckets.
+template <int K, typename U>
+uint32_t bucket_code(U id, const uint64_t* bounds, int64_t width, int64_t buckets) {
+  int64_t p = -1;
+  for (int64_t k = 0; k < (K ? K : width); ++k) p += bounds[k] <= id;
+  if (p >= 0 && p < buckets) return static_cast<uint32_t>(p);
+  return static_cast<uint32_t>(id % static_cast<U>(buckets)) | kOutside;
+}
+
+// Calls visit(feature, bag, first id, end) for every bag in order.
+template <typename L, typename Visit>
+void each_bag(const L* lengths, int64_t features, int64_t batch, int64_t n, Visit&& visit) {
+  int64_t at = 0;
+  for (int64_t f = 0; f < features; ++f)
+    for (int64_t bag = f * batch; bag < (f + 1) * batch; ++bag) {
+      const int64_t end = std::min(n, at + std::max<int64_t>(lengths[bag], 0));
+      visit(f, bag, at, end);
+      at = end;
+    }
+}
+
+// Each id's bucket code into `codes`, and each (bucket, bag)'s count into new_lengths.
+template <int K, typename L, typename I>
+void count_buckets(const L* lengths, int64_t features, int64_t batch, const I* ids, int64_t n,
+                   const uint64_t* boundaries, int64_t width, int64_t buckets, uint32_t* codes,
+                   L* new_lengths) {
+  using U = std::make_unsigned_t<I>;
+  const int64_t bags = features * batch;
+  std::fill(new_lengths, new_lengths + buckets * bags, L{0});
+  each_bag(lengths, features, batch, n, [&](int64_t f, int64_t bag, int64_t at, int64_t end) {
+    const uint64_t* bounds = boundaries + f * width;
+    for (; at < end; ++at) {
+      const uint32_t code = bucket_code<K>(static_cast<U>(ids[at]), bounds, width, buckets);
+      codes[at] = code;
+      ++new_lengths[(code & ~kOutside) * bags + bag];
+    }
+  });
+}
+
+template <typename L, typename I, typename W>
+void block_bucketize(const L* lengths, int64_t features, int64_t batch, const I* ids, int64_t n,
+                     const uint64_t* boundaries, int64_t width, int64_t buckets,
+                     const W* weights, L* new_lengths, I* new_ids, W* new_weights, I* order) {
+  using U = std::make_unsigned_t<I>;
+  static thread_local std::vector<uint32_t> codes;
+  static thread_local std::vector<int64_t> next;
+  codes.resize(n);
+  const auto count = [&](auto k) {
+    count_buckets<decltype(k)::value>(lengths, features, batch, ids, n, boundaries, width,
+                                      buckets, codes.data(), new_lengths);
+  };
+  switch (width) {
+    case 3: count(std::integral_constant<int, 3>{}); break;
+    case 5: count(std::integral_constant<int, 5>{}); break;
+    case 9: count(std::integral_constant<int, 9>{}); break;
+    case 17: count(std::integral_constant<int, 17>{}); break;
+    default: count(std::integral_constant<int, 0>{});
+  }
+  // Each (bucket, bag)'s next place in the outputs.
+  const int64_t bags = features * batch;
+  next.resize(buckets * bags);
+  int64_t total = 0;
+  for (int64_t j = 0; j < buckets * bags; ++j) {
+    next[j] = total;
+    total += new_lengths[j];
+  }
+  each_bag(lengths, features, batch, n, [&](int64_t f, int64_t bag, int64_t at, int64_t end) {
+    const uint64_t* bounds = boundaries + f * width;
+    for (; at < end; ++at) {
+      const uint32_t code = codes[at], p = code & ~kOutside;
+      U id = static_cast<U>(ids[at]);
+      if (__builtin_expect(code & kOutside, 0))  // a bad batch's: no division otherwise
+        id /= static_cast<U>(buckets);
+      else
+        id -= static_cast<U>(bounds[p]);
+      const int64_t to = next[p * bags + bag]++;
+      new_ids[to] = static_cast<I>(id);
+      if (new_weights) new_weights[to] = weights[at];
+      if (order) order[at] = static_cast<I>(to);
+    }
+  });
+}
+
+}  // namespace
+
+extern "C" {
+
+// block_bucketize for each (lengths, ids) dtype pair, int32 or int64, with weights of
+// 4 bytes (float32) or none. `boundaries`: [features, width]; widths 3, 5, 9 and 17
+// take the fastest path (runtime/native.py pads to them).
+#define EMBSHARD_BLOCK_BUCKETIZE(NAME, L, I)                                              \
+  void NAME(const L* lengths, int64_t features, int64_t batch, const I* ids, int64_t n,  \
+            const uint64_t* boundaries, int64_t width, int64_t buckets,                  \
+            const uint32_t* weights, L* new_lengths, I* new_ids, uint32_t* new_weights,  \
+            I* order) {                                                                  \
+    block_bucketize(lengths, features, batch, ids, n, boundaries, width, buckets,        \
+                    weights, new_lengths, new_ids, new_weights, order);                  \
+  }
+EMBSHARD_BLOCK_BUCKETIZE(embshard_block_bucketize_32_32, int32_t, int32_t)
+EMBSHARD_BLOCK_BUCKETIZE(embshard_block_bucketize_32_64, int32_t, int64_t)
+EMBSHARD_BLOCK_BUCKETIZE(embshard_block_bucketize_64_32, int64_t, int32_t)
+EMBSHARD_BLOCK_BUCKETIZE(embshard_block_bucketize_64_64, int64_t, int64_t)
+#undef EMBSHARD_BLOCK_BUCKETIZE
 
 }  // extern "C"
