@@ -87,17 +87,23 @@ DTYPES = [(a, b) for a in (torch.int32, torch.int64) for b in (torch.int32, torc
 def bucketings(draw):
     """(lengths [features, batch], ids, each feature's boundaries): up to 20 buckets, some
     empty (repeated boundaries, as a hot-rows pass's first bucket of a feature without
-    hot rows), ids inside, beyond the last boundary and negative."""
+    hot rows), or all rows in one (a table-wise table's feature in a row-wise pass); ids
+    inside, beyond the last boundary and negative."""
     features, batch = draw(st.integers(1, 3)), draw(st.integers(1, 5))
     buckets = draw(st.sampled_from([1, 2, 3, 4, 5, 8, 11, 16, 20]))
     bounds = []
     for _ in range(features):
-        steps = draw(st.lists(st.integers(0, 6), min_size=buckets, max_size=buckets))
+        if draw(st.booleans()):
+            steps = draw(st.lists(st.integers(0, 6), min_size=buckets, max_size=buckets))
+        else:
+            steps = [0] * buckets
+            steps[draw(st.integers(0, buckets - 1))] = draw(st.integers(1, 9))
         bounds.append(tuple([0, *[sum(steps[: k + 1]) for k in range(buckets)]]))
     lengths = [draw(st.lists(st.integers(0, 4), min_size=batch, max_size=batch)) for _ in bounds]
     count = sum(map(sum, lengths))
     top = max(b[-1] for b in bounds)
-    ids = draw(st.lists(st.integers(-3, top + 3), min_size=count, max_size=count))
+    outside = draw(st.sampled_from([0, 3]))  # ids beyond the boundaries, or none
+    ids = draw(st.lists(st.integers(-outside, top + outside), min_size=count, max_size=count))
     return lengths, ids, tuple(bounds)
 
 
@@ -170,19 +176,47 @@ def test_the_kernel_cuts_bad_lengths_short(dtypes):
     or write outside its buffers: it reads them as cut short."""
     length_dtype, id_dtype = dtypes
     lengths, ids, bounds = [[2, -3, 9], [4, 1, 0]], [0, 7, 3, 9, 1], ((0, 4, 8), (0, 5, 10))
+    check_bucketize(lengths, ids, bounds, length_dtype, id_dtype)
+
+
+@pytest.mark.parametrize("dtypes", DTYPES)
+@pytest.mark.parametrize("bounds", [((0, 6, 6),), ((0, 0, 6),), ((0, 0, 6, 6),), ((0, 0, 0),)])
+@pytest.mark.parametrize("bad", [-1, 6, 10**6])
+def test_ids_outside_a_feature_in_one_bucket_go_as_fbgemms(dtypes, bounds, bad):
+    """A feature whose rows are all in one bucket (the kernel copies its ids as they
+    are) with one id outside them: that id goes to bucket id % buckets, as FBGEMM's."""
+    length_dtype, id_dtype = dtypes
+    for ids in ([0, 5, 3, bad], [bad, 0, 5, 3], [0, 5, 3, 4]):
+        check_bucketize([[2, 0, 2]], ids, bounds, length_dtype, id_dtype)
+
+
+def check_bucketize(lengths, ids, bounds, length_dtype, id_dtype) -> None:
+    """The kernel against the reference and, for lengths that add up, FBGEMM."""
+    buckets = len(bounds[0]) - 1
+    lengths_t = torch.tensor(lengths, dtype=length_dtype).view(-1)
+    ids_t = torch.tensor(ids, dtype=id_dtype)
     got = native.block_bucketize(
-        torch.tensor(lengths, dtype=length_dtype).view(-1),
-        torch.tensor(ids, dtype=id_dtype),
-        None,
-        native.bucket_bounds(bounds),
-        2,
-        True,
+        lengths_t, ids_t, None, native.bucket_bounds(bounds), buckets, True
     )
     new_lengths, new_ids, order = reference_bucketize(
         lengths, ids, bounds, torch.iinfo(id_dtype).bits
     )
     assert got[0].tolist() == new_lengths and got[1].tolist() == new_ids
     assert got[3].tolist() == order
+    if all(n >= 0 for bags in lengths for n in bags) and sum(map(sum, lengths)) == len(ids):
+        full = torch.ops.fbgemm.block_bucketize_sparse_features(
+            lengths_t,
+            ids_t,
+            False,
+            True,
+            torch.tensor([max(1, b[1]) for b in bounds], dtype=id_dtype),
+            buckets,
+            None,
+            None,
+            -1,
+            [torch.tensor(b, dtype=id_dtype) for b in bounds],
+        )
+        same(got, (full[0], full[1], None, full[4]))
 
 
 def test_the_kernel_is_one_op_of_its_own():

@@ -887,6 +887,8 @@ EMBSHARD_BOUNDS_CHECK(embshard_bounds_check_64_64, int64_t, int64_t)
 // bad batch's: negative ones are read unsigned, as FBGEMM reads them) goes to bucket
 // id % buckets as id / buckets. Outputs are bucket-major: every bag of bucket 0, then
 // of bucket 1; a bag's ids keep their order. `order` (if given) is where each id went.
+// A feature whose rows are all in one bucket (a table-wise or column-wise table's in a
+// plan with row-wise ones) is copied as it is once its ids are seen to be inside it.
 // Lengths that are negative or overrun the ids are read as if cut short: a bad batch's
 // routable lengths add up, and nothing is read or written out of bounds.
 namespace {
@@ -905,34 +907,62 @@ uint32_t bucket_code(U id, const uint64_t* bounds, int64_t width, int64_t bucket
   return static_cast<uint32_t>(id % static_cast<U>(buckets)) | kOutside;
 }
 
-// Calls visit(feature, bag, first id, end) for every bag in order.
-template <typename L, typename Visit>
-void each_bag(const L* lengths, int64_t features, int64_t batch, int64_t n, Visit&& visit) {
-  int64_t at = 0;
-  for (int64_t f = 0; f < features; ++f)
-    for (int64_t bag = f * batch; bag < (f + 1) * batch; ++bag) {
-      const int64_t end = std::min(n, at + std::max<int64_t>(lengths[bag], 0));
-      visit(f, bag, at, end);
-      at = end;
-    }
+// One feature's ids [first, end) and bags [bag, bag + batch), the lengths cut short.
+struct Span {
+  int64_t first, end, bag;
+};
+
+// The bucket that holds all of a feature's rows, [0, bounds[buckets]), where one does
+// (every other bucket empty), else -1.
+int64_t only_bucket(const uint64_t* bounds, int64_t buckets) {
+  int64_t only = 0;
+  while (only < buckets && bounds[only + 1] == 0) ++only;
+  if (bounds[0] != 0 || only == buckets || bounds[only + 1] != bounds[buckets]) return -1;
+  return only;
 }
 
-// Each id's bucket code into `codes`, and each (bucket, bag)'s count into new_lengths.
+// Whether every id of [first, end) is below `rows`, read unsigned.
+template <typename I>
+bool all_below(const I* ids, int64_t first, int64_t end, uint64_t rows) {
+  using U = std::make_unsigned_t<I>;
+  bool below = true;
+  for (int64_t i = first; i < end; ++i) below &= static_cast<U>(ids[i]) < rows;
+  return below;
+}
+
+// Each feature's span and, where its rows are all in one bucket and so are its ids,
+// that bucket (else -1); each (bucket, bag)'s count into new_lengths, and for the other
+// features each id's bucket code into `codes`.
 template <int K, typename L, typename I>
 void count_buckets(const L* lengths, int64_t features, int64_t batch, const I* ids, int64_t n,
                    const uint64_t* boundaries, int64_t width, int64_t buckets, uint32_t* codes,
-                   L* new_lengths) {
+                   L* new_lengths, std::vector<Span>& spans, std::vector<int64_t>& whole) {
   using U = std::make_unsigned_t<I>;
   const int64_t bags = features * batch;
   std::fill(new_lengths, new_lengths + buckets * bags, L{0});
-  each_bag(lengths, features, batch, n, [&](int64_t f, int64_t bag, int64_t at, int64_t end) {
+  int64_t at = 0;
+  for (int64_t f = 0; f < features; ++f) {
     const uint64_t* bounds = boundaries + f * width;
-    for (; at < end; ++at) {
-      const uint32_t code = bucket_code<K>(static_cast<U>(ids[at]), bounds, width, buckets);
-      codes[at] = code;
-      ++new_lengths[(code & ~kOutside) * bags + bag];
+    Span span{at, at, f * batch};
+    for (int64_t bag = span.bag; bag < span.bag + batch; ++bag)
+      span.end = std::min(n, span.end + std::max<int64_t>(lengths[bag], 0));
+    spans[f] = span;
+    int64_t only = only_bucket(bounds, buckets);
+    if (only >= 0 && !all_below(ids, span.first, span.end, bounds[buckets])) only = -1;
+    whole[f] = only;
+    for (int64_t bag = span.bag; bag < span.bag + batch; ++bag) {
+      const int64_t end = std::min(n, at + std::max<int64_t>(lengths[bag], 0));
+      if (only >= 0) {
+        new_lengths[only * bags + bag] = static_cast<L>(end - at);
+        at = end;
+      }
+      for (; at < end; ++at) {
+        const uint32_t code = bucket_code<K>(static_cast<U>(ids[at]), bounds, width, buckets);
+        codes[at] = code;
+        ++new_lengths[(code & ~kOutside) * bags + bag];
+      }
     }
-  });
+  }
 }
 
 template <typename L, typename I, typename W>
@@ -941,11 +971,14 @@ void block_bucketize(const L* lengths, int64_t features, int64_t batch, const I*
                      const W* weights, L* new_lengths, I* new_ids, W* new_weights, I* order) {
   using U = std::make_unsigned_t<I>;
   static thread_local std::vector<uint32_t> codes;
-  static thread_local std::vector<int64_t> next;
+  static thread_local std::vector<int64_t> next, whole;
+  static thread_local std::vector<Span> spans;
   codes.resize(n);
+  spans.resize(features);
+  whole.resize(features);
   const auto count = [&](auto k) {
     count_buckets<decltype(k)::value>(lengths, features, batch, ids, n, boundaries, width,
-                                      buckets, codes.data(), new_lengths);
+                                      buckets, codes.data(), new_lengths, spans, whole);
   };
   switch (width) {
     case 3: count(std::integral_constant<int, 3>{}); break;
@@ -962,21 +995,35 @@ void block_bucketize(const L* lengths, int64_t features, int64_t batch, const I*
     next[j] = total;
     total += new_lengths[j];
   }
-  each_bag(lengths, features, batch, n, [&](int64_t f, int64_t bag, int64_t at, int64_t end) {
+  for (int64_t f = 0; f < features; ++f) {
     const uint64_t* bounds = boundaries + f * width;
-    for (; at < end; ++at) {
-      const uint32_t code = codes[at], p = code & ~kOutside;
-      U id = static_cast<U>(ids[at]);
-      if (__builtin_expect(code & kOutside, 0))  // a bad batch's: no division otherwise
-        id /= static_cast<U>(buckets);
-      else
-        id -= static_cast<U>(bounds[p]);
-      const int64_t to = next[p * bags + bag]++;
-      new_ids[to] = static_cast<I>(id);
-      if (new_weights) new_weights[to] = weights[at];
-      if (order) order[at] = static_cast<I>(to);
+    const Span span = spans[f];
+    if (whole[f] >= 0) {  // its ids as they are, from its first bag's place in its bucket
+      const int64_t to = next[whole[f] * bags + span.bag] - span.first;
+      for (int64_t i = span.first; i < span.end; ++i) {
+        new_ids[to + i] = ids[i];
+        if (new_weights) new_weights[to + i] = weights[i];
+        if (order) order[i] = static_cast<I>(to + i);
+      }
+      continue;
     }
-  });
+    int64_t at = span.first;
+    for (int64_t bag = span.bag; bag < span.bag + batch; ++bag) {
+      const int64_t end = std::min(n, at + std::max<int64_t>(lengths[bag], 0));
+      for (; at < end; ++at) {
+        const uint32_t code = codes[at], p = code & ~kOutside;
+        U id = static_cast<U>(ids[at]);
+        if (__builtin_expect(code & kOutside, 0))  // a bad batch's: no division otherwise
+          id /= static_cast<U>(buckets);
+        else
+          id -= static_cast<U>(bounds[p]);
+        const int64_t to = next[p * bags + bag]++;
+        new_ids[to] = static_cast<I>(id);
+        if (new_weights) new_weights[to] = weights[at];
+        if (order) order[at] = static_cast<I>(to);
+      }
+    }
+  }
 }
 
 }  // namespace
