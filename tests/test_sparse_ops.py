@@ -5,6 +5,8 @@ for every dtype pair, bucket count and kind of bad id."""
 
 from __future__ import annotations
 
+import itertools
+
 import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 import pytest
 import torch
@@ -235,3 +237,95 @@ def test_the_kernel_is_one_op_of_its_own():
         got = native.block_bucketize(lengths, ids, None, table, 2, False)
     assert [s for s in seen if "empty" not in s] == ["embshard.block_bucketize.default"]
     assert got[0].tolist() == [1, 1, 0, 1] and got[1].tolist() == [3, 1, 4]
+
+
+@st.composite
+def packings(draw):
+    """(lengths [rows, batch], each destination's rows): rows sent to one destination,
+    to several, or to none, in any order."""
+    rows, batch = draw(st.integers(1, 5)), draw(st.integers(0, 4))
+    lengths = [
+        draw(st.lists(st.integers(0, 3), min_size=batch, max_size=batch)) for _ in range(rows)
+    ]
+    dests = draw(st.lists(st.lists(st.integers(0, rows - 1), max_size=4), min_size=1, max_size=4))
+    return lengths, dests
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    packings(), st.sampled_from(DTYPES), st.sampled_from([torch.int32, torch.int64]), st.booleans()
+)
+def test_the_pack_kernel_gives_fbgemms_permute_and_a_cat(case, dtypes, payload_dtype, weighted):
+    lengths, dests = case
+    length_dtype, id_dtype = dtypes
+    lengths_t = torch.tensor(lengths, dtype=length_dtype).view(len(lengths), -1)
+    ids = torch.randint(-(2**31), 2**31, (int(lengths_t.sum()),), dtype=torch.int64).to(id_dtype)
+    weights = torch.randn(len(ids)) if weighted else None
+    send_rows = torch.tensor([r for rows in dests for r in rows], dtype=torch.int32)
+    total = int(lengths_t.sum(1)[send_rows.long()].sum())
+    rows, values, row_weights = permute_2d(send_rows, lengths_t, ids, weights, total)
+    counts = [int(lengths_t.sum(1)[torch.tensor(d, dtype=torch.long)].sum()) for d in dests]
+    pieces = []
+    for dest_rows, dest_ids, dest_weights in zip(
+        rows.split([len(d) for d in dests]),
+        values.split(counts),
+        row_weights.split(counts) if weighted else [None] * len(dests),
+    ):
+        pieces += [dest_rows.reshape(-1), dest_ids]
+        if weighted:
+            pieces.append(dest_weights.view(torch.int32))
+    want = torch.cat([p.to(payload_dtype) for p in pieces])
+    got = torch.full_like(want, -7)
+    native.pack(lengths_t, ids, weights, send_rows, [len(d) for d in dests], got)
+    assert torch.equal(got, want)
+
+
+@st.composite
+def arrivals(draw):
+    """Each source's bags, slot by slot: (batch size, [slot][sample] -> ids)."""
+    slots, sources = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    arrived = []
+    for _ in range(sources):
+        batch = draw(st.integers(0, 3))
+        bags = [
+            [draw(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=3)) for _ in range(batch)]
+            for _ in range(slots)
+        ]
+        arrived.append((batch, bags))
+    return slots, arrived
+
+
+@settings(max_examples=200, deadline=None)
+@given(arrivals(), st.sampled_from([torch.int32, torch.int64]), st.booleans())
+def test_the_unpack_kernel_takes_the_bags_slot_by_slot(case, dtype, weighted):
+    """native.unpack against a plain reference: the TBE's ids slot by slot, each slot's
+    sources in rank order, its bags' offsets and their weights."""
+    slots, arrived = case
+    chunks, sizes, batch_sizes, weight_of = [], [], [], {}
+    for batch, bags in arrived:
+        ids = [i for slot in bags for bag in slot for i in bag]
+        bits = torch.randn(len(ids)).view(torch.int32)
+        weight_of.update({(len(chunks), k): int(b) for k, b in enumerate(bits)})
+        chunk = [len(bag) for slot in bags for bag in slot] + ids
+        chunk += bits.tolist() if weighted else []
+        chunks.append(chunk)
+        sizes.append(len(chunk))
+        batch_sizes.append(batch)
+    ids_in_order, lengths_in_order, weights_in_order = [], [], []
+    for s in range(slots):
+        for r, (_, bags) in enumerate(arrived):
+            before = sum(len(bag) for slot in bags[:s] for bag in slot)
+            for bag in bags[s]:
+                lengths_in_order.append(len(bag))
+                ids_in_order += bag
+                weights_in_order += [weight_of[r, before + k] for k in range(len(bag))]
+                before += len(bag)
+    received = torch.tensor([v for c in chunks for v in c], dtype=torch.int64).to(dtype)
+    values = torch.full((len(ids_in_order),), -7, dtype=dtype)
+    offsets = torch.full((len(lengths_in_order) + 1,), -7, dtype=dtype)
+    weights = torch.zeros(len(ids_in_order)) if weighted else None
+    native.unpack(received, sizes, batch_sizes, slots, values, offsets, weights)
+    assert values.tolist() == ids_in_order
+    assert offsets.tolist() == [0, *itertools.accumulate(lengths_in_order)]
+    if weighted:
+        assert weights.view(torch.int32).tolist() == weights_in_order

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embshard.errors import InputError
+from embshard.runtime import native
 from embshard.runtime.batch import CheckInputs, LocalBatch, check_batch, describe_problem
 from embshard.runtime.dynamic_ids import DynamicIds
 from embshard.runtime.routes import Routes
@@ -379,7 +380,21 @@ class InputDistribution:
 
     def pack(self, routed: Routed, counts: Counts) -> torch.Tensor:
         """One buffer for all destinations: for each, its slots' lengths, ids, weights,
-        as ``Routes.id_dtype`` (the copy into the buffer converts them)."""
+        as ``Routes.id_dtype`` (the copy into the buffer converts them). On CPU one
+        kernel (``native.pack``); elsewhere FBGEMM's permute and a ``cat``."""
+        payload = self.scratch.take(
+            "payload", (sum(counts.send_sizes),), routed.values, self.routes.id_dtype
+        )
+        if native.available(routed.values):
+            native.pack(
+                routed.lengths,
+                routed.values,
+                routed.weights,
+                self.send_rows,
+                self.slots_per_rank,
+                payload,
+            )
+            return payload
         lengths, values, weights = permute_2d(
             self.send_rows, routed.lengths, routed.values, routed.weights, sum(counts.sent_ids)
         )
@@ -391,9 +406,6 @@ class InputDistribution:
             pieces += [dest_lengths.reshape(-1), id_chunks[dest]]
             if weight_chunks is not None:
                 pieces.append(weight_chunks[dest].view(torch.int32))
-        payload = self.scratch.take(
-            "payload", (sum(counts.send_sizes),), values, self.routes.id_dtype
-        )
         return torch.cat(pieces, out=payload)
 
     def exchange(
@@ -426,7 +438,19 @@ class InputDistribution:
     def unpack(
         self, received: torch.Tensor, recv_sizes: list[int], batch_sizes: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """TBE input for the global batch: every slot's bags, sources in rank order."""
+        """TBE input for the global batch: every slot's bags, sources in rank order. On
+        CPU one kernel (``native.unpack``); elsewhere FBGEMM's permute and cumsum."""
+        if native.available(received):
+            slots = self.slots_per_rank[self.rank]
+            ids = sum(size - slots * b for size, b in zip(recv_sizes, batch_sizes))
+            ids //= self.ids_per_element
+            values = self.scratch.take("tbe_ids", (ids,), received)
+            offsets = self.scratch.take("tbe_offsets", (slots * sum(batch_sizes) + 1,), received)
+            weights = None
+            if self.routes.weighted:
+                weights = self.scratch.take("tbe_weights", (ids,), received, torch.float32)
+            native.unpack(received, recv_sizes, batch_sizes, slots, values, offsets, weights)
+            return values, offsets, weights
         bag_lengths, values, bag_weights = self.received_bags(received, recv_sizes, batch_sizes)
         bag_lengths, values, bag_weights = permute_1d(
             self.slot_major(batch_sizes), bag_lengths, values, bag_weights, values.numel()

@@ -1048,3 +1048,138 @@ EMBSHARD_BLOCK_BUCKETIZE(embshard_block_bucketize_64_64, int64_t, int64_t)
 #undef EMBSHARD_BLOCK_BUCKETIZE
 
 }  // extern "C"
+
+// The ids all-to-all's payload (runtime/input_dist.py's pack): for each destination in
+// turn, the lengths rows it takes of the [rows, batch] lengths table (`send_rows`, in
+// order, `rows_per_dest` of them each), then those rows' ids, then their weights' bits,
+// all as the payload's type. What FBGEMM's permute_2D_sparse_data and a cat do, in one
+// pass over the ids. Rows whose ids would run past the ids given, or the payload past
+// `size`, are cut short: nothing is read or written out of bounds.
+namespace {
+
+template <typename L, typename I, typename D>
+void pack(const L* lengths, int64_t rows, int64_t batch, const I* ids, int64_t n,
+          const uint32_t* weights, const int32_t* send_rows, const int64_t* rows_per_dest,
+          int64_t dests, D* payload, int64_t size) {
+  static thread_local std::vector<int64_t> first;  // each row's first id
+  first.resize(rows + 1);
+  first[0] = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t total = 0;
+    for (int64_t b = 0; b < batch; ++b) total += lengths[r * batch + b];
+    first[r + 1] = std::min(n, first[r] + std::max<int64_t>(total, 0));
+  }
+  int64_t at = 0;
+  const int32_t* row = send_rows;
+  for (int64_t d = 0; d < dests; ++d) {
+    const int32_t* end = row + rows_per_dest[d];
+    for (const int32_t* r = row; r < end; ++r)
+      for (int64_t b = 0; b < batch && at < size; ++b)
+        payload[at++] = static_cast<D>(lengths[*r * batch + b]);
+    for (const int32_t* r = row; r < end; ++r)
+      for (int64_t i = first[*r]; i < first[*r + 1] && at < size; ++i)
+        payload[at++] = static_cast<D>(ids[i]);
+    if (weights)
+      for (const int32_t* r = row; r < end; ++r)
+        for (int64_t i = first[*r]; i < first[*r + 1] && at < size; ++i)
+          payload[at++] = static_cast<D>(static_cast<int32_t>(weights[i]));
+    row = end;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// pack for each (lengths, ids, payload) dtype triple, int32 or int64; weights float32.
+#define EMBSHARD_PACK(NAME, L, I, D)                                                        \
+  void NAME(const L* lengths, int64_t rows, int64_t batch, const I* ids, int64_t n,        \
+            const uint32_t* weights, const int32_t* send_rows, const int64_t* rows_per_dest, \
+            int64_t dests, D* payload, int64_t size) {                                     \
+    pack(lengths, rows, batch, ids, n, weights, send_rows, rows_per_dest, dests, payload,   \
+         size);                                                                             \
+  }
+EMBSHARD_PACK(embshard_pack_32_32_32, int32_t, int32_t, int32_t)
+EMBSHARD_PACK(embshard_pack_32_32_64, int32_t, int32_t, int64_t)
+EMBSHARD_PACK(embshard_pack_32_64_32, int32_t, int64_t, int32_t)
+EMBSHARD_PACK(embshard_pack_32_64_64, int32_t, int64_t, int64_t)
+EMBSHARD_PACK(embshard_pack_64_32_32, int64_t, int32_t, int32_t)
+EMBSHARD_PACK(embshard_pack_64_32_64, int64_t, int32_t, int64_t)
+EMBSHARD_PACK(embshard_pack_64_64_32, int64_t, int64_t, int32_t)
+EMBSHARD_PACK(embshard_pack_64_64_64, int64_t, int64_t, int64_t)
+#undef EMBSHARD_PACK
+
+}  // extern "C"
+
+// The TBE's input from what the ids all-to-all brought (runtime/input_dist.py's
+// unpack). Source r's chunk is its bags' lengths (slot by slot, `batch_sizes[r]` a
+// slot), their ids, then (`weighted`) their weights' float32 bits, all of the buffer's
+// type; the TBE takes the bags slot by slot, each slot's sources in rank order: its
+// ids, its bags' offsets (from 0, one more than the bags) and its weights. What
+// FBGEMM's permute_1D_sparse_data and complete cumsum do after cutting the chunks, in
+// one pass. Lengths that are negative or overrun their chunk's ids are read as if cut
+// short: nothing is read or written out of bounds.
+namespace {
+
+template <typename D>
+void unpack(const D* received, const int64_t* sizes, const int64_t* batch_sizes,
+            int64_t sources, int64_t slots, bool weighted, D* values, D* offsets,
+            uint32_t* weights) {
+  struct Chunk {
+    const D* lengths;
+    const D* ids;
+    int64_t count;
+  };
+  static thread_local std::vector<Chunk> chunks;
+  static thread_local std::vector<int64_t> first;  // [source][slot]: its first id
+  chunks.resize(sources);
+  first.resize(sources * slots);
+  const D* at = received;
+  for (int64_t r = 0; r < sources; ++r) {
+    const int64_t bags = slots * batch_sizes[r];
+    const int64_t count = std::max<int64_t>(sizes[r] - bags, 0) / (weighted ? 2 : 1);
+    chunks[r] = {at, at + bags, count};
+    int64_t taken = 0;
+    for (int64_t s = 0; s < slots; ++s) {
+      first[r * slots + s] = taken;
+      for (int64_t j = s * batch_sizes[r]; j < (s + 1) * batch_sizes[r]; ++j)
+        taken += std::clamp<int64_t>(at[j], 0, count - taken);
+    }
+    at += sizes[r];
+  }
+  int64_t bag = 0, out = 0;
+  offsets[0] = 0;
+  for (int64_t s = 0; s < slots; ++s)
+    for (int64_t r = 0; r < sources; ++r) {
+      const Chunk& chunk = chunks[r];
+      const int64_t start = first[r * slots + s];
+      int64_t taken = start;
+      for (int64_t j = s * batch_sizes[r]; j < (s + 1) * batch_sizes[r]; ++j) {
+        taken += std::clamp<int64_t>(chunk.lengths[j], 0, chunk.count - taken);
+        offsets[++bag] = static_cast<D>(out + taken - start);
+      }
+      std::copy(chunk.ids + start, chunk.ids + taken, values + out);
+      if (weighted)
+        for (int64_t i = start; i < taken; ++i)
+          weights[out + i - start] = static_cast<uint32_t>(chunk.ids[chunk.count + i]);
+      out += taken - start;
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// unpack for an int32 or int64 buffer.
+#define EMBSHARD_UNPACK(NAME, D)                                                           \
+  void NAME(const D* received, const int64_t* sizes, const int64_t* batch_sizes,          \
+            int64_t sources, int64_t slots, bool weighted, D* values, D* offsets,         \
+            uint32_t* weights) {                                                          \
+    unpack(received, sizes, batch_sizes, sources, slots, weighted, values, offsets,       \
+           weights);                                                                      \
+  }
+EMBSHARD_UNPACK(embshard_unpack_32, int32_t)
+EMBSHARD_UNPACK(embshard_unpack_64, int64_t)
+#undef EMBSHARD_UNPACK
+
+}  // extern "C"

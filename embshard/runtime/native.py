@@ -146,6 +146,14 @@ def library() -> ctypes.CDLL | None:
         kernel = getattr(lib, f"embshard_block_bucketize_{lengths}_{ids}")
         kernel.argtypes = [_P, _I, _I, _P, _I, _P, _I, _I, _P, _P, _P, _P, _P]
         kernel.restype = None
+        for payload in _BITS.values():
+            kernel = getattr(lib, f"embshard_pack_{lengths}_{ids}_{payload}")
+            kernel.argtypes = [_P, _I, _I, _P, _I, _P, _P, _P, _I, _P, _I]
+            kernel.restype = None
+    for bits in _BITS.values():
+        kernel = getattr(lib, f"embshard_unpack_{bits}")
+        kernel.argtypes = [_P, _P, _P, _I, _I, ctypes.c_bool, _P, _P, _P]
+        kernel.restype = None
     return lib
 
 
@@ -460,3 +468,115 @@ def _block_bucketize_cpu(
 
 
 _OPS.impl("block_bucketize", _block_bucketize_cpu, "CPU")
+
+
+_OPS.define(
+    "pack(Tensor lengths, Tensor values, Tensor? weights, Tensor send_rows, "
+    "int[] rows_per_dest, Tensor(a!) payload) -> ()"
+)
+
+
+def pack(
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    send_rows: torch.Tensor,
+    rows_per_dest: Sequence[int],
+    payload: torch.Tensor,
+) -> None:
+    """The ids all-to-all's payload into ``payload`` (int32 or int64), in one op the
+    dispatcher sees: for each destination in turn, the rows ``send_rows`` (int32, in
+    order, ``rows_per_dest`` of them each) of the lengths table ``lengths`` ([rows,
+    batch], int32 or int64), then those rows' ids (``values``, int32 or int64), then
+    their weights' float32 bits, all as the payload's type. What FBGEMM's
+    ``permute_2D_sparse_data`` and a ``cat`` give, in one pass."""
+    torch.ops.embshard.pack(lengths, values, weights, send_rows, list(rows_per_dest), payload)
+
+
+def _pack_cpu(
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    send_rows: torch.Tensor,
+    rows_per_dest: list[int],
+    payload: torch.Tensor,
+) -> None:
+    assert payload.is_contiguous() and send_rows.dtype == torch.int32
+    assert weights is None or weights.dtype == torch.float32
+    lengths, values, send_rows = lengths.contiguous(), values.contiguous(), send_rows.contiguous()
+    kernel = getattr(
+        _library(),
+        f"embshard_pack_{_BITS[lengths.dtype]}_{_BITS[values.dtype]}_{_BITS[payload.dtype]}",
+    )
+    rows, batch = lengths.shape
+    kernel(
+        lengths.data_ptr(),
+        rows,
+        batch,
+        values.data_ptr(),
+        values.numel(),
+        None if weights is None else weights.contiguous().data_ptr(),
+        send_rows.data_ptr(),
+        (ctypes.c_int64 * max(len(rows_per_dest), 1))(*rows_per_dest),
+        len(rows_per_dest),
+        payload.data_ptr(),
+        payload.numel(),
+    )
+
+
+_OPS.impl("pack", _pack_cpu, "CPU")
+
+
+_OPS.define(
+    "unpack(Tensor received, int[] sizes, int[] batch_sizes, int slots, Tensor(a!) values, "
+    "Tensor(b!) offsets, Tensor(c!)? weights) -> ()"
+)
+
+
+def unpack(
+    received: torch.Tensor,
+    sizes: Sequence[int],
+    batch_sizes: Sequence[int],
+    slots: int,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    weights: torch.Tensor | None,
+) -> None:
+    """The TBE's input from the ids all-to-all's ``received`` buffer (int32 or int64;
+    ``sizes``: each source's chunk, its bags' lengths slot by slot, ``batch_sizes`` a
+    slot, then their ids, then with ``weights`` their float32 bits), in one op the
+    dispatcher sees: into ``values`` the ids slot by slot, each slot's sources in rank
+    order, into ``offsets`` (of the buffer's type) its bags' offsets from 0, and into
+    ``weights`` (float32) the weights. What cutting the chunks, FBGEMM's
+    ``permute_1D_sparse_data`` and its complete cumsum give, in one pass."""
+    torch.ops.embshard.unpack(
+        received, list(sizes), list(batch_sizes), slots, values, offsets, weights
+    )
+
+
+def _unpack_cpu(
+    received: torch.Tensor,
+    sizes: list[int],
+    batch_sizes: list[int],
+    slots: int,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    weights: torch.Tensor | None,
+) -> None:
+    assert received.is_contiguous() and values.dtype == offsets.dtype == received.dtype
+    assert len(offsets) == slots * sum(batch_sizes) + 1
+    assert weights is None or weights.dtype == torch.float32
+    getattr(_library(), f"embshard_unpack_{_BITS[received.dtype]}")(
+        received.data_ptr(),
+        (ctypes.c_int64 * max(len(sizes), 1))(*sizes),
+        (ctypes.c_int64 * max(len(batch_sizes), 1))(*batch_sizes),
+        len(sizes),
+        slots,
+        weights is not None,
+        values.data_ptr(),
+        offsets.data_ptr(),
+        None if weights is None else weights.data_ptr(),
+    )
+
+
+_OPS.impl("unpack", _unpack_cpu, "CPU")
