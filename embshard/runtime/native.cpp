@@ -3,8 +3,8 @@
 // to keys, their routing stand-ins and the keys put back after bucketizing. Each does
 // what the torch operations of storage/id_map.py, runtime/keys.py and
 // runtime/dynamic_ids.py do, bit for bit, without their dozens of passes over small
-// tensors. And every batch's check and its row-wise routing, in a fraction of the time
-// of FBGEMM's scalar CPU loops.
+// tensors. And every step's batch check, row-wise routing, and packing and unpacking
+// of the ids all-to-all, in a fraction of the time of FBGEMM's scalar CPU loops.
 // Plain C entry points over raw buffers (runtime/native.py loads them with ctypes): no
 // torch headers, so building takes seconds, not minutes.
 

@@ -6,12 +6,13 @@ tensors; on CPU one C++ pass each does the same work several times faster, bit f
 bit. The batch check (``bounds_check``, an op of its own: ``torch.ops.embshard``)
 finds what FBGEMM's bounds check finds, in about a sixth of its CPU time, and the
 row-wise routing (``block_bucketize``, an op too) gives FBGEMM's bucketizer's results
-in about a third of its. The source
+in about a third of its; ``pack`` and ``unpack`` (ops too) do in one pass each what
+FBGEMM's permutes, ``cat``s and cumsum do around the ids all-to-all. The source
 needs no torch headers: the system's C++ compiler (``$CXX``, else ``c++``) builds it
 in a few seconds into ``$EMBSHARD_CACHE`` (default ``~/.cache/embshard``), once per
 source and compiler. Where it cannot be built, or with ``EMBSHARD_NATIVE=0``, the
-torch operations and FBGEMM's check and bucketizer run instead (the same results,
-slower) after one warning. CUDA tensors always take those.
+torch operations and FBGEMM's check, bucketizer and permutes run instead (the same
+results, slower) after one warning. CUDA tensors always take those.
 """
 
 from __future__ import annotations
@@ -110,10 +111,10 @@ def library() -> ctypes.CDLL | None:
     except (OSError, subprocess.CalledProcessError) as error:
         said = (getattr(error, "stderr", None) or str(error)).strip().splitlines()
         warnings.warn(
-            f"embshard: the CPU kernels (the batch check, row-wise routing, dynamic tables) "
-            f"did not build or load with {compiler!r} "
+            f"embshard: the CPU kernels (the batch check, routing and packing ids, dynamic "
+            f"tables) did not build or load with {compiler!r} "
             f"({said[-1] if said else type(error).__name__}); torch operations and FBGEMM's "
-            "check and bucketizer run instead, slower",
+            "check, bucketizer and permutes run instead, slower",
             stacklevel=2,
         )
         return None
