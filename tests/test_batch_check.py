@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from embshard.runtime import native
 from embshard.runtime.batch import fbgemm_bounds_check
+from tools.bench.ops import Tally
 
 DTYPES = [
     (lengths, ids) for lengths in (torch.int32, torch.int64) for ids in (torch.int32, torch.int64)
@@ -107,21 +108,12 @@ def test_the_kernel_checks_every_id_against_its_feature_at_the_dtype_extremes(dt
 
 
 def test_the_kernel_is_one_op_of_its_own():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    seen = []
-
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     lengths, ids = torch.ones(2, 3, dtype=torch.int64), torch.zeros(6, dtype=torch.int64)
     rows_less_one, problems = torch.zeros(2, dtype=torch.int64), torch.empty(1, dtype=torch.int64)
     routable = torch.empty_like(lengths)
-    with Ops():
+    with Tally() as tally:
         native.bounds_check(lengths, ids, rows_less_one, problems, routable)
-    assert seen == ["embshard.bounds_check.default"] and int(problems) == 0
+    assert tally.ops == {"embshard.bounds_check.default": 1} and int(problems) == 0
 
 
 def test_the_check_benchmark_times_both_checks_and_bucketizers():

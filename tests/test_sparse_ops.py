@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from embshard.runtime import native
 from embshard.runtime.sparse_ops import BucketBounds, block_bucketize, permute_1d, permute_2d
+from tools.bench.ops import Tally
 
 I32 = torch.int32
 
@@ -151,19 +152,7 @@ def test_the_kernel_bucketizes_as_fbgemm_and_the_reference(case, dtypes, weighte
     got = native.block_bucketize(
         lengths_t, ids_t, weights, native.bucket_bounds(bounds), buckets, positions
     )
-    full = torch.ops.fbgemm.block_bucketize_sparse_features(
-        lengths_t,
-        ids_t,
-        False,
-        positions,
-        torch.tensor([max(1, b[1]) for b in bounds], dtype=id_dtype),
-        buckets,
-        weights,
-        None,
-        -1,
-        [torch.tensor(b, dtype=id_dtype) for b in bounds],
-    )
-    same(got, (full[0], full[1], full[2], full[4]))
+    same(got, fbgemm_bucketize(lengths_t, ids_t, weights, bounds, positions))
     new_lengths, new_ids, order = reference_bucketize(
         lengths, ids, bounds, torch.iinfo(id_dtype).bits
     )
@@ -206,36 +195,32 @@ def check_bucketize(lengths, ids, bounds, length_dtype, id_dtype) -> None:
     assert got[0].tolist() == new_lengths and got[1].tolist() == new_ids
     assert got[3].tolist() == order
     if all(n >= 0 for bags in lengths for n in bags) and sum(map(sum, lengths)) == len(ids):
-        full = torch.ops.fbgemm.block_bucketize_sparse_features(
-            lengths_t,
-            ids_t,
-            False,
-            True,
-            torch.tensor([max(1, b[1]) for b in bounds], dtype=id_dtype),
-            buckets,
-            None,
-            None,
-            -1,
-            [torch.tensor(b, dtype=id_dtype) for b in bounds],
-        )
-        same(got, (full[0], full[1], None, full[4]))
+        same(got, fbgemm_bucketize(lengths_t, ids_t, None, bounds, True))
+
+
+def fbgemm_bucketize(lengths, ids, weights, bounds, positions):
+    """FBGEMM's bucketizer given ``bounds``: lengths, ids, weights, where each id went."""
+    full = torch.ops.fbgemm.block_bucketize_sparse_features(
+        lengths,
+        ids,
+        False,
+        positions,
+        torch.tensor([max(1, b[1]) for b in bounds], dtype=ids.dtype),
+        len(bounds[0]) - 1,
+        weights,
+        None,
+        -1,
+        [torch.tensor(b, dtype=ids.dtype) for b in bounds],
+    )
+    return full[0], full[1], full[2], full[4]
 
 
 def test_the_kernel_is_one_op_of_its_own():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    seen = []
-
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     lengths, ids = torch.tensor([1, 2]), torch.tensor([3, 9, 1])
     table = native.bucket_bounds(((0, 5, 10),))
-    with Ops():
+    with Tally() as tally:
         got = native.block_bucketize(lengths, ids, None, table, 2, False)
-    assert [s for s in seen if "empty" not in s] == ["embshard.block_bucketize.default"]
+    assert tally.ops == {"embshard.block_bucketize.default": 1}
     assert got[0].tolist() == [1, 1, 0, 1] and got[1].tolist() == [3, 1, 4]
 
 

@@ -864,18 +864,22 @@ int64_t bounds_check(const L* lengths, int64_t features, int64_t batch, const I*
 
 }  // namespace
 
+// Each (lengths, ids) dtype pair a batch's kernels take, int32 or int64, as
+// X(suffix, L, I): the kernels' C names end in the suffix (runtime/native.py's _BITS).
+#define EMBSHARD_LENGTHS_AND_IDS(X) \
+  X(32_32, int32_t, int32_t) X(32_64, int32_t, int64_t) X(64_32, int64_t, int32_t) \
+  X(64_64, int64_t, int64_t)
+
 extern "C" {
 
-// bounds_check for each (lengths, ids) dtype pair, int32 or int64, its count into *out.
-#define EMBSHARD_BOUNDS_CHECK(NAME, L, I)                                                  \
-  void NAME(const L* lengths, int64_t features, int64_t batch, const I* ids, int64_t n,   \
-            const int64_t* rows_less_one, int64_t* out, L* routable) {                    \
-    *out = bounds_check(lengths, features, batch, ids, n, rows_less_one, routable);       \
+// bounds_check for each (lengths, ids) dtype pair, its count into *out.
+#define EMBSHARD_BOUNDS_CHECK(SUFFIX, L, I)                                                   \
+  void embshard_bounds_check_##SUFFIX(const L* lengths, int64_t features, int64_t batch,     \
+                                      const I* ids, int64_t n, const int64_t* rows_less_one, \
+                                      int64_t* out, L* routable) {                           \
+    *out = bounds_check(lengths, features, batch, ids, n, rows_less_one, routable);          \
   }
-EMBSHARD_BOUNDS_CHECK(embshard_bounds_check_32_32, int32_t, int32_t)
-EMBSHARD_BOUNDS_CHECK(embshard_bounds_check_32_64, int32_t, int64_t)
-EMBSHARD_BOUNDS_CHECK(embshard_bounds_check_64_32, int64_t, int32_t)
-EMBSHARD_BOUNDS_CHECK(embshard_bounds_check_64_64, int64_t, int64_t)
+EMBSHARD_LENGTHS_AND_IDS(EMBSHARD_BOUNDS_CHECK)
 #undef EMBSHARD_BOUNDS_CHECK
 
 }  // extern "C"
@@ -1030,21 +1034,18 @@ void block_bucketize(const L* lengths, int64_t features, int64_t batch, const I*
 
 extern "C" {
 
-// block_bucketize for each (lengths, ids) dtype pair, int32 or int64, with weights of
-// 4 bytes (float32) or none. `boundaries`: [features, width]; widths 3, 5, 9 and 17
-// take the fastest path (runtime/native.py pads to them).
-#define EMBSHARD_BLOCK_BUCKETIZE(NAME, L, I)                                              \
-  void NAME(const L* lengths, int64_t features, int64_t batch, const I* ids, int64_t n,  \
-            const uint64_t* boundaries, int64_t width, int64_t buckets,                  \
-            const uint32_t* weights, L* new_lengths, I* new_ids, uint32_t* new_weights,  \
-            I* order) {                                                                  \
-    block_bucketize(lengths, features, batch, ids, n, boundaries, width, buckets,        \
-                    weights, new_lengths, new_ids, new_weights, order);                  \
+// block_bucketize for each (lengths, ids) dtype pair, with weights of 4 bytes (float32)
+// or none. `boundaries`: [features, width]; widths 3, 5, 9 and 17 take the fastest path
+// (runtime/native.py pads to them).
+#define EMBSHARD_BLOCK_BUCKETIZE(SUFFIX, L, I)                                                \
+  void embshard_block_bucketize_##SUFFIX(                                                    \
+      const L* lengths, int64_t features, int64_t batch, const I* ids, int64_t n,            \
+      const uint64_t* boundaries, int64_t width, int64_t buckets, const uint32_t* weights,   \
+      L* new_lengths, I* new_ids, uint32_t* new_weights, I* order) {                         \
+    block_bucketize(lengths, features, batch, ids, n, boundaries, width, buckets, weights,   \
+                    new_lengths, new_ids, new_weights, order);                               \
   }
-EMBSHARD_BLOCK_BUCKETIZE(embshard_block_bucketize_32_32, int32_t, int32_t)
-EMBSHARD_BLOCK_BUCKETIZE(embshard_block_bucketize_32_64, int32_t, int64_t)
-EMBSHARD_BLOCK_BUCKETIZE(embshard_block_bucketize_64_32, int64_t, int32_t)
-EMBSHARD_BLOCK_BUCKETIZE(embshard_block_bucketize_64_64, int64_t, int64_t)
+EMBSHARD_LENGTHS_AND_IDS(EMBSHARD_BLOCK_BUCKETIZE)
 #undef EMBSHARD_BLOCK_BUCKETIZE
 
 }  // extern "C"
@@ -1091,22 +1092,20 @@ void pack(const L* lengths, int64_t rows, int64_t batch, const I* ids, int64_t n
 
 extern "C" {
 
-// pack for each (lengths, ids, payload) dtype triple, int32 or int64; weights float32.
-#define EMBSHARD_PACK(NAME, L, I, D)                                                        \
-  void NAME(const L* lengths, int64_t rows, int64_t batch, const I* ids, int64_t n,        \
+// pack for each (lengths, ids) dtype pair and payload type, int32 or int64 (the names
+// end in the three's bits); weights float32.
+#define EMBSHARD_PACK(NAME, L, I, D)                                                         \
+  void NAME(const L* lengths, int64_t rows, int64_t batch, const I* ids, int64_t n,         \
             const uint32_t* weights, const int32_t* send_rows, const int64_t* rows_per_dest, \
-            int64_t dests, D* payload, int64_t size) {                                     \
-    pack(lengths, rows, batch, ids, n, weights, send_rows, rows_per_dest, dests, payload,   \
-         size);                                                                             \
+            int64_t dests, D* payload, int64_t size) {                                      \
+    pack(lengths, rows, batch, ids, n, weights, send_rows, rows_per_dest, dests, payload,    \
+         size);                                                                              \
   }
-EMBSHARD_PACK(embshard_pack_32_32_32, int32_t, int32_t, int32_t)
-EMBSHARD_PACK(embshard_pack_32_32_64, int32_t, int32_t, int64_t)
-EMBSHARD_PACK(embshard_pack_32_64_32, int32_t, int64_t, int32_t)
-EMBSHARD_PACK(embshard_pack_32_64_64, int32_t, int64_t, int64_t)
-EMBSHARD_PACK(embshard_pack_64_32_32, int64_t, int32_t, int32_t)
-EMBSHARD_PACK(embshard_pack_64_32_64, int64_t, int32_t, int64_t)
-EMBSHARD_PACK(embshard_pack_64_64_32, int64_t, int64_t, int32_t)
-EMBSHARD_PACK(embshard_pack_64_64_64, int64_t, int64_t, int64_t)
+#define EMBSHARD_PACK_TO_BOTH(SUFFIX, L, I)                 \
+  EMBSHARD_PACK(embshard_pack_##SUFFIX##_32, L, I, int32_t) \
+  EMBSHARD_PACK(embshard_pack_##SUFFIX##_64, L, I, int64_t)
+EMBSHARD_LENGTHS_AND_IDS(EMBSHARD_PACK_TO_BOTH)
+#undef EMBSHARD_PACK_TO_BOTH
 #undef EMBSHARD_PACK
 
 }  // extern "C"
