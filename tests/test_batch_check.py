@@ -1,4 +1,4 @@
-"""The CPU batch check (runtime/native.cpp's bounds check, an op of its own) against a
+"""The CPU batch check (runtime/native_batch.cpp's bounds check, an op of its own) against a
 plain reference written here and against FBGEMM's ``bounds_check_indices`` as
 runtime/batch.py calls it where the kernel does not run (CUDA): the same batches are
 bad, for every (lengths, ids) dtype pair, empty bags and batches included."""

@@ -1,7 +1,7 @@
 """The id map against a plain reference written here: Python lists of slots per bucket,
 the same policies and tie rules, and the hashes on Python ints (with the key hash's
 inverse, to show it is one-to-one). Every test runs twice on CPU: on the fused kernel
-(runtime/native.cpp) and on the torch operations that CUDA runs."""
+(runtime/native_dynamic.cpp) and on the torch operations that CUDA runs."""
 
 from __future__ import annotations
 

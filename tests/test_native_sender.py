@@ -1,4 +1,4 @@
-"""The sender's fused CPU kernels (runtime/native.cpp) against DynamicIds' torch
+"""The sender's fused CPU kernels (runtime/native_dynamic.cpp) against DynamicIds' torch
 operations: the same keys, stand-ins and put-back ids, bit for bit, for static,
 dynamic and managed-collision features mixed, with empty bags and features."""
 

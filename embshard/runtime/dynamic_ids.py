@@ -11,7 +11,7 @@ A managed-collision table's raw ids (``Routes.feature_ranges``) are routed the s
 unhashed: by input range, each range's ids to one row block (its first row the stand-in,
 blocks of any sizes), as TorchRec's sharded managed-collision modules route them.
 
-On CPU each step is one pass of a fused kernel (``runtime/native.cpp``) where torch
+On CPU each step is one pass of a fused kernel (``runtime/native_dynamic.cpp``) where torch
 needs a per-id feature and several passes over all ids; the torch operations stay for
 CUDA and where the kernels cannot be built, with the same results.
 """

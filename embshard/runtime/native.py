@@ -1,4 +1,5 @@
-"""embshard's fused CPU kernels (``native.cpp``), built on first use and loaded with ctypes.
+"""embshard's fused CPU kernels (``native_batch.cpp``: every step's stage 1;
+``native_dynamic.cpp``: dynamic tables), built on first use and loaded with ctypes.
 
 The id map's remap, the initial rows of admitted keys, and the sender's raw ids to
 keys, routing stand-ins and keys put back are dozens of torch operations over small
@@ -7,10 +8,10 @@ bit. The batch check (``bounds_check``, an op of its own: ``torch.ops.embshard``
 finds what FBGEMM's bounds check finds, in about a sixth of its CPU time, and the
 row-wise routing (``block_bucketize``, an op too) gives FBGEMM's bucketizer's results
 in about a third of its; ``pack`` and ``unpack`` (ops too) do in one pass each what
-FBGEMM's permutes, ``cat``s and cumsum do around the ids all-to-all. The source
-needs no torch headers: the system's C++ compiler (``$CXX``, else ``c++``) builds it
+FBGEMM's permutes, ``cat``s and cumsum do around the ids all-to-all. The sources
+need no torch headers: the system's C++ compiler (``$CXX``, else ``c++``) builds them
 in a few seconds into ``$EMBSHARD_CACHE`` (default ``~/.cache/embshard``), once per
-source and compiler. Where it cannot be built, or with ``EMBSHARD_NATIVE=0``, the
+sources and compiler. Where they cannot be built, or with ``EMBSHARD_NATIVE=0``, the
 torch operations and FBGEMM's check, bucketizer and permutes run instead (the same
 results, slower) after one warning. CUDA tensors always take those.
 """
@@ -31,15 +32,15 @@ from pathlib import Path
 import torch
 from torch.autograd.graph import increment_version
 
-_SOURCE = Path(__file__).with_name("native.cpp")
+_SOURCES = tuple(Path(__file__).with_name(f) for f in ("native_batch.cpp", "native_dynamic.cpp"))
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _BITS = {torch.int32: 32, torch.int64: 64}
-_BOUND_WIDTHS = (3, 5, 9, 17)  # native.cpp's block_bucketize, compiled for each
+_BOUND_WIDTHS = (3, 5, 9, 17)  # native_batch.cpp's block_bucketize, compiled for each
 
 
 class Slots(ctypes.Structure):
-    """An id map's slot table and index (``native.cpp``'s ``Slots``)."""
+    """An id map's slot table and index (``native_dynamic.cpp``'s ``Slots``)."""
 
     _fields_ = [
         ("keys", _P),
@@ -56,7 +57,7 @@ class Slots(ctypes.Structure):
 
 
 class Spec(ctypes.Structure):
-    """A remap call's map and rules (``native.cpp``'s ``Spec``)."""
+    """A remap call's map and rules (``native_dynamic.cpp``'s ``Spec``)."""
 
     _fields_ = [
         ("buckets", _I),
@@ -73,7 +74,7 @@ class Spec(ctypes.Structure):
 
 
 class Result(ctypes.Structure):
-    """What a remap call did (``native.cpp``'s ``Result``)."""
+    """What a remap call did (``native_dynamic.cpp``'s ``Result``)."""
 
     _fields_ = [
         ("rows", _P),
@@ -89,7 +90,7 @@ class Result(ctypes.Structure):
 
 
 class Routing(ctypes.Structure):
-    """A DynamicIds' settings per feature (``native.cpp``'s ``Routing``)."""
+    """A DynamicIds' settings per feature (``native_dynamic.cpp``'s ``Routing``)."""
 
     _fields_ = [(name, _P) for name in ("width", "last", "rows", "ranged", "base", "firsts")]
 
@@ -166,12 +167,12 @@ def _library() -> ctypes.CDLL:
 
 
 def _built(compiler: str) -> Path:
-    """The shared library of the source, built into the cache unless it is there."""
-    source = _SOURCE.read_bytes()
+    """The shared library of the sources, built into the cache unless it is there."""
+    sources = [s.read_bytes() for s in _SOURCES]
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True
     ).stdout
-    digest = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), version.encode()]))
+    digest = hashlib.sha256(b"\0".join([*sources, " ".join(_FLAGS).encode(), version.encode()]))
     default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "embshard"
     cache = Path(os.environ.get("EMBSHARD_CACHE", default))
     path = cache / f"native-{digest.hexdigest()[:16]}.so"
@@ -183,7 +184,7 @@ def _built(compiler: str) -> Path:
     with tempfile.TemporaryDirectory(dir=cache) as scratch:
         built = Path(scratch) / path.name
         subprocess.run(
-            [compiler, *_FLAGS, "-o", str(built), str(_SOURCE)],
+            [compiler, *_FLAGS, "-o", str(built), *map(str, _SOURCES)],
             capture_output=True,
             text=True,
             check=True,

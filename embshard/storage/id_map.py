@@ -512,7 +512,7 @@ class IdMap:
         )
 
     def _remap_native(self, keys: torch.Tensor, step: int) -> RemapResult:
-        """``remap`` on CPU in one call of the fused kernel (``runtime/native.cpp``),
+        """``remap`` on CPU in one call of the fused kernel (``runtime/native_dynamic.cpp``),
         which follows the same rules; no host sync beyond its counts."""
         keys, spec = keys.contiguous(), self.spec
         lowest, highest = self._key_range()
