@@ -314,3 +314,21 @@ def test_the_unpack_kernel_takes_the_bags_slot_by_slot(case, dtype, weighted):
     assert offsets.tolist() == [0, *itertools.accumulate(lengths_in_order)]
     if weighted:
         assert weights.view(torch.int32).tolist() == weights_in_order
+
+
+def test_the_kernels_take_strided_ids_and_weights():
+    """Ids and weights that are views with strides (a KJT's may be) bucketize and pack
+    as their contiguous copies do."""
+    lengths = torch.tensor([2, 1, 0, 3])  # 2 features, 2 bags each
+    ids, weights = torch.arange(12)[::2], torch.randn(12)[::2]
+    bounds = ((0, 4, 8), (0, 6, 11))
+    got = native.block_bucketize(lengths, ids, weights, native.bucket_bounds(bounds), 2, True)
+    same(got, fbgemm_bucketize(lengths, ids.contiguous(), weights.contiguous(), bounds, True))
+    table = torch.tensor([[2, 9, 1], [0, 9, 3]])[:, ::2]  # rows of 2 bags, strided
+    send_rows = torch.tensor([1, 0], dtype=torch.int32)
+    payloads = []
+    for kept in ((ids, weights), (ids.contiguous(), weights.contiguous())):
+        payload = torch.empty(2 * 2 + 2 * 6, dtype=torch.int64)
+        native.pack(table, *kept, send_rows, [1, 1], payload)
+        payloads.append(payload)
+    assert torch.equal(*payloads)

@@ -26,7 +26,7 @@ import os
 import subprocess
 import tempfile
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -166,6 +166,19 @@ def _library() -> ctypes.CDLL:
     return lib
 
 
+def _kernel(name: str, *typed: torch.Tensor) -> Callable[..., None]:
+    """Kernel ``name``'s copy for the dtypes of ``typed`` (its C name ends in their
+    bits, ``embshard_{name}_32_64``)."""
+    return getattr(
+        _library(), "_".join([f"embshard_{name}", *(str(_BITS[t.dtype]) for t in typed)])
+    )
+
+
+def _int64s(values: Sequence[int]) -> ctypes.Array:
+    """``values`` as a C array of int64 (one element at least, for an empty list)."""
+    return (ctypes.c_int64 * max(len(values), 1))(*values)
+
+
 def _built(compiler: str) -> Path:
     """The shared library of the sources, built into the cache unless it is there."""
     sources = [s.read_bytes() for s in _SOURCES]
@@ -257,7 +270,7 @@ def admit_rows(
     keys, rows = keys.to(torch.int64).contiguous(), rows.to(torch.int64).contiguous()
     pointers = (_P * max(len(states), 1))(*(s.data_ptr() for s in states))
     strides, widths = (
-        (ctypes.c_int64 * max(len(states), 1))(*values)
+        _int64s(values)
         for values in (
             [s.stride(0) * s.element_size() for s in states],
             [s.shape[1] * s.element_size() for s in states],
@@ -374,18 +387,16 @@ def _bounds_check_cpu(
 ) -> None:
     assert routable.is_contiguous() and routable.shape == lengths.shape
     assert routable.dtype == lengths.dtype
-    lengths, values = lengths.contiguous(), values.contiguous()
-    kernel = getattr(
-        _library(), f"embshard_bounds_check_{_BITS[lengths.dtype]}_{_BITS[values.dtype]}"
-    )
+    # Held by name: a pointer into a temporary's memory would outlive it.
+    lengths, values, rows_less_one = (t.contiguous() for t in (lengths, values, rows_less_one))
     features, batch = lengths.shape
-    kernel(
+    _kernel("bounds_check", lengths, values)(
         lengths.data_ptr(),
         features,
         batch,
         values.data_ptr(),
         values.numel(),
-        rows_less_one.contiguous().data_ptr(),
+        rows_less_one.data_ptr(),
         problems.data_ptr(),
         routable.data_ptr(),
     )
@@ -446,13 +457,12 @@ def _block_bucketize_cpu(
     order: torch.Tensor | None,
 ) -> None:
     features, width = boundaries.shape
+    assert lengths.numel() % features == 0, "lengths: a batch of bags for every feature"
     buckets = new_lengths.numel() // lengths.numel()
     assert weights is None or weights.dtype == torch.float32
     lengths, values, boundaries = lengths.contiguous(), values.contiguous(), boundaries.contiguous()
-    kernel = getattr(
-        _library(), f"embshard_block_bucketize_{_BITS[lengths.dtype]}_{_BITS[values.dtype]}"
-    )
-    kernel(
+    weights = None if weights is None else weights.contiguous()
+    _kernel("block_bucketize", lengths, values)(
         lengths.data_ptr(),
         features,
         lengths.numel() // features,
@@ -461,7 +471,7 @@ def _block_bucketize_cpu(
         boundaries.data_ptr(),
         width,
         buckets,
-        None if weights is None else weights.contiguous().data_ptr(),
+        None if weights is None else weights.data_ptr(),
         new_lengths.data_ptr(),
         new_values.data_ptr(),
         None if new_weights is None else new_weights.data_ptr(),
@@ -506,20 +516,17 @@ def _pack_cpu(
     assert payload.is_contiguous() and send_rows.dtype == torch.int32
     assert weights is None or weights.dtype == torch.float32
     lengths, values, send_rows = lengths.contiguous(), values.contiguous(), send_rows.contiguous()
-    kernel = getattr(
-        _library(),
-        f"embshard_pack_{_BITS[lengths.dtype]}_{_BITS[values.dtype]}_{_BITS[payload.dtype]}",
-    )
+    weights = None if weights is None else weights.contiguous()
     rows, batch = lengths.shape
-    kernel(
+    _kernel("pack", lengths, values, payload)(
         lengths.data_ptr(),
         rows,
         batch,
         values.data_ptr(),
         values.numel(),
-        None if weights is None else weights.contiguous().data_ptr(),
+        None if weights is None else weights.data_ptr(),
         send_rows.data_ptr(),
-        (ctypes.c_int64 * max(len(rows_per_dest), 1))(*rows_per_dest),
+        _int64s(rows_per_dest),
         len(rows_per_dest),
         payload.data_ptr(),
         payload.numel(),
@@ -568,10 +575,10 @@ def _unpack_cpu(
     assert received.is_contiguous() and values.dtype == offsets.dtype == received.dtype
     assert len(offsets) == slots * sum(batch_sizes) + 1
     assert weights is None or weights.dtype == torch.float32
-    getattr(_library(), f"embshard_unpack_{_BITS[received.dtype]}")(
+    _kernel("unpack", received)(
         received.data_ptr(),
-        (ctypes.c_int64 * max(len(sizes), 1))(*sizes),
-        (ctypes.c_int64 * max(len(batch_sizes), 1))(*batch_sizes),
+        _int64s(sizes),
+        _int64s(batch_sizes),
         len(sizes),
         slots,
         weights is not None,
