@@ -10,6 +10,17 @@
 #include <utility>
 #include <vector>
 
+namespace {
+
+// Where a bag that starts at `at` ends among `n` ids: its length cut short where it is
+// negative or runs past them, so that a bad batch's bags never read out of bounds.
+template <typename L>
+int64_t bag_end(int64_t at, L length, int64_t n) {
+  return std::min(n, at + std::max<int64_t>(length, 0));
+}
+
+}  // namespace
+
 // The batch check (runtime/batch.py): how many problems a batch has, in two passes over
 // its lengths table [features, batch] and its ids, feature by feature: 1 for lengths
 // that are negative or do not add up to the `n` ids, else the ids outside
@@ -142,13 +153,13 @@ void count_buckets(const L* lengths, int64_t features, int64_t batch, const I* i
     const uint64_t* bounds = boundaries + f * width;
     Span span{at, at, f * batch};
     for (int64_t bag = span.bag; bag < span.bag + batch; ++bag)
-      span.end = std::min(n, span.end + std::max<int64_t>(lengths[bag], 0));
+      span.end = bag_end(span.end, lengths[bag], n);
     spans[f] = span;
     int64_t only = only_bucket(bounds, buckets);
     if (only >= 0 && !all_below(ids, span.first, span.end, bounds[buckets])) only = -1;
     whole[f] = only;
     for (int64_t bag = span.bag; bag < span.bag + batch; ++bag) {
-      const int64_t end = std::min(n, at + std::max<int64_t>(lengths[bag], 0));
+      const int64_t end = bag_end(at, lengths[bag], n);
       if (only >= 0) {
         new_lengths[only * bags + bag] = static_cast<L>(end - at);
         at = end;
@@ -206,7 +217,7 @@ void block_bucketize(const L* lengths, int64_t features, int64_t batch, const I*
     }
     int64_t at = span.first;
     for (int64_t bag = span.bag; bag < span.bag + batch; ++bag) {
-      const int64_t end = std::min(n, at + std::max<int64_t>(lengths[bag], 0));
+      const int64_t end = bag_end(at, lengths[bag], n);
       for (; at < end; ++at) {
         const uint32_t code = codes[at], p = code & ~kOutside;
         U id = static_cast<U>(ids[at]);
@@ -261,7 +272,7 @@ void pack(const L* lengths, int64_t rows, int64_t batch, const I* ids, int64_t n
   for (int64_t r = 0; r < rows; ++r) {
     int64_t total = 0;
     for (int64_t b = 0; b < batch; ++b) total += lengths[r * batch + b];
-    first[r + 1] = std::min(n, first[r] + std::max<int64_t>(total, 0));
+    first[r + 1] = bag_end(first[r], total, n);
   }
   int64_t at = 0;
   const int32_t* row = send_rows;
@@ -335,7 +346,7 @@ void unpack(const D* received, const int64_t* sizes, const int64_t* batch_sizes,
     for (int64_t s = 0; s < slots; ++s) {
       first[r * slots + s] = taken;
       for (int64_t j = s * batch_sizes[r]; j < (s + 1) * batch_sizes[r]; ++j)
-        taken += std::clamp<int64_t>(at[j], 0, count - taken);
+        taken = bag_end(taken, at[j], count);
     }
     at += sizes[r];
   }
@@ -347,7 +358,7 @@ void unpack(const D* received, const int64_t* sizes, const int64_t* batch_sizes,
       const int64_t start = first[r * slots + s];
       int64_t taken = start;
       for (int64_t j = s * batch_sizes[r]; j < (s + 1) * batch_sizes[r]; ++j) {
-        taken += std::clamp<int64_t>(chunk.lengths[j], 0, chunk.count - taken);
+        taken = bag_end(taken, chunk.lengths[j], chunk.count);
         offsets[++bag] = static_cast<D>(out + taken - start);
       }
       std::copy(chunk.ids + start, chunk.ids + taken, values + out);
