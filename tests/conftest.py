@@ -42,3 +42,11 @@ def cuda_world() -> Iterator[Callable[[int], World]]:
     rank; several ranks run gloo over CUDA tensors, since NCCL refuses two ranks on
     one device."""
     yield from _worlds(lambda n: World(n, "nccl" if n == 1 else "gloo", cuda=True))
+
+
+@pytest.fixture(scope="session")
+def fbgemm_world() -> Iterator[Callable[[int], World]]:
+    """``fbgemm_world(n)``: a shared world of ``n`` gloo ranks with embshard's CPU
+    kernels off (``EMBSHARD_NATIVE=0``), so the step runs the FBGEMM and torch
+    operations a GPU runs."""
+    yield from _worlds(lambda n: World(n, env={"EMBSHARD_NATIVE": "0"}))

@@ -38,7 +38,7 @@ CELLS = [(POOLED, plan) for plan in bench.PLANS] + [(SEQUENCE, "table_wise"), (S
 # Without them (CUDA, or the kernels off) FBGEMM's check takes the ids less one, the
 # bags' offsets (at W > 1 for it alone) and, where ids are bucketized, a validity flag
 # and stand-in lengths (up to 5 ops more), and at W > 1 packing and unpacking take
-# FBGEMM's permutes, cats and cumsum (4 more).
+# FBGEMM's permutes, cats and cumsum (4 more): tests/test_fbgemm_path.py's budget.
 BUDGET = {
     1: {
         ("pooled", "table_wise"): [5],

@@ -26,7 +26,10 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 RUN_TIMEOUT = float(os.environ.get("EMBSHARD_TEST_WORLD_TIMEOUT", 180))
 
 
-def _serve(rank: int, size: int, store_path: str, conn: Any, backend: str, cuda: bool) -> None:
+def _serve(
+    rank: int, size: int, store_path: str, conn: Any, backend: str, cuda: bool, env: dict
+) -> None:
+    os.environ.update(env)  # before embshard reads it
     import torch
     import torch.distributed as dist
 
@@ -57,9 +60,12 @@ def _serve(rank: int, size: int, store_path: str, conn: Any, backend: str, cuda:
 
 class World:
     """``size`` ranks in their own processes, one process group of ``backend``;
-    ``cuda``: each rank's current device is GPU 0."""
+    ``cuda``: each rank's current device is GPU 0; ``env``: set in each rank's
+    environment before it imports anything."""
 
-    def __init__(self, size: int, backend: str = "gloo", cuda: bool = False) -> None:
+    def __init__(
+        self, size: int, backend: str = "gloo", cuda: bool = False, env: dict | None = None
+    ) -> None:
         self.size = size
         self._dir = tempfile.TemporaryDirectory(prefix=f"embshard-world{size}-")
         store = os.path.join(self._dir.name, "store")
@@ -68,7 +74,9 @@ class World:
         for rank in range(size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
-                target=_serve, args=(rank, size, store, child, backend, cuda), daemon=True
+                target=_serve,
+                args=(rank, size, store, child, backend, cuda, env or {}),
+                daemon=True,
             )
             proc.start()
             self._conns.append(parent)
