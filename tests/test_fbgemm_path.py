@@ -1,8 +1,9 @@
-"""The step a GPU runs, checked on CPU: embshard's CPU kernels off (``EMBSHARD_NATIVE=0``),
-so the batch check, routing, packing and unpacking are FBGEMM's and torch's operations,
-as on CUDA, where the kernels do not run. The rest of the suite steps with the kernels; these
-keep the GPU's path against the same oracles (the unsharded TorchRec module, the
-dynamic tables' reference) and within its own op and host-read budgets.
+"""The step a GPU runs, checked on CPU: embshard's CPU kernels off
+(``EMBSHARD_NATIVE=0``), so the batch check, routing, packing and unpacking are FBGEMM's
+and torch's operations, as on CUDA, where the kernels do not run. The rest of the
+suite steps with the kernels; these tests keep the GPU's path to the same oracles (the
+unsharded TorchRec module, the dynamic tables' reference) and to its own op and
+host-read budgets.
 """
 
 from __future__ import annotations
