@@ -120,6 +120,12 @@ def count_syncs(case: Case) -> dict:
 
 
 def test_a_step_reads_back_from_the_device_once(world):
+    check_one_read_a_step(world)
+
+
+def check_one_read_a_step(world) -> None:
+    """On ``world(2)``: one host read in the forward, none in the backward, and no op
+    that reads a size back; the step the unsharded module's."""
     case = Case(TABLES, PLAN, (5, 3))
     for report in world(2).run(count_syncs, case):
         assert report["forward_reads"] == ["tolist"], report["forward_reads"]

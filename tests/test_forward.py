@@ -477,6 +477,12 @@ def forward_in_every_id_dtype(case: Case) -> dict[str, object]:
 
 
 def test_ids_and_lengths_of_either_index_dtype_match_unsharded_and_are_checked(world):
+    check_either_index_dtype(world)
+
+
+def check_either_index_dtype(world) -> None:
+    """Every (ids, lengths) dtype pair on ``world(2)``: the oracle's forward, and an id
+    past its table refused on every rank."""
     case = Case(TABLES, plans(2)["mixed"], (5, 3))
     for found in world(2).run(forward_in_every_id_dtype, case):
         for ids, lengths in ID_DTYPES:
@@ -567,6 +573,12 @@ def forward_with_bad_input_on_rank_1(case: Case):
 
 
 def test_bad_input_on_one_rank_raises_on_every_rank(world):
+    check_bad_input_raises_on_every_rank(world)
+
+
+def check_bad_input_raises_on_every_rank(world) -> None:
+    """Each bad batch of ``bad_batches`` on rank 1 of ``world(3)``: the same error on
+    every rank, naming rank 1 and what was wrong, within 30 s."""
     case = Case(TABLES, plans(3)["mixed"], (4, 5, 3))
     reports = world(3).run(forward_with_bad_input_on_rank_1, case, timeout=120)
     for expected in bad_batches(case):
