@@ -61,7 +61,7 @@ def _serve(
 class World:
     """``size`` ranks in their own processes, one process group of ``backend``;
     ``cuda``: each rank's current device is GPU 0; ``env``: set in each rank's
-    environment before it imports anything."""
+    environment before it imports torch."""
 
     def __init__(
         self, size: int, backend: str = "gloo", cuda: bool = False, env: dict | None = None
