@@ -26,6 +26,7 @@ from test_forward import (
     tables_for,
 )
 from test_ops import check_op_budget
+from test_pipeline import check_bad_next_batch, check_pipeline_bit_exact
 from test_sequence import TABLES as SEQUENCE_TABLES
 from test_sequence import plans as sequence_plans
 
@@ -86,6 +87,15 @@ def test_ids_and_lengths_of_either_index_dtype(fbgemm_world):
 
 def test_a_step_reads_back_from_the_device_once(fbgemm_world):
     check_one_read_a_step(fbgemm_world)
+
+
+def test_pipeline_is_bit_exact_with_the_plain_loop(fbgemm_world):
+    """The next batch's check, routing and packing run a step ahead."""
+    check_pipeline_bit_exact(fbgemm_world)
+
+
+def test_a_bad_next_batch_raises_at_the_step_that_uses_it(fbgemm_world):
+    check_bad_next_batch(fbgemm_world)
 
 
 # Working ops a step on this path, in tests/test_ops.py's cells (its BUDGET is the CPU

@@ -115,6 +115,12 @@ def pipeline_and_plain_loop(case: Case) -> dict:
 
 
 def test_pipeline_is_bit_exact_with_the_plain_loop(world):
+    check_pipeline_bit_exact(world)
+
+
+def check_pipeline_bit_exact(world) -> None:
+    """On ``world(2)``: the pipeline's outputs, tables and dense weights equal the plain
+    loop's, bit for bit, with each next batch distributed a step ahead."""
     case = Case(TABLES, PLAN, (5, 3))
     for result in world(2).run(pipeline_and_plain_loop, case):
         (plain_out, plain_tables, plain_head) = result["plain"]
@@ -144,6 +150,12 @@ def bad_batch_in_the_pipeline(case: Case) -> dict:
 
 
 def test_a_bad_next_batch_raises_at_the_step_that_uses_it(world):
+    check_bad_next_batch(world)
+
+
+def check_bad_next_batch(world) -> None:
+    """On ``world(2)``: a bad batch distributed a step ahead raises on every rank at the
+    step that uses it, not before."""
     case = Case(TABLES, PLAN, (5, 3))
     reports = world(2).run(bad_batch_in_the_pipeline, case)
     # Steps 0 and 1 ran, although step 2's batch was distributed during step 1.
