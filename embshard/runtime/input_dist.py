@@ -442,8 +442,7 @@ class InputDistribution:
         CPU one kernel (``native.unpack``); elsewhere FBGEMM's permute and cumsum."""
         if native.available(received):
             slots = self.slots_per_rank[self.rank]
-            ids = sum(size - slots * b for size, b in zip(recv_sizes, batch_sizes))
-            ids //= self.ids_per_element
+            ids = sum(self.ids_received(recv_sizes, batch_sizes))
             values = self.scratch.take("tbe_ids", (ids,), received)
             offsets = self.scratch.take("tbe_offsets", (slots * sum(batch_sizes) + 1,), received)
             weights = None
@@ -467,15 +466,24 @@ class InputDistribution:
             self._slot_major = (key, order)
         return self._slot_major[1]
 
+    def ids_received(self, recv_sizes: list[int], batch_sizes: list[int]) -> list[int]:
+        """The ids in each source's chunk: what follows its slots' bag lengths, less
+        the weights' bits."""
+        slots = self.slots_per_rank[self.rank]
+        return [
+            (size - slots * batch) // self.ids_per_element
+            for size, batch in zip(recv_sizes, batch_sizes)
+        ]
+
     def received_bags(
         self, received: torch.Tensor, recv_sizes: list[int], batch_sizes: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Bag lengths, ids and weights as they arrived: (source, slot, sample)."""
         slots = self.slots_per_rank[self.rank]
+        counts = self.ids_received(recv_sizes, batch_sizes)
         lengths, ids, weights = [], [], []
-        for chunk, size, batch_size in zip(received.split(recv_sizes), recv_sizes, batch_sizes):
+        for chunk, count, batch_size in zip(received.split(recv_sizes), counts, batch_sizes):
             start = slots * batch_size
-            count = (size - start) // self.ids_per_element
             lengths.append(chunk[:start])
             ids.append(chunk[start : start + count])
             weights.append(chunk[start + count :])
