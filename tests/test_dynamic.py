@@ -12,9 +12,10 @@ import random
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from test_id_map import Reference, ref_bucket, ref_initial, ref_key
+from torch.profiler import ProfilerActivity, profile
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 
 import embshard
@@ -425,6 +426,37 @@ def test_sharded_dynamic_table_equals_the_reference(world, name: str) -> None:
     _check(world(case.world).run(_run_case, case))
 
 
+def _collectives(case: Case, dynamic: bool) -> list[int]:
+    """Backend collectives (gloo's profiler events) of each step's forward and backward,
+    with table "d" dynamic or static (its raw ids then folded onto its rows)."""
+    torch.manual_seed(0)
+    sharded = embshard.shard(
+        EmbeddingBagCollection(tables=configs(case.rows)),
+        ShardingPlan(case.plan),
+        optimizer=case.optimizer,
+        dynamic={"d": case.spec} if dynamic else None,
+    )
+    rank, counts = torch.distributed.get_rank(), []
+    for ranks in stream(case):
+        dyn, stat, upstream = ranks[rank]
+        if not dynamic:
+            dyn = [[[i % case.rows for i in bag] for bag in feature] for feature in dyn]
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            (sharded(kjt(dyn, stat)).values() * upstream).sum().backward()
+        counts.append(sum(e.name.startswith("gloo:") for e in prof.events()))
+    return counts
+
+
+@pytest.mark.parametrize("name", ["w3_uneven_row_wise_lfu", "w2_table_wise_ttl_adagrad"])
+def test_a_dynamic_table_adds_no_collective_to_a_step(world, name: str) -> None:
+    # The counts exchange, the ids and pooled all-to-alls and the pooled gradient's, as
+    # with the table static: the remaps run on the ids each owner received.
+    case = CASES[name]
+    dynamic = world(case.world).run(_collectives, case, True)
+    static = world(case.world).run(_collectives, case, False)
+    assert dynamic == static == [[4] * case.steps] * case.world
+
+
 # On the GPU: NCCL at one rank, gloo over CUDA tensors for ranks sharing it. FBGEMM's
 # CUDA kernels sum and update in another order than the CPU reference: within 1e-4.
 GPU_CASES = [
@@ -446,9 +478,11 @@ def test_dynamic_tables_on_the_gpu_equal_the_reference(cuda_world, name: str) ->
 @settings(
     max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
+@example(seed=1, world_size=1, policy="lfu", admit_after=2, pool=30, buckets=3)
+@example(seed=2, world_size=4, policy="ttl", admit_after=1, pool=60, buckets=6)
 @given(
     seed=st.integers(0, 2**31),
-    world_size=st.sampled_from([2, 3]),
+    world_size=st.sampled_from([1, 2, 3, 4]),
     policy=st.sampled_from(["lru", "lfu", "ttl"]),
     admit_after=st.integers(1, 3),
     pool=st.integers(len(EXTREMES), 60),

@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from test_dynamic import (
     DIM,
@@ -218,9 +218,15 @@ def test_sharded_dynamic_sequence_table_equals_the_reference(world, name: str) -
 @settings(
     max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
+@example(
+    seed=1, world_size=1, policy="lfu", admit_after=2, pool=30, buckets=3, static="column_wise"
+)
+@example(
+    seed=2, world_size=4, policy="ttl", admit_after=1, pool=60, buckets=6, static="column_wise"
+)
 @given(
     seed=st.integers(0, 2**31),
-    world_size=st.sampled_from([2, 3]),
+    world_size=st.sampled_from([1, 2, 3, 4]),
     policy=st.sampled_from(["lru", "lfu", "ttl"]),
     admit_after=st.integers(1, 3),
     pool=st.integers(len(EXTREMES), 60),
