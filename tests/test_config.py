@@ -125,6 +125,14 @@ def broken(change) -> dict:
             "config.yaml.data.drift.turnover_steps: must be at least 1",
         ),
         (
+            lambda d: d.update(data={"drift": {"live": {"users": 10}}}),
+            r"config.yaml.data.drift.live: 'users' is no table a feature draws from \[",
+        ),
+        (
+            lambda d: d.update(data={"drift": {"live": {"user": 0.5}}}),
+            r"config.yaml.data.drift.live.user: expected a count of ids above 0, got 0.5",
+        ),
+        (
             lambda d: d.update(device="gpu"),
             r"config.yaml.device: expected one of \['auto', 'cpu', 'cuda'\], got 'gpu'",
         ),

@@ -315,3 +315,16 @@ def test_drifting_features_of_one_table_share_its_ids():
     raw = {f: set(ids.tolist()) for f, _, ids in data._draw(3, "train")[2]}
     assert len(raw["item_id"] & raw["last_item"]) > 0.5 * len(raw["item_id"])
     assert not raw["user_id"] & raw["item_id"]
+
+
+def test_drifting_ids_live_by_table_are_the_same_stream_whatever_its_rows():
+    from embshard.app.config import DriftConfig
+
+    def stream(rows: int, live: dict[str, int] | None) -> torch.Tensor:
+        tables = [TableConfig("user", rows, 8, ["user_id"], mean_pooling=8)]
+        data = SyntheticData(tables, 5, 256, 0, 0, DriftConfig(0.5, 10, live))
+        return raw_ids(data, 7)
+
+    assert torch.equal(stream(1000, {"user": 500}), stream(1000, None))  # 0.5 a row
+    assert torch.equal(stream(1600, {"user": 500}), stream(1000, None))
+    assert not torch.equal(stream(1600, None), stream(1000, None))

@@ -13,6 +13,7 @@ import os
 import re
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -148,6 +149,7 @@ class DriftConfig:
 
     live_per_row: float = 1.0  # ids live at a time, per row of the feature's table
     turnover_steps: int = 1000  # steps in which as many ids are born as are live
+    live: dict[str, int] | None = None  # ids live at a time by table, in place of per row
 
 
 @dataclass(frozen=True)
@@ -445,6 +447,25 @@ def _check_plan(config: TrainConfig, where: str, world_size: int | None = None) 
         raise ConfigError(f"{where}.plan: {e}") from None
 
 
+def first_tables(tables: Sequence[TableConfig]) -> dict[str, str]:
+    """Each feature's first table, by name: the one whose ids synthetic data draws."""
+    return {f: t.name for t in reversed(tables) for f in t.features}
+
+
+def _check_live(config: TrainConfig, where: str) -> None:
+    """``drift.live``: positive counts of ids, by the name of a table that a feature
+    draws from (its first)."""
+    live = config.data.drift.live or {}
+    drawn = set(first_tables(config.tables).values())
+    for table, count in live.items():
+        if table not in drawn:
+            raise ConfigError(
+                f"{where}: {table!r} is no table a feature draws from {sorted(drawn)}"
+            )
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ConfigError(f"{where}.{table}: expected a count of ids above 0, got {count!r}")
+
+
 def _check_dynamic(config: TrainConfig, where: str, use: Use) -> None:
     """Each dynamic table's map fits its rows, its features feed it alone (their ids
     are raw, no other table's rows), and it is sharded a way it can be."""
@@ -532,6 +553,7 @@ def _check(config: TrainConfig, where: str, use: Use, check_files: bool) -> None
             raise ConfigError(f"{where}.data.drift.live_per_row: must be above 0")
         if data.drift.turnover_steps < 1:
             raise ConfigError(f"{where}.data.drift.turnover_steps: must be at least 1")
+        _check_live(config, f"{where}.data.drift.live")
     if data.type == "criteo":
         if config.dense_in_features != CRITEO_DENSE:
             raise ConfigError(f"{where}.model.dense_in_features: Criteo has {CRITEO_DENSE}")

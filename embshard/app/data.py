@@ -24,6 +24,7 @@ from embshard.app.config import (
     DriftConfig,
     TableConfig,
     TrainConfig,
+    first_tables,
 )
 from embshard.errors import EmbshardError
 
@@ -143,13 +144,14 @@ class SyntheticData:
         self.feature_salt = {f: _stable_seed(seed, f) % (1 << 16) for f in self.rows}
         # The features of one table draw from one id space (item_id and last_item: the
         # same items), salted by the table (a feature's first).
-        table_of = {f: t.name for t in reversed(tables) for f in t.features}
+        table_of = first_tables(tables)
         self.drift = (
             {}
             if drift is None
             else {
                 f: Drift(
-                    live := max(1, round(drift.live_per_row * rows)),
+                    live := (drift.live or {}).get(table_of[f])
+                    or max(1, round(drift.live_per_row * rows)),
                     live / drift.turnover_steps,
                     _stable_seed(seed, "drift", table_of[f]) & _MASK63,
                 )
