@@ -1,6 +1,6 @@
 """A config with dynamic tables against its static twin: the same model, data and memory,
 each dynamic table made static (its raw ids hashed onto its rows, where ids live at
-the same time collide).
+the same time collide) with as many more rows as its id map's bytes would hold.
 
     PYTHONPATH=$PWD .venv/bin/python tools/compare_dynamic.py configs/dynamic.yaml \\
         [--nproc 2] [--steps N] [--json out.json]
@@ -21,13 +21,31 @@ from pathlib import Path
 
 import yaml
 
+from embshard.app.config import load_config
+from embshard.storage.optimizers import state_values
+
 COMMAND = [sys.executable, "-c", "from embshard.app.cli import main; main()", "train"]
 
 
-def twin(config: dict) -> dict:
-    """``config`` with every table static."""
-    tables = [{k: v for k, v in t.items() if k != "dynamic"} for t in config["tables"]]
-    return config | {"tables": tables}
+def twin(config: dict, path: Path) -> dict:
+    """``config`` (read from ``path``) with every table static, a dynamic table given
+    the rows that its weights, optimizer state and id map take together, and the same
+    ids: drifting ids keep the dynamic table's live count."""
+    parsed = load_config(path, check_files=False)
+    optimizer = parsed.sparse_optimizer.type
+    drift = dict(config.get("data", {}).get("drift", {}))
+    tables = []
+    for raw, table in zip(config["tables"], parsed.tables, strict=True):
+        static = {k: v for k, v in raw.items() if k != "dynamic"}
+        if table.dynamic is not None:
+            row = table.embedding_dim * (2 if table.data_type == "fp16" else 4)
+            row += 4 * state_values(optimizer, 1, table.embedding_dim)
+            rows = table.num_embeddings
+            static["num_embeddings"] = rows * (row + table.id_map(0).bytes_per_row()) // row
+            live = parsed.data.drift.live_per_row * rows
+            drift["live"] = drift.get("live", {}) | {table.name: max(1, round(live))}
+        tables.append(static)
+    return config | {"tables": tables, "data": config["data"] | {"drift": drift}}
 
 
 def train(config: dict, folder: Path, name: str, nproc: int) -> tuple[list[dict], dict]:
@@ -59,6 +77,10 @@ def main() -> None:
         config["steps"] = args.steps
     if not any("dynamic" in t for t in config["tables"]):
         sys.exit(f"{args.config} has no dynamic table")
+    if config.get("data", {}).get("type", "synthetic") == "synthetic" and not config.get(
+        "data", {}
+    ).get("drift"):
+        sys.exit(f"{args.config}: synthetic ids without drift fit the tables: nothing collides")
     data = config.get("data", {})
     for key in ("path", "eval_path"):  # read from the config's folder, as train reads them
         if data.get(key):
@@ -66,7 +88,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         runs = {
             name: train(c, Path(tmp), name, args.nproc)
-            for name, c in (("dynamic", config), ("static", twin(config)))
+            for name, c in (("dynamic", config), ("static", twin(config, config_path)))
         }
     (dynamic, end), (static, _) = runs["dynamic"], runs["static"]
     print(f"{args.config}, {args.nproc} ranks: eval AUC (loss), dynamic tables vs hashed static")
