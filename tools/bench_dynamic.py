@@ -79,7 +79,7 @@ def _rank(rank: int, world: int, store: str, args: dict, results) -> None:
         for i, (rows, dim, _) in enumerate(tables)
     ]
     plan = ShardingPlan({c.name: row_wise() for c in configs})
-    id_map = IdMapSpec(BUCKETS, ROWS_PER_BUCKET, args["policy"])
+    id_map = IdMapSpec(BUCKETS, ROWS_PER_BUCKET, args["policy"], admit_after=args["admit_after"])
     figures = {}
     for mode in ("static", "dynamic"):
         ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
@@ -130,6 +130,9 @@ def _rank(rank: int, world: int, store: str, args: dict, results) -> None:
 )
 @click.option("--drift", default=10_000, show_default=True, help="how far the window moves a step")
 @click.option("--policy", default="lru", show_default=True)
+@click.option(
+    "--admit-after", default=1, show_default=True, help="an id's row at its k-th sighting"
+)
 @click.option("--steps", default=10, show_default=True, help="measured steps")
 @click.option("--warmup", default=3, show_default=True)
 @click.option("--threads", default=1, show_default=True, help="torch's intra-op threads a rank")
@@ -162,6 +165,7 @@ def main(**args) -> None:
         "world": world,
         "device": args["device"],
         "policy": args["policy"],
+        "admit_after": args["admit_after"],
         "static_ms": slowest("static", 0),
         "dynamic_ms": slowest("dynamic", 0),
         "static_cpu_ms": slowest("static", 1),

@@ -1,5 +1,6 @@
 """The id map's cost: one rank's ``IdMap.remap`` on a stream of raw ids, per call and
-per id, with admissions, evictions and the map's memory per live id.
+per id, with admissions, evictions and the map's memory per live id (its state and
+its index of live keys).
 
     .venv/bin/python tools/bench_id_map.py
     .venv/bin/python tools/bench_id_map.py --ids 109568 --vocabulary 2000000 --policy lfu
@@ -87,7 +88,12 @@ def main(
         evicted.append(int(result.evicted))
         overflow.append(int(result.overflow))
     live = int(idmap.slots.occupied.sum())
-    state_bytes = sum(t.numel() * t.element_size() for t in idmap.state_dict().values())
+    state_bytes = sum(t.nbytes for t in idmap.state_dict().values())
+    index_bytes = sum(  # the index of live keys (and of candidates) beside the state
+        s.index_keys.nbytes + s.index_slots.nbytes
+        for s in (idmap.slots, idmap.probation)
+        if s is not None
+    )
     remap_ms = median_ms(remap_times)
     figures = {
         "spec": {
@@ -108,7 +114,8 @@ def main(
         "overflow_per_step": round(statistics.mean(overflow)),
         "live": live,
         "rows": buckets * rows_per_bucket,
-        "map_bytes_per_live_id": round(state_bytes / max(live, 1), 1),
+        "map_bytes_per_live_id": round((state_bytes + index_bytes) / max(live, 1), 1),
+        "of_them_index": round(index_bytes / max(live, 1), 1),
         "threads": threads,
     }
     if as_json:
