@@ -401,6 +401,18 @@ CASES = {
         IdMapSpec(4, 3, "lru", admit_after=2),
         RowWiseAdagrad(lr=0.1),
     ),
+    "w2_row_wise_lru_static_data_parallel": Case(
+        2,
+        {"d": row_wise(), "s": data_parallel()},
+        IdMapSpec(4, 3, "lru"),
+        SGD(lr=0.1),
+    ),
+    "w3_table_wise_lfu_static_hot_rows_rowwise_adagrad": Case(
+        3,
+        {"d": table_wise(2), "s": row_wise(hot_rows=4)},
+        IdMapSpec(4, 3, "lfu"),
+        RowWiseAdagrad(lr=0.1),
+    ),
     "w4_weighted_grid_ttl_adagrad": Case(
         4,
         {"d": grid([4, 4], [[3, 1, 0], [0, 2]], [[6, 0, 6], [3, 9]]), "s": row_wise()},
