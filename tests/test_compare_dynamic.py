@@ -39,3 +39,21 @@ def test_the_static_twin_holds_the_same_bytes_and_draws_the_same_ids(tmp_path):
         ]
         for (f, bags, ids), (g, twin_bags, twin_ids) in zip(*drawn, strict=True):
             assert f == g and torch.equal(bags, twin_bags) and torch.equal(ids, twin_ids)
+
+
+def test_a_criteo_twin_reads_the_same_file_and_a_set_live_count_is_kept(tmp_path):
+    config = yaml.safe_load(CONFIG.read_text())
+    config["data"] = {"type": "criteo", "path": "train.tsv"}
+    for i, table in enumerate(config["tables"]):
+        table["features"] = [f"cat_{i}"]
+    path = tmp_path / "criteo.yaml"
+    path.write_text(yaml.safe_dump(config))
+    twin = compare_dynamic.twin(config, path)
+    assert twin["data"] == config["data"]  # no drift: the file's values, whatever the rows
+    assert twin["tables"][0]["num_embeddings"] > config["tables"][0]["num_embeddings"]
+
+    config = yaml.safe_load(CONFIG.read_text())
+    config["data"]["drift"]["live"] = {"user": 5000}
+    path.write_text(yaml.safe_dump(config))
+    live = compare_dynamic.twin(config, path)["data"]["drift"]["live"]
+    assert live == {"user": 5000, "item": 51200}

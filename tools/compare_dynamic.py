@@ -30,10 +30,11 @@ COMMAND = [sys.executable, "-c", "from embshard.app.cli import main; main()", "t
 def twin(config: dict, path: Path) -> dict:
     """``config`` (read from ``path``) with every table static, a dynamic table given
     the rows that its weights, optimizer state and id map take together, and the same
-    ids: drifting ids keep the dynamic table's live count."""
+    ids: drifting ids keep each dynamic table's count of live ids (Criteo's raw values
+    are the same whatever the rows)."""
     parsed = load_config(path, check_files=False)
-    optimizer = parsed.sparse_optimizer.type
-    drift = dict(config.get("data", {}).get("drift", {}))
+    optimizer, drift = parsed.sparse_optimizer.type, parsed.data.drift
+    live = dict(drift.live or {}) if drift is not None else {}
     tables = []
     for raw, table in zip(config["tables"], parsed.tables, strict=True):
         static = {k: v for k, v in raw.items() if k != "dynamic"}
@@ -42,10 +43,13 @@ def twin(config: dict, path: Path) -> dict:
             row += 4 * state_values(optimizer, 1, table.embedding_dim)
             rows = table.num_embeddings
             static["num_embeddings"] = rows * (row + table.id_map(0).bytes_per_row()) // row
-            live = parsed.data.drift.live_per_row * rows
-            drift["live"] = drift.get("live", {}) | {table.name: max(1, round(live))}
+            if drift is not None:
+                live.setdefault(table.name, max(1, round(drift.live_per_row * rows)))
         tables.append(static)
-    return config | {"tables": tables, "data": config["data"] | {"drift": drift}}
+    if drift is None:
+        return config | {"tables": tables}
+    data = config["data"] | {"drift": config["data"]["drift"] | {"live": live}}
+    return config | {"tables": tables, "data": data}
 
 
 def train(config: dict, folder: Path, name: str, nproc: int) -> tuple[list[dict], dict]:
