@@ -199,6 +199,17 @@ def compared(sharded, ref: RefModel) -> dict:
     }
 
 
+def looked_up(sharded, ref: RefModel, ranks: list, kind: Collection = BAGS) -> float:
+    """The largest gap of this rank's output of ``ranks``' batch in eval mode (each raw
+    id's row looked up as it is, nothing learned) from the reference's."""
+    dyn, stat, _ = ranks[dist.get_rank()]
+    with torch.no_grad():
+        out = kind.output(sharded.eval()(kind.kjt(dyn, stat)))
+    sharded.train()
+    expected = ref.evaluate(ranks)[dist.get_rank()]
+    return (out - expected).abs().max().item() if out.numel() else 0.0
+
+
 def train_and_save(case: Case, root: str, kind: Collection = BAGS) -> dict:
     sharded, static = build(case, case.plan, kind=kind)
     ref = kind.ref(case, static)
@@ -217,13 +228,14 @@ def load_and_continue(case: Case, plan: dict, root: str, kind: Collection = BAGS
     for ranks in steps[:SAVED_AT]:
         ref.forward_backward(ranks)
     step = ckpt.load(root, sharded)
-    loaded = compared(sharded, ref)
+    loaded = compared(sharded, ref) | {"looked_up": looked_up(sharded, ref, steps[SAVED_AT], kind)}
     gap = train(sharded, ref, steps[SAVED_AT:], kind)
     return {"step": step, "loaded": loaded, "out_gap": gap, **compared(sharded, ref)}
 
 
 def assert_matches(result: dict) -> None:
     assert result["row_gap"] < TOL and result["state_gap"] < TOL, result
+    assert result.get("looked_up", 0.0) < TOL, result
     assert result["static_gap"] < TOL, result
     assert result["stats"] == result["ref"], result
 
