@@ -17,32 +17,36 @@ import json
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
 
 from embshard.app.config import load_config
-from embshard.storage.optimizers import state_values
+from embshard.app.planning import topology_for
+from embshard.planner.cost import CostModel
+from embshard.planner.tables import planned_tables
 
 COMMAND = [sys.executable, "-c", "from embshard.app.cli import main; main()", "train"]
 
 
 def twin(config: dict, path: Path) -> dict:
     """``config`` (read from ``path``) with every table static, a dynamic table given
-    the rows that its weights, optimizer state and id map take together, and the same
-    ids: drifting ids keep each dynamic table's count of live ids (Criteo's raw values
-    are the same whatever the rows)."""
+    the rows that its weights, optimizer state and id map take together (the planner's
+    bytes), and the same ids: drifting ids keep each dynamic table's count of live ids
+    (Criteo's raw values are the same whatever the rows)."""
     parsed = load_config(path, check_files=False)
-    optimizer, drift = parsed.sparse_optimizer.type, parsed.data.drift
+    model = CostModel(topology_for(parsed, 1), parsed.batch_size, parsed.sparse_optimizer.type)
+    drift = parsed.data.drift
     live = dict(drift.live or {}) if drift is not None else {}
+    planned = planned_tables(parsed.tables, dynamic=parsed.id_maps())
     tables = []
-    for raw, table in zip(config["tables"], parsed.tables, strict=True):
+    for raw, table in zip(config["tables"], planned, strict=True):
         static = {k: v for k, v in raw.items() if k != "dynamic"}
-        if table.dynamic is not None:
-            row = table.embedding_dim * (2 if table.data_type == "fp16" else 4)
-            row += 4 * state_values(optimizer, 1, table.embedding_dim)
-            rows = table.num_embeddings
-            static["num_embeddings"] = rows * (row + table.id_map(0).bytes_per_row()) // row
+        if table.dynamic:
+            rows, dim = table.num_embeddings, table.embedding_dim
+            static_row = model.memory(replace(table, map_bytes=0), 1, dim)
+            static["num_embeddings"] = model.memory(table, rows, dim) // static_row
             if drift is not None:
                 live.setdefault(table.name, max(1, round(drift.live_per_row * rows)))
         tables.append(static)
