@@ -7,6 +7,7 @@ size (the sharded backward averages over ranks, as DDP does)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import random
 
@@ -14,8 +15,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from test_forward import gloo_collectives
 from test_id_map import Reference, ref_bucket, ref_initial, ref_key
-from torch.profiler import ProfilerActivity, profile
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 
 import embshard
@@ -448,14 +449,16 @@ def _collectives(case: Case, dynamic: bool) -> list[int]:
         optimizer=case.optimizer,
         dynamic={"d": case.spec} if dynamic else None,
     )
+
+    def step(features: KeyedJaggedTensor, upstream: torch.Tensor) -> None:
+        (sharded(features).values() * upstream).sum().backward()
+
     rank, counts = torch.distributed.get_rank(), []
     for ranks in stream(case):
         dyn, stat, upstream = ranks[rank]
         if not dynamic:
             dyn = [[[i % case.rows for i in bag] for bag in feature] for feature in dyn]
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            (sharded(kjt(dyn, stat)).values() * upstream).sum().backward()
-        counts.append(sum(e.name.startswith("gloo:") for e in prof.events()))
+        counts.append(gloo_collectives(functools.partial(step, kjt(dyn, stat), upstream)))
     return counts
 
 

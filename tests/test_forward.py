@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -164,19 +165,25 @@ def test_weighted_features(world, world_size, plan):
         assert worst["forward"] < TOL and worst["weights"] < TOL, worst
 
 
+def gloo_collectives(fn: Callable[[], object]) -> int:
+    """Backend collectives (gloo's own profiler events) while ``fn()`` runs."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.name.startswith("gloo:") for e in prof.events())
+
+
 def count_collectives(case: Case) -> list[int]:
-    """Backend collectives (gloo's own profiler events) of each forward plus backward."""
+    """Backend collectives of each forward plus backward."""
     rank = dist.get_rank()
     torch.manual_seed(case.seed)
     ebc = EmbeddingBagCollection(tables=[t.config() for t in case.tables])
     sharded = embshard.shard(ebc, case.plan)
-    counts = []
-    for step in range(2):
-        batch = local_batches(case, step)[rank]
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            sharded(batch).values().sum().backward()
-        counts.append(sum(e.name.startswith("gloo:") for e in prof.events()))
-    return counts
+    return [
+        gloo_collectives(
+            lambda s=step: sharded(local_batches(case, s)[rank]).values().sum().backward()
+        )
+        for step in range(2)
+    ]
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -17,7 +17,14 @@ from hypothesis import HealthCheck, given, settings
 from oracle import Case, Table, local_batches, run_case, run_sequence_case, unsharded
 from test_device_path import TABLES as DEVICE_TABLES
 from test_device_path import count_syncs
-from test_forward import ALL_PLANS, bad_batches, plans, random_cases, tables_for
+from test_forward import (
+    ALL_PLANS,
+    bad_batches,
+    gloo_collectives,
+    plans,
+    random_cases,
+    tables_for,
+)
 from test_pipeline import TABLES as PIPELINE_TABLES
 from test_pipeline import (
     Batch,
@@ -28,7 +35,6 @@ from test_pipeline import (
 from test_sequence import TABLES as SEQUENCE_TABLES
 from test_sequence import plans as sequence_plans
 from test_simulate import BATCHES, KINDS, criteo_config
-from torch.profiler import ProfilerActivity, profile
 from torchrec import KeyedJaggedTensor
 
 import embshard
@@ -37,13 +43,6 @@ from embshard.app.simulate import Traffic, simulate
 from embshard.modules.pipeline import TrainPipeline
 
 TOL = 1e-5
-
-
-def _collectives(fn) -> int:
-    """Backend collectives (gloo's own profiler events) while ``fn()`` runs."""
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    return sum(e.name.startswith("gloo:") for e in prof.events())
 
 
 def _loss(out) -> torch.Tensor:
@@ -68,13 +67,13 @@ def collectives_on_one_rank(case: Case) -> dict[str, object]:
     def end() -> None:
         found["ended"] = sharded[0].signal_end()
 
-    found["shard"] = _collectives(build)
+    found["shard"] = gloo_collectives(build)
     for step in range(2):
-        found[f"step {step}"] = _collectives(lambda s=step: train(local_batches(case, s)[0]))
+        found[f"step {step}"] = gloo_collectives(lambda s=step: train(local_batches(case, s)[0]))
     batch = local_batches(case, 2)[0]
-    found["prefetch"] = _collectives(lambda: sharded[0].prefetch(batch))
-    found["prefetched step"] = _collectives(lambda: train(batch))
-    found["signal_end"] = _collectives(end)
+    found["prefetch"] = gloo_collectives(lambda: sharded[0].prefetch(batch))
+    found["prefetched step"] = gloo_collectives(lambda: train(batch))
+    found["signal_end"] = gloo_collectives(end)
     return found
 
 

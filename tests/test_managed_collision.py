@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from test_forward import gloo_collectives
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 from torchrec import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
@@ -685,13 +685,11 @@ def _collectives(sequence: bool) -> list[int]:
     )
     torch.manual_seed(0)
     sharded = embshard.shard(mc_ebc(case), ShardingPlan(case.plan))
-    rank, counts = torch.distributed.get_rank(), []
-    for ranks in stream(case)[:6]:  # evicting every second step
-        bags, upstream = ranks[rank]
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            _output(sharded, bags, upstream)[1].backward()
-        counts.append(sum(e.name.startswith("gloo:") for e in prof.events()))
-    return counts
+    rank = torch.distributed.get_rank()
+    return [  # evicting every second step
+        gloo_collectives(lambda ranks=ranks: _output(sharded, *ranks[rank])[1].backward())
+        for ranks in stream(case)[:6]
+    ]
 
 
 @pytest.mark.parametrize("sequence", [False, True])

@@ -10,9 +10,8 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from oracle import Case, Table, global_batch, local_batches, run_sequence_case, unsharded
 from test_device_path import HostReads, SizeReads
-from test_forward import random_cases
+from test_forward import gloo_collectives, random_cases
 from torch.distributed.tensor import DTensor
-from torch.profiler import ProfilerActivity, profile
 from torchrec import EmbeddingCollection, KeyedJaggedTensor
 from torchrec.modules.embedding_configs import DataType
 
@@ -360,13 +359,12 @@ def test_checkpoint_reshards_from_4_ranks_to_2(world, tmp_path, saved_as, loaded
 def count_collectives(case: Case) -> list[int]:
     """Backend collectives (gloo's own profiler events) of each forward plus backward."""
     sharded = embshard.shard(unsharded(case), case.plan)
-    counts = []
-    for step in range(2):
-        batch = local_batches(case, step)[dist.get_rank()]
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            sum(jt.values().sum() for jt in sharded(batch).values()).backward()
-        counts.append(sum(e.name.startswith("gloo:") for e in prof.events()))
-    return counts
+    rank = dist.get_rank()
+
+    def step(batch) -> None:
+        sum(jt.values().sum() for jt in sharded(batch).values()).backward()
+
+    return [gloo_collectives(lambda s=s: step(local_batches(case, s)[rank])) for s in range(2)]
 
 
 def test_four_collectives_per_step(world):
